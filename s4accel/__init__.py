@@ -1,0 +1,45 @@
+"""s4accel: train S4 and mixture-of-experts sequence models with HuggingFace Accelerate.
+
+Public API (each name imports its heavy dependencies only when first used):
+
+    >>> import s4accel
+    >>> recipe = s4accel.load_recipe("recipes/quickstart.yaml", ["train.max_steps=10"])
+    >>> result = s4accel.train(recipe)
+
+`import s4accel` also registers the models with transformers' Auto classes, so
+`AutoModelForCausalLM.from_pretrained(run_dir / "final")` works.
+"""
+
+import importlib
+
+from . import _autoregister
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_recipe": "s4accel.config",
+    "Recipe": "s4accel.config",
+    "RecipeError": "s4accel.config",
+    "train": "s4accel.trainer",
+    "TrainResult": "s4accel.trainer",
+    "MODEL_SIZES": "s4accel.sizes",
+    "S4Config": "s4accel.models",
+    "S4PreTrainedModel": "s4accel.models",
+    "S4Model": "s4accel.models",
+    "S4ForCausalLM": "s4accel.models",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 's4accel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
+
+_autoregister.install()
+
+__all__ = ["__version__", *_LAZY]

@@ -1,0 +1,85 @@
+"""The `s4accel` command: a thin shell over the Python API. Heavy imports happen inside the commands, so `--help`
+and recipe errors answer at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import S4AccelError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train S4 and mixture-of-experts sequence models with HuggingFace Accelerate.")
+
+RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="SECTION.KEY=VALUE", show_default=False,
+    help="Override a recipe value (YAML-parsed), e.g. --set optim.lr=1e-3; repeatable.")]
+
+
+def _fail(e: S4AccelError) -> typer.Exit:
+    for line in str(e).splitlines():
+        typer.echo(f"error: {line}", err=True)
+    return typer.Exit(e.exit_code)
+
+
+@app.command()
+def train(recipe: RecipeArg, overrides: SetOpt = None):
+    """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE."""
+    from .config import load_recipe
+
+    try:
+        resolved = load_recipe(recipe, overrides or [])
+        from .trainer import train as run_training
+
+        result = run_training(resolved)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    if not result.is_main_process:
+        return
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
+    typer.echo(f"done: {result.steps} steps in {result.loop_seconds:.1f}s; {metrics}; model in {result.final_dir}")
+
+
+@app.command()
+def show(recipe: RecipeArg, overrides: SetOpt = None):
+    """Print the resolved recipe and the model's parameter count, without training."""
+    from .config import load_recipe
+
+    try:
+        resolved = load_recipe(recipe, overrides or [])
+        config, n_params = _model_summary(resolved)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    typer.echo(resolved.to_yaml(), nl=False)
+    typer.echo(f"# model: {resolved.model.name} ({config.model_type}), {n_params:,} parameters, "
+               f"vocab {config.vocab_size}")
+
+
+def _model_summary(recipe):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .config import build_model_config
+    from .data import tokenizer_spec
+
+    config = build_model_config(recipe.model, **tokenizer_spec(recipe.data))
+    with torch.device("meta"):  # shapes only: no memory, no init
+        model = AutoModelForCausalLM.from_config(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+@app.command()
+def models():
+    """List the named model sizes a recipe's model.name can take."""
+    from .sizes import MODEL_SIZES
+
+    for name, spec in MODEL_SIZES.items():
+        fields = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "family")
+        typer.echo(f"{name:<10} {spec['family']:<4} {fields}")
+
+
+def main():
+    app(prog_name="s4accel")

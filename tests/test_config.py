@@ -1,0 +1,138 @@
+"""Recipes: YAML -> typed config, overrides, and the one-line errors a user sees."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import TINY, run_cli
+from s4accel.config import Recipe, load_recipe
+from s4accel.errors import RecipeError
+
+
+def write(tmp_path, text, name="r.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error_of(path, overrides=()):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    return str(info.value)
+
+
+def test_yaml_becomes_typed_sections_with_defaults(tmp_path):
+    r = load_recipe(write(tmp_path, "optim: {lr: 1.0e-2}\ntrain: {max_steps: 7}\n"))
+    assert isinstance(r, Recipe)
+    assert r.optim.lr == 0.01 and r.train.max_steps == 7
+    assert r.optim.ssm_lr == 1e-3  # default
+    assert str(r.run.dir) == "runs/run"
+
+
+def test_yaml_1_1_exponent_without_dot_still_parses_as_float(tmp_path):
+    # PyYAML reads `1e-3` as a string; the schema turns it into the float the user meant.
+    assert load_recipe(write(tmp_path, "optim: {lr: 1e-3}\n")).optim.lr == 1e-3
+
+
+def test_set_overrides_take_precedence_and_are_yaml_parsed(tmp_path):
+    path = write(tmp_path, "optim: {lr: 1.0e-2}\n")
+    r = load_recipe(path, ["optim.lr=5e-4", "train.mixed_precision=bf16", "log.log_with=[jsonl]",
+                           "model.overrides.dropout=0.1", "optim.betas=[0.8, 0.9]"])
+    assert r.optim.lr == 5e-4
+    assert r.train.mixed_precision == "bf16"
+    assert r.log.log_with == ["jsonl"]
+    assert r.model.overrides == {"dropout": 0.1}
+    assert r.optim.betas == (0.8, 0.9)
+
+
+def test_unknown_key_names_the_path_and_suggests(tmp_path):
+    msg = error_of(write(tmp_path, "optim: {lrr: 1.0}\n"))
+    assert "optim.lrr: unknown key (did you mean 'lr'?)" in msg
+    assert "allowed: lr, weight_decay" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_section_suggests(tmp_path):
+    assert "optimm: unknown key (did you mean 'optim'?)" in error_of(write(tmp_path, "optimm: {}\n"))
+
+
+def test_wrong_type_and_bad_value_name_the_key(tmp_path):
+    path = write(tmp_path, "train: {max_steps: many}\n")
+    assert "train.max_steps: Input should be a valid integer" in error_of(path)
+    assert "train.max_steps: Input should be greater than or equal to 1" in error_of(path, ["train.max_steps=0"])
+    msg = error_of(path, ["train.max_steps=3", "train.mixed_precision=fp8"])
+    assert "train.mixed_precision: Input should be 'no', 'fp16' or 'bf16' (got 'fp8')" in msg
+
+
+def test_override_typo_is_caught_like_a_file_typo(tmp_path):
+    assert "train.grad_acum: unknown key (did you mean 'grad_accum'?)" in error_of(TINY, ["train.grad_acum=2"])
+
+
+def test_bad_override_syntax(tmp_path):
+    assert "expected section.key=value" in error_of(TINY, ["optim.lr"])
+    assert "optim.lr is not a section" in error_of(TINY, ["optim.lr.x=1"])
+
+
+def test_model_name_and_override_keys_are_checked_without_torch(tmp_path):
+    assert "model.name: unknown model size 's4-smal' (did you mean 's4-small'?)" in error_of(TINY, ["model.name=s4-smal"])
+    msg = error_of(TINY, ["model.overrides.d_modle=8"])
+    assert "model.overrides: unknown key 'd_modle' (did you mean 'd_model'?)" in msg
+    assert "set from the tokenizer" in error_of(TINY, ["model.overrides.vocab_size=8"])
+
+
+def test_model_override_values_are_checked_by_the_config_class():
+    from s4accel.config import build_model_config
+
+    r = load_recipe(TINY, ["model.overrides.d_model=big"])
+    with pytest.raises(RecipeError, match=r"model.overrides.d_model: .*expected int, got str"):
+        build_model_config(r.model, vocab_size=10)
+    r = load_recipe(TINY, ["model.overrides.d_state=3"])
+    with pytest.raises(RecipeError, match="d_state must be an even number"):
+        build_model_config(r.model, vocab_size=10)
+
+
+def test_cross_field_checks(tmp_path):
+    assert "clip_grad_norm or clip_grad_value" in error_of(TINY, ["train.clip_grad_value=1"])
+    assert "warmup_steps or warmup_ratio" in error_of(TINY, ["scheduler.warmup_ratio=0.1"])
+    assert "needs a non-empty data.files" in error_of(TINY, ["data.source=files"])
+
+
+def test_file_problems(tmp_path):
+    assert "recipe file not found" in error_of(tmp_path / "nope.yaml")
+    assert "invalid YAML at line 3, column 1" in error_of(write(tmp_path, "run:\n  name: [unclosed\n"))
+    assert "must be a mapping" in error_of(write(tmp_path, "- a\n- b\n"))
+
+
+def test_warmup_ratio_is_converted_to_steps():
+    r = load_recipe(TINY, ["scheduler.warmup_steps=0", "scheduler.warmup_ratio=0.25", "train.max_steps=10"])
+    assert r.warmup_steps == 3
+
+
+def test_cli_recipe_error_is_one_line_exit_2_no_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", TINY, "--set", f"run.out_dir={run_dir}", "--set", "optim.lrr=1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {TINY}: optim.lrr: unknown key (did you mean 'lr'?); allowed: lr, weight_decay, betas, eps, "
+        "ssm_lr, ssm_params"]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists()  # nothing is created before the recipe validates
+
+
+def test_recipe_errors_do_not_import_torch_or_transformers():
+    """`s4accel --help` and recipe errors stay fast: the heavy libraries load only when work needs them."""
+    code = ("import sys; from s4accel.cli import app; from s4accel.config import load_recipe\n"
+            f"load_recipe({str(TINY)!r}, ['optim.lr=1e-3'])\n"
+            "heavy = [m for m in ('torch', 'transformers', 'datasets', 'accelerate') if m in sys.modules]\n"
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_show_prints_resolved_recipe_and_parameter_count():
+    proc = run_cli("show", TINY, "--set", "optim.lr=0.5")
+    assert proc.returncode == 0, proc.stderr
+    assert "lr: 0.5" in proc.stdout
+    assert "# model: s4-tiny (s4accel-s4), 37,952 parameters, vocab 259" in proc.stdout

@@ -1,0 +1,69 @@
+"""The loop's gradient arithmetic: accumulation over ragged micro-batches equals one big batch (NOTES item 4)."""
+
+import pytest
+import torch
+
+from s4accel import S4Config, S4ForCausalLM
+
+
+def _ragged_batch():
+    torch.manual_seed(1)
+    ids = torch.randint(3, 40, (4, 24))
+    labels = ids.clone()
+    labels[0, 4:] = -100  # 3 targets
+    labels[1, 20:] = -100  # 19 targets
+    labels[2, 9:] = -100  # 8 targets
+    return ids, labels  # row 3: 23 targets
+
+
+def _fresh_accelerator(ga):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import GradientAccumulationPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=ga, sync_with_dataloader=False))
+
+
+def _grads_and_loss(ga, normalise=True):
+    from s4accel.trainer import backward_window
+
+    ids, labels = _ragged_batch()
+    accelerator = _fresh_accelerator(ga)
+    torch.manual_seed(0)
+    model = accelerator.prepare(S4ForCausalLM(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=40)))
+    bs = 4 // ga
+    window = [{"input_ids": ids[i : i + bs], "labels": labels[i : i + bs]} for i in range(0, 4, bs)]
+    if normalise:
+        loss = backward_window(accelerator, model, window)
+    else:  # what a naive loop does: the mean of per-micro-batch means
+        loss = 0
+        for batch in window:
+            with accelerator.accumulate(model):
+                out = model(**batch)
+                accelerator.backward(out.loss)
+                loss += out.loss.detach() / ga
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss
+
+
+@pytest.mark.parametrize("ga", [2, 4])
+def test_accumulation_over_ragged_micro_batches_equals_one_big_batch(ga):
+    big, big_loss = _grads_and_loss(1)
+    acc, acc_loss = _grads_and_loss(ga)
+    torch.testing.assert_close(acc_loss, big_loss, rtol=1e-5, atol=1e-6)
+    for name in big:
+        torch.testing.assert_close(acc[name], big[name], rtol=1e-4, atol=1e-7, msg=name)
+    # ... and the data is ragged enough that the naive mean of means would be wrong:
+    naive, _ = _grads_and_loss(ga, normalise=False)
+    worst = max(((naive[n] - big[n]).norm() / big[n].norm()).item() for n in big)
+    assert worst > 0.05
+
+
+def test_window_loss_is_the_token_mean_of_the_big_batch():
+    ids, labels = _ragged_batch()
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=40))
+    _, loss = _grads_and_loss(2)
+    torch.testing.assert_close(loss, model(ids, labels=labels).loss.detach(), rtol=1e-5, atol=1e-6)
