@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         project_dir=str(run_dir),
         step_scheduler_with_optimizer=False,
     )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        warnings.warn("fp16 mixed precision has no effect on CPU (Accelerate runs float32 there, without a "
+                      "GradScaler); use train.mixed_precision=bf16 for half precision on CPU", stacklevel=2)
     prepare_run_dir(run_dir, recipe.to_yaml(), recipe.run.overwrite, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     set_seed(recipe.run.seed)
@@ -89,10 +93,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         meter.add(loss=backward_window(accelerator, model, window))
         # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
         meter.add(grad_norm=clip_gradients(accelerator, model, cfg))
-        optimizer.step()
-        if not accelerator.optimizer_step_was_skipped:  # an fp16 overflow step must not advance the schedule
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(accelerator, optimizer, scheduler)
         state.step += 1
         state.tokens_seen += sum(b["input_ids"].numel() for b in window) * accelerator.num_processes
         bar.update(1)
@@ -160,6 +161,15 @@ def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
             accelerator.backward(out.loss * ga * accelerator.num_processes)
         total += out.loss.detach()
     return total
+
+
+def optimizer_step(accelerator, optimizer, scheduler) -> None:
+    """Step the optimizer, then the schedule unless fp16's GradScaler skipped the step (inf/NaN gradients): a skipped
+    step must not advance the learning rate (N3)."""
+    optimizer.step()
+    if not accelerator.optimizer_step_was_skipped:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def count_targets(batch) -> torch.Tensor:

@@ -67,3 +67,19 @@ def test_window_loss_is_the_token_mean_of_the_big_batch():
     model = S4ForCausalLM(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=40))
     _, loss = _grads_and_loss(2)
     torch.testing.assert_close(loss, model(ids, labels=labels).loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_skipped_fp16_step_does_not_advance_the_schedule(skipped):
+    """On CPU no GradScaler exists (NOTES item 13), so the skip path is pinned with a stand-in accelerator."""
+    from types import SimpleNamespace
+
+    from s4accel.trainer import optimizer_step
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    param.grad = torch.ones(2)
+    optimizer_step(SimpleNamespace(optimizer_step_was_skipped=skipped), opt, sched)
+    assert sched.last_epoch == (0 if skipped else 1)
+    assert param.grad is None  # gradients are cleared either way
