@@ -1,7 +1,7 @@
 """Framework overhead of the training loop: milliseconds per optimizer step of four loops training the same model on
 the same data, measured in one run, interleaved, medians of several repeats, and reported as ratios.
 
-    python bench/loop_overhead.py [--repeats 5] [--steps 60] [--sizes tiny small]
+    python bench/loop_overhead.py [--repeats 5] [--sizes tiny small] [--loops torch accelerate trainer s4accel]
 
 Loops (each does forward, backward, clip to norm 1.0, AdamW step with s4accel's parameter groups, schedule step):
     torch        a hand-written PyTorch loop: the floor
@@ -38,6 +38,10 @@ SIZES = {
     "tiny": ["model.name=s4-tiny", "model.overrides={d_model: 16, n_layer: 1, d_state: 8}", "data.seq_len=16",
              "data.batch_size=2"],  # ~3 ms per step on one thread here
     "small": ["model.name=s4-tiny", "data.seq_len=128", "data.batch_size=12"],  # ~30 ms
+}
+# Optimizer steps per measurement (WARMUP of them untimed): about 1.5 s timed for each size, so that one noisy
+# moment of the machine does not decide a measurement.
+STEPS = {"tiny": 510, "small": 60
 }
 
 
@@ -196,13 +200,14 @@ def measure(loop: str, size: str, steps: int, scratch: Path) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per measurement (10 warm-up)")
+    ap.add_argument("--steps", type=int, help=f"optimizer steps per measurement, {WARMUP} of them warm-up "
+                                                f"(default: {STEPS})")
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS)
     ap.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
     ap.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.steps < WARMUP + 10 or args.steps % 10:
+    if args.steps is not None and (args.steps < WARMUP + 10 or args.steps % 10):
         ap.error(f"--steps must be a multiple of 10 and at least {WARMUP + 10}")
 
     if args.worker:  # one measurement, in this process
@@ -216,7 +221,7 @@ def main():
             times = {loop: [] for loop in args.loops}
             for _ in range(args.repeats):  # interleaved: each repeat runs every loop once
                 for loop in args.loops:
-                    times[loop].append(measure(loop, size, args.steps, Path(scratch)))
+                    times[loop].append(measure(loop, size, args.steps or STEPS[size], Path(scratch)))
             medians = {loop: statistics.median(ts) for loop, ts in times.items()}
             base = medians.get("torch")
             results[size] = {
@@ -228,7 +233,7 @@ def main():
                 "s4accel_over_trainer": (round(medians["s4accel"] / medians["trainer"], 3)
                                          if {"s4accel", "trainer"} <= medians.keys() else None),
             }
-    print(json.dumps({"steps": args.steps, "warmup": WARMUP, "repeats": args.repeats, "threads": 1,
+    print(json.dumps({"steps": {size: args.steps or STEPS[size] for size in args.sizes}, "warmup": WARMUP, "repeats": args.repeats, "threads": 1,
                       "results": results}, indent=2))
 
 

@@ -46,9 +46,30 @@ class JSONLTracker(GeneralTracker):
             self.file.close()
 
 
+class FastTensorBoardTracker(TensorBoardTracker):
+    """Accelerate's TensorBoard tracker spends ~1 ms per `log` call on our CPU machines (one event proto per scalar,
+    then a flush of the event file): 3% of a 3 ms step at log_every=10. This one writes all scalars of a call as one
+    event (one summary value per tag, which TensorBoard reads exactly like separate events) and leaves flushing to
+    the writer's own thread (every `flush_secs`) and to `finish`. metrics.jsonl, flushed at every call, is the
+    record that survives a kill."""
+
+    def __init__(self, run_name: str, logging_dir: str | Path, flush_secs: int = 10):
+        super().__init__(run_name, logging_dir, flush_secs=flush_secs)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        scalars = [Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items() if not isinstance(v, str)]
+        self.writer.file_writer.add_summary(Summary(value=scalars), global_step=step)
+        for k, v in values.items():
+            if isinstance(v, str):
+                self.writer.add_text(k, v, global_step=step)
+
+
 def build_trackers(names: list[str], run_name: str, run_dir: Path) -> list[GeneralTracker]:
     makers = {
-        "tensorboard": lambda: TensorBoardTracker(run_name="tensorboard", logging_dir=run_dir),
+        "tensorboard": lambda: FastTensorBoardTracker(run_name="tensorboard", logging_dir=run_dir),
         "jsonl": lambda: JSONLTracker(run_name, run_dir),
     }
     return [makers[name]() for name in names]

@@ -52,7 +52,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # the same order on every rank (N6)
-        log_with=build_trackers(recipe.log.log_with, recipe.run.name, run_dir),
+        log_with=build_trackers(recipe.log.log_with, recipe.run.name, run_dir) or None,
         project_dir=str(run_dir),
         step_scheduler_with_optimizer=False,
     )
@@ -86,13 +86,14 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     bar = tqdm(total=cfg.max_steps, disable=not (accelerator.is_main_process and recipe.log.progress_bar),
                desc="train", dynamic_ncols=True)
     eval_metrics: dict = {}
+    params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
     model.train()
     t_start = time.perf_counter()
     while state.step < cfg.max_steps:
         window = [next(batches) for _ in range(cfg.grad_accum)]
         meter.add(loss=backward_window(accelerator, model, window))
         # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
-        meter.add(grad_norm=clip_gradients(accelerator, model, cfg))
+        meter.add(grad_norm=clip_gradients(accelerator, params, cfg))
         optimizer_step(accelerator, optimizer, scheduler)
         state.step += 1
         state.tokens_seen += sum(b["input_ids"].numel() for b in window) * accelerator.num_processes
@@ -153,7 +154,9 @@ def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
     """
     ga = accelerator.gradient_accumulation_steps
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
-    n_items = accelerator.gather(sum(count_targets(b) for b in window).reshape(1)).sum()
+    n_items = sum(count_targets(b) for b in window)
+    if accelerator.num_processes > 1:
+        n_items = accelerator.gather(n_items.reshape(1)).sum()
     total = torch.zeros((), device=accelerator.device)
     for batch in window:
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
@@ -177,12 +180,11 @@ def count_targets(batch) -> torch.Tensor:
     return (batch["labels"][:, 1:] != -100).sum()
 
 
-def clip_gradients(accelerator, model, cfg) -> torch.Tensor:
+def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
     """Clip by value or by norm; return the global gradient norm (before norm clipping) for logging."""
-    params = [p for p in model.parameters() if p.grad is not None]
     if cfg.clip_grad_value is not None:
         accelerator.clip_grad_value_(params, cfg.clip_grad_value)  # also unscales fp16 gradients
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     # An infinite max norm only measures; clip_grad_norm_ unscales fp16 gradients once per step either way (N1).
     return accelerator.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
 

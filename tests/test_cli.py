@@ -33,7 +33,15 @@ def test_run_directory_holds_recipe_metrics_tensorboard_checkpoint_and_model(fin
     evals = [r for r in records if "eval/loss" in r]
     assert [r["step"] for r in evals] == [10]
     assert {"eval/ppl", "eval/bits_per_byte", "eval/bits_per_char"} <= set(evals[0])
-    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(events[0]))
+    tb.Reload()
+    assert [(s.step, round(s.value, 5)) for s in tb.Scalars("train/loss")] == [
+        (r["step"], round(r["train/loss"], 5)) for r in records if "train/loss" in r]
+    assert [s.step for s in tb.Scalars("eval/bits_per_char")] == [10]
     # keep_last=1: only the newest complete checkpoint remains, no temporary directory
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000010"]
     assert (run_dir / "checkpoints" / "step_00000010" / "COMPLETE").exists()
