@@ -50,7 +50,7 @@ def bench_recipe(size: str, steps: int, out_dir: Path):
 
     return load_recipe(REPO / "recipes" / "s4_tiny_debug.yaml", [
         *SIZES[size], f"train.max_steps={steps}", f"run.out_dir={out_dir}", "run.overwrite=true",
-        "train.eval_every=0", "train.eval_max_batches=1", "train.save_every=0", "sample.prompts=[]",
+        "train.eval_every=0", "train.eval_max_batches=1", "checkpoint.every_steps=0", "sample.prompts=[]",
         "log.log_every=10", "log.log_with=[tensorboard, jsonl]", "log.progress_bar=true",
         "scheduler.name=cosine", "scheduler.warmup_steps=5", "train.clip_grad_norm=1.0"])
 

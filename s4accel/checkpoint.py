@@ -1,20 +1,29 @@
 """Everything the trainer writes into the run directory, written so that a crash never leaves a half-written file
-that looks complete: the resolved recipe, training checkpoints (`checkpoints/step_XXXXXXXX`) and the final model.
+or directory that looks complete, and the last complete checkpoint always survives.
 
 Layout:
     run_dir/recipe.yaml                  the resolved recipe
-    run_dir/checkpoints/step_00001000/   accelerator.save_state + our TrainState, with a COMPLETE marker
+    run_dir/checkpoints/step_00001000/   accelerator.save_state + TrainState + recipe.yaml, and last a COMPLETE
+                                         manifest (step, every file and its size)
+    run_dir/best/step_00000800/          the best models by an eval metric (checkpoint.keep_best)
     run_dir/final/                       save_pretrained: config, safetensors weights, generation config, tokenizer
+
+A checkpoint is written into `.tmp_step_*`, which is renamed into place only once every process has written its part
+and the manifest is on disk. A complete checkpoint is never overwritten, so no moment exists without one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import RunDirError
+import yaml
+
+from .errors import CheckpointError, ResumeError, RunDirError
 
 COMPLETE = "COMPLETE"
 
@@ -27,9 +36,20 @@ class TrainState:
     """Optimizer steps taken."""
     epoch: int = 0
     batch_in_epoch: int = 0
-    """Micro-batches of the current epoch consumed (per process)."""
+    """Micro-batches of the current epoch consumed (per process): a resume skips exactly these."""
     tokens_seen: int = 0
     """Input tokens processed, all processes together."""
+    best_metric: float | None = None
+    """Best value of `checkpoint.best_metric` seen at an evaluation."""
+    nonfinite_skips: int = 0
+    """Steps whose update was dropped for a non-finite loss or gradient norm (train.on_nonfinite: skip)."""
+    consecutive_nonfinite: int = 0
+    scaler_skips: int = 0
+    """fp16 steps the GradScaler skipped (overflow); they do not advance the learning-rate schedule."""
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Stays the same across resumes: the identity of the run for trackers."""
+    recipe_hash: str = ""
+    """Hash of the training-relevant recipe fields this state was trained with."""
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -41,70 +61,158 @@ class TrainState:
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-RUN_OUTPUTS = ("final", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer")
+RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer")
 
 
-def prepare_run_dir(run_dir: Path, recipe_yaml: str, overwrite: bool, is_main: bool) -> None:
+def prepare_run_dir(run_dir: Path, recipe_yaml: str, overwrite: bool, resuming: bool, is_main: bool) -> None:
     """Create the run directory and write the resolved recipe. A directory holding an earlier run's outputs is
-    refused unless `overwrite`, which deletes those outputs first (so two runs' metrics never mix)."""
+    refused unless resuming it, or `overwrite`, which deletes those outputs first (so two runs' metrics never mix)."""
     found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-    if found and not overwrite:
-        raise RunDirError(f"{run_dir} already holds a run ({', '.join(found)}); choose another run.out_dir or set "
-                          f"run.overwrite=true to replace it")
+    if found and not (overwrite or resuming):
+        raise RunDirError(f"{run_dir} already holds a run ({', '.join(found)}); resume it with --resume, choose "
+                          f"another run.out_dir, or set run.overwrite=true to replace it")
     if not is_main:
         return
     try:
-        for name in found:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if not resuming:
+            for name in found:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "recipe.yaml", recipe_yaml)
     except OSError as e:
         raise RunDirError(f"cannot write to run directory {run_dir}: {e.strerror or e}") from None
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int) -> Path:
-    """`accelerator.save_state` into a temporary directory, renamed into place once every rank has written its part,
-    then marked COMPLETE; then older checkpoints beyond `keep_last` are deleted. Call on every rank."""
-    root = run_dir / "checkpoints"
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}"
+# --------------------------------------------------------------------------------------------------------------------
+# Training checkpoints
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int, recipe_yaml: str) -> Path:
+    """`accelerator.save_state` into a temporary directory, a manifest, then a rename into place; then checkpoints
+    beyond the newest `keep_last` complete ones are deleted. Call on every process. A complete checkpoint of the same
+    step is kept as it is (the state at an optimizer step does not depend on when it is saved)."""
+    final = checkpoint_dir(run_dir, step)
+    if checkpoint_problem(final) is None:
+        return final
+    tmp = final.with_name(f".tmp_{final.name}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash during an earlier save
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # every rank: its RNG states; main: model, optimizer, scheduler, TrainState
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))  # every process: its RNG states; main: model, optimizer, scheduler, ...
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_atomic(tmp / "recipe.yaml", recipe_yaml)
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            write_atomic(tmp / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
+            os.replace(tmp, final)
+    except OSError as e:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        good = latest_complete(run_dir)
+        raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; the last complete checkpoint "
+                              f"{good or '(none)'} is intact") from None
     if accelerator.is_main_process:
-        (tmp / COMPLETE).touch()
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
         for old in complete_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint, or None if it is: its manifest lists every file with its size."""
+    try:
+        manifest = json.loads((path / COMPLETE).read_text())
+    except FileNotFoundError:
+        return "no such checkpoint" if not path.exists() else f"no {COMPLETE} marker (the save did not finish)"
+    except (OSError, ValueError):
+        return f"unreadable {COMPLETE} marker"
+    for name, size in manifest.get("files", {}).items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} is truncated ({actual} of {size} bytes)"
+    return None
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoints with a COMPLETE marker, oldest first."""
+    """Complete checkpoints, oldest first."""
+    return [p for p in sorted((run_dir / "checkpoints").glob("step_*")) if checkpoint_problem(p) is None]
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def locate_checkpoint(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
+    """The checkpoint `--resume` means, and warnings about what was skipped. `latest`: the newest complete checkpoint
+    of the run directory (None if there is none: the run starts fresh); otherwise a path that must be complete."""
+    if resume != "latest":
+        path = Path(resume)
+        problem = checkpoint_problem(path)
+        if problem:
+            raise ResumeError(f"--resume {path}: not a usable checkpoint: {problem}")
+        return path, []
+    warnings = []
     root = run_dir / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if (p / COMPLETE).exists()) if root.exists() else []
+    for path in sorted(root.glob(".tmp_step_*")):
+        warnings.append(f"ignoring {path}: a checkpoint whose save was interrupted")
+    for path in sorted(root.glob("step_*"), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, warnings
+        warnings.append(f"skipping checkpoint {path}: {problem}")
+    return None, warnings
 
 
-def export_pretrained(accelerator, model, tokenizer, out_dir: Path) -> None:
-    """`save_pretrained` (config, safetensors, generation config) + tokenizer into `out_dir`, atomically. Call on
-    every rank: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
+def checkpoint_step(path: Path) -> int:
+    return json.loads((path / COMPLETE).read_text())["step"]
+
+
+def checkpoint_recipe(path: Path) -> dict:
+    return yaml.safe_load((path / "recipe.yaml").read_text())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+
+
+def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
+    """`save_pretrained` (config, safetensors, generation config) + tokenizer + `extra_files` ({name: text}) into
+    `out_dir`, atomically. Call on every process: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
+        try:
+            unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+            unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if out_dir.exists():
+                os.replace(out_dir, old)  # the previous export stays whole until the new one is in place
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write model to {out_dir}: {e.strerror or e}") from None
     accelerator.wait_for_everyone()

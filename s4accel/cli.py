@@ -3,6 +3,7 @@ and recipe errors answer at once."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -25,8 +26,15 @@ def _fail(e: S4AccelError) -> typer.Exit:
     return typer.Exit(e.exit_code)
 
 
+ResumeOpt = Annotated[str | None, typer.Option(
+    "--resume", metavar="[PATH]", show_default=False,
+    help="Continue the run: alone, from the newest complete checkpoint in the run directory (starting fresh when "
+         "there is none); with PATH, from that checkpoint directory.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Resume even though training-relevant recipe fields changed.")]
+
+
 @app.command()
-def train(recipe: RecipeArg, overrides: SetOpt = None):
+def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None, force: ForceOpt = False):
     """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE."""
     from .config import load_recipe
 
@@ -34,13 +42,19 @@ def train(recipe: RecipeArg, overrides: SetOpt = None):
         resolved = load_recipe(recipe, overrides or [])
         from .trainer import train as run_training
 
-        result = run_training(resolved)
+        result = run_training(resolved, resume=resume, force=force)
     except S4AccelError as e:
         raise _fail(e) from None
     if not result.is_main_process:
         return
+    if result.preempted:
+        typer.echo(f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
+                   f"continue with: s4accel train {recipe} --resume")
+        return
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
-    typer.echo(f"done: {result.steps} steps in {result.loop_seconds:.1f}s; {metrics}; model in {result.final_dir}")
+    why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
+    typer.echo(f"done: {result.steps} steps in {result.loop_seconds:.1f}s{why}; {metrics}; model in "
+               f"{result.final_dir}")
 
 
 @app.command()
@@ -81,5 +95,16 @@ def models():
         typer.echo(f"{name:<10} {spec['family']:<4} {fields}")
 
 
-def main():
-    app(prog_name="s4accel")
+def main(argv: list[str] | None = None):
+    app(args=bare_resume_to_latest(sys.argv[1:] if argv is None else argv), prog_name="s4accel")
+
+
+def bare_resume_to_latest(argv: list[str]) -> list[str]:
+    """`--resume` takes an optional value, which click options cannot: a bare `--resume` (last, or followed by an
+    option or by the recipe, a .yaml file) becomes `--resume=latest`."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        nxt = out[i + 1] if i + 1 < len(out) else None
+        if arg == "--resume" and (nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml"))):
+            out[i] = "--resume=latest"
+    return out

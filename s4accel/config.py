@@ -1,6 +1,7 @@
 """Recipes: YAML validated into typed config before anything heavy is imported or built.
 
-A recipe has one section per concern (run, model, data, optim, scheduler, train, log, sample). `load_recipe` reads
+A recipe has one section per concern (run, model, data, optim, scheduler, train, checkpoint, log, sample,
+callbacks). `load_recipe` reads
 the YAML, applies `--set section.key=value` overrides, and validates everything with pydantic: unknown keys, wrong
 types and bad values raise `RecipeError`, whose message names the key path and what is allowed, one line per
 problem. Model hyperparameters are not duplicated here: `model.overrides` is checked against the model family's
@@ -12,6 +13,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -136,6 +138,42 @@ class SchedulerCfg(_Section):
         return self
 
 
+EVAL_METRICS = ("loss", "ppl", "bits_per_byte", "bits_per_char")
+"""What an evaluation reports; `ema_<metric>` too when `train.ema` is set."""
+
+
+def _check_metric(metric: str) -> str:
+    allowed = [*EVAL_METRICS, *(f"ema_{m}" for m in EVAL_METRICS)]
+    if metric not in allowed:
+        raise ValueError(f"unknown eval metric {metric!r}{_did_you_mean(metric, allowed)}; allowed: {', '.join(allowed)}")
+    return metric
+
+
+class EMACfg(_Section):
+    decay: float = Field(0.999, gt=0, lt=1)
+    """Weight of the running average per update: ema = decay * ema + (1 - decay) * weights."""
+    start_step: int = Field(0, ge=0)
+    """First optimizer step whose weights enter the average."""
+    every: int = Field(1, ge=1)
+    """Update the average every N optimizer steps."""
+
+
+class EarlyStoppingCfg(_Section):
+    metric: str = "loss"
+    """Eval metric to monitor (see EVAL_METRICS)."""
+    mode: Literal["min", "max"] = "min"
+    patience: int = Field(3, ge=1)
+    """Evaluations without an improvement of more than `min_delta` before stopping."""
+    min_delta: float = Field(0.0, ge=0)
+    divergence_threshold: float | None = None
+    """Stop at once when the metric is worse than this (above it for `min`, below for `max`) or not finite."""
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric):
+        return _check_metric(metric)
+
+
 class TrainCfg(_Section):
     max_steps: int = Field(1000, ge=1)
     """Number of optimizer steps."""
@@ -151,16 +189,54 @@ class TrainCfg(_Section):
     """Evaluate every N optimizer steps (0: only at the end)."""
     eval_max_batches: int | None = Field(None, ge=1)
     """Cap on validation batches per evaluation (per process); `null` evaluates the whole validation split."""
-    save_every: int = Field(0, ge=0)
-    """Write a full training checkpoint every N optimizer steps (0: none)."""
-    keep_last: int = Field(2, ge=1)
-    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A NaN/inf loss or gradient norm: `skip` drops that step's update (counted, logged); `stop` saves the last good
+    state and exits non-zero. Decided on all processes together."""
+    max_nonfinite_skips: int = Field(10, ge=1)
+    """With `skip`: stop as with `stop` after this many non-finite steps in a row."""
+    ema: EMACfg | None = None
+    """Exponential moving average of the weights (`null`: off)."""
+    early_stopping: EarlyStoppingCfg | None = None
+    """Stop when an eval metric stops improving (`null`: off)."""
 
     @model_validator(mode="after")
     def _one_clip(self):
         if self.clip_grad_norm is not None and self.clip_grad_value is not None:
             raise ValueError("set clip_grad_norm or clip_grad_value, not both (null disables one)")
         return self
+
+
+class CheckpointCfg(_Section):
+    every_steps: int = Field(0, ge=0)
+    """Write the full training state every N optimizer steps (0: not by steps)."""
+    every_minutes: float | None = Field(None, gt=0)
+    """... and/or every M minutes of training (`null`: not by time)."""
+    keep_last: int = Field(2, ge=1)
+    """Full training states kept in `<run_dir>/checkpoints`; older ones are deleted once a newer one is complete."""
+    keep_best: int = Field(0, ge=0)
+    """Best models (by `best_metric`) kept as `from_pretrained` directories in `<run_dir>/best` (0: none)."""
+    best_metric: str = "loss"
+    """Eval metric ranking the best models (see EVAL_METRICS)."""
+    best_mode: Literal["min", "max"] = "min"
+
+    @field_validator("best_metric")
+    @classmethod
+    def _known_metric(cls, metric):
+        return _check_metric(metric)
+
+
+class CallbackCfg(_Section):
+    target: str
+    """`package.module:Class` of a `s4accel.callbacks.Callback`, importable where training runs."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class."""
+
+    @field_validator("target")
+    @classmethod
+    def _import_path(cls, target):
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target):
+            raise ValueError(f"expected 'package.module:Class', got {target!r}")
+        return target
 
 
 class LogCfg(_Section):
@@ -189,8 +265,21 @@ class Recipe(_Section):
     optim: OptimCfg = Field(default_factory=OptimCfg)
     scheduler: SchedulerCfg = Field(default_factory=SchedulerCfg)
     train: TrainCfg = Field(default_factory=TrainCfg)
+    checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg)
     log: LogCfg = Field(default_factory=LogCfg)
     sample: SampleCfg = Field(default_factory=SampleCfg)
+    callbacks: list[CallbackCfg] = Field(default_factory=list)
+    """Your own callbacks, called after the built-ins in this order."""
+
+    @model_validator(mode="after")
+    def _ema_metrics_need_ema(self):
+        used = {"checkpoint.best_metric": self.checkpoint.best_metric}
+        if self.train.early_stopping is not None:
+            used["train.early_stopping.metric"] = self.train.early_stopping.metric
+        for key, metric in used.items():
+            if metric.startswith("ema_") and self.train.ema is None:
+                raise ValueError(f"{key}: {metric!r} needs train.ema (the EMA weights are evaluated only then)")
+        return self
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -263,15 +352,21 @@ def _did_you_mean(word: str, choices) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+def _section_model(annotation) -> type[BaseModel] | None:
+    """The section class in an annotation `X`, `X | None` or `list[X]`; None for anything else."""
+    return next((a for a in (annotation, *typing.get_args(annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
 def _fields_at(loc: tuple) -> list[str] | None:
     """Field names of the section a validation error's location points into (None past a free-form dict)."""
     model: Any = Recipe
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if isinstance(part, int):
+            continue  # an item of a list of sections (callbacks)
+        model = _section_model(getattr(model.model_fields.get(part), "annotation", None))
+        if model is None:
             return None
-        model = annotation
     return list(model.model_fields)
 
 
@@ -282,11 +377,43 @@ def _format_error(err: dict) -> str:
         allowed = _fields_at(loc[:-1]) or []
         return f"{path}: unknown key{_did_you_mean(loc[-1], allowed)}; allowed: {', '.join(allowed)}"
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across sections: its message names the keys
+        return msg
     if err["type"] == "missing":
         msg = "required key is missing"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {err['input']!r})"
     return f"{path}: {msg}"
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """`{"optim": {"lr": 1e-3}}` -> `{"optim.lr": 1e-3}`; other values than scalars become strings (TensorBoard's
+    hparams take scalars only, and recipe diffs compare them as text)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out
+
+
+# Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
+RESUME_NEUTRAL = ("run.", "log.", "sample.", "checkpoint.", "callbacks", "train.eval_every", "train.eval_max_batches",
+                  "data.num_workers", "data.cache_dir", "data.eval_batch_size")
+
+
+def training_fields(recipe_dict: dict) -> dict:
+    """The flattened recipe without the keys a resume may change."""
+    return {k: v for k, v in flatten(recipe_dict).items() if not k.startswith(RESUME_NEUTRAL)}
+
+
+def recipe_diff(old: dict, new: dict) -> list[str]:
+    """`key: old -> new` for every training-relevant key that differs between two recipe dicts."""
+    a, b = training_fields(old), training_fields(new)
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -23,3 +23,21 @@ class RunDirError(S4AccelError):
     """A run directory that cannot be used: not writable, or holding a finished run that would be overwritten."""
 
     exit_code = 2
+
+
+class ResumeError(S4AccelError):
+    """A resume that cannot go ahead: no usable checkpoint at the given path, or a recipe that changed."""
+
+    exit_code = 2
+
+
+class CheckpointError(S4AccelError):
+    """A checkpoint or model that could not be written (disk full, permissions); the last complete one is intact."""
+
+    exit_code = 1
+
+
+class NonFiniteError(S4AccelError):
+    """Training stopped on a non-finite loss or gradient norm (train.on_nonfinite)."""
+
+    exit_code = 3

@@ -6,6 +6,7 @@ Both log from the main process only and always at `step=<optimizer step>`, for t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, on_main_process
@@ -18,13 +19,21 @@ class JSONLTracker(GeneralTracker):
     requires_logging_directory = True
     main_process_only = True
 
-    def __init__(self, run_name: str, logging_dir: str | Path):
+    def __init__(self, run_name: str, logging_dir: str | Path, resume_step: int | None = None):
         super().__init__()
         self.path = Path(logging_dir) / "metrics.jsonl"
+        self.resume_step = resume_step
         self.file = None
 
     @on_main_process
     def start(self):
+        if self.resume_step is not None and self.path.exists():
+            # Records the run logged after its checkpoint are logged again by the resumed run: drop the old ones.
+            kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line).get("step", 0) <= self.resume_step]
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
         self.file = self.path.open("a")
 
     @property
@@ -53,8 +62,10 @@ class FastTensorBoardTracker(TensorBoardTracker):
     the writer's own thread (every `flush_secs`) and to `finish`. metrics.jsonl, flushed at every call, is the
     record that survives a kill."""
 
-    def __init__(self, run_name: str, logging_dir: str | Path, flush_secs: int = 10):
-        super().__init__(run_name, logging_dir, flush_secs=flush_secs)
+    def __init__(self, run_name: str, logging_dir: str | Path, flush_secs: int = 10, resume_step: int | None = None):
+        # purge_step: TensorBoard hides the events a resumed run logged after its checkpoint (they are logged again)
+        super().__init__(run_name, logging_dir, flush_secs=flush_secs,
+                         purge_step=None if resume_step is None else resume_step + 1)
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
@@ -67,21 +78,11 @@ class FastTensorBoardTracker(TensorBoardTracker):
                 self.writer.add_text(k, v, global_step=step)
 
 
-def build_trackers(names: list[str], run_name: str, run_dir: Path) -> list[GeneralTracker]:
+def build_trackers(names: list[str], run_name: str, run_dir: Path,
+                   resume_step: int | None = None) -> list[GeneralTracker]:
+    """The trackers a recipe names; `resume_step` when resuming from a checkpoint of that step."""
     makers = {
-        "tensorboard": lambda: FastTensorBoardTracker(run_name="tensorboard", logging_dir=run_dir),
-        "jsonl": lambda: JSONLTracker(run_name, run_dir),
+        "tensorboard": lambda: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step),
+        "jsonl": lambda: JSONLTracker(run_name, run_dir, resume_step=resume_step),
     }
     return [makers[name]() for name in names]
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """`{"optim": {"lr": 1e-3}}` -> `{"optim.lr": 1e-3}`, lists as strings: TensorBoard's hparams take scalars only."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{key}."))
-        else:
-            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out

@@ -7,6 +7,8 @@ shared NOTES.md (N1 = item 1, ...).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import resource
 import time
@@ -14,36 +16,59 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
-from accelerate.utils import set_seed
+from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
-from .checkpoint import TrainState, export_pretrained, prepare_run_dir, save_checkpoint, write_atomic
-from .config import Recipe, build_model_config, load_recipe
+from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, improved, load_callback
+from .checkpoint import (TrainState, checkpoint_recipe, checkpoint_step, export_pretrained, locate_checkpoint,
+                         prepare_run_dir, save_checkpoint, write_atomic)
+from .config import Recipe, build_model_config, flatten, load_recipe, recipe_diff, training_fields
 from .data import build_dataloaders, build_text_data, token_byte_and_char_counts
+from .errors import NonFiniteError, ResumeError
 from .optim import build_optimizer, build_scheduler
-from .tracking import build_trackers, flatten
+from .preemption import StopSignals
+from .tracking import build_trackers
 
 
 @dataclass
 class TrainResult:
     run_dir: Path
-    final_dir: Path
+    final_dir: Path | None
+    """The exported model; None when the run was interrupted (preempted) before its end."""
     steps: int
     eval_metrics: dict = field(default_factory=dict)
-    """The last evaluation: loss (nats/token), ppl, bits_per_byte, bits_per_char."""
+    """The last evaluation: loss (nats/token), ppl, bits_per_byte, bits_per_char (and ema_* with train.ema)."""
     loop_seconds: float = 0.0
     """Wall time of the training loop (steps, logging, evaluation, checkpoints), without setup and export."""
     samples: list[str] = field(default_factory=list)
     is_main_process: bool = True
+    stop_reason: str | None = None
+    """Why training ended before train.max_steps (a signal, early stopping, a callback); None if it ran to the end."""
+    checkpoint: Path | None = None
+    """The last checkpoint written."""
+    preempted: bool = False
+    """Stopped by SIGTERM/SIGINT: a checkpoint was saved and `--resume` continues the run."""
 
 
-def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainResult:
-    """Train the model a recipe describes; returns where it went and how it did. Works under `accelerate launch`."""
+def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (), resume: str | None = None,
+          force: bool = False) -> TrainResult:
+    """Train the model a recipe describes; returns where it went and how it did. Works under `accelerate launch`.
+
+    resume: `"latest"` continues from the newest complete checkpoint of the run directory (or starts fresh when there
+        is none), a path continues from that checkpoint. The continuation is exact: the same batches, RNG states and
+        counters as a run that never stopped.
+    force: resume even though training-relevant recipe fields differ from the checkpoint's recipe.
+    """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
-    cfg, run_dir = recipe.train, recipe.run.dir
+    cfg, run_dir, recipe_yaml = recipe.train, recipe.run.dir, recipe.to_yaml()
+    # 0. What to resume, and whether the recipe still matches it: decided before anything is built.
+    ckpt, notes = locate_checkpoint(run_dir, resume) if resume else (None, [])
+    if ckpt is not None and not force and (diff := recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())):
+        raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
+                          + "\n".join(f"  {line}" for line in diff))
     accelerator = Accelerator(
         # Without any accelerator, processes started by `accelerate launch --multi_gpu` (torchrun) must be told they
         # are CPU processes, or each runs alone; with cpu=True they form a gloo group (DistributedType.MULTI_CPU).
@@ -52,18 +77,22 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # the same order on every rank (N6)
-        log_with=build_trackers(recipe.log.log_with, recipe.run.name, run_dir) or None,
+        log_with=build_trackers(recipe.log.log_with, recipe.run.name, run_dir,
+                                resume_step=checkpoint_step(ckpt) if ckpt else None) or None,
         project_dir=str(run_dir),
         step_scheduler_with_optimizer=False,
     )
+    for note in notes:
+        accelerator.print(f"warning: {note}")
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         warnings.warn("fp16 mixed precision has no effect on CPU (Accelerate runs float32 there, without a "
                       "GradScaler); use train.mixed_precision=bf16 for half precision on CPU", stacklevel=2)
-    prepare_run_dir(run_dir, recipe.to_yaml(), recipe.run.overwrite, accelerator.is_main_process)
+    prepare_run_dir(run_dir, recipe_yaml, recipe.run.overwrite, resume is not None, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     set_seed(recipe.run.seed)
+    callbacks = build_callbacks(recipe)  # user callbacks are imported here: their errors come before any compute
 
-    # Data, model, optimizer. The main process tokenises (and trains a BPE) first; the others read its cache.
+    # 1. Data, model, optimizer. The main process tokenises (and trains a BPE) first; the others read its cache.
     with accelerator.main_process_first():
         data = build_text_data(recipe.data, tokenizer_dir=run_dir / "tokenizer")
     model = build_model(recipe, data.tokenizer)
@@ -72,53 +101,164 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     train_dl, val_dl = build_dataloaders(recipe.data, data, recipe.run.seed, cfg.eval_max_batches,
                                          accelerator.num_processes)
     model, optimizer, train_dl, val_dl = accelerator.prepare(model, optimizer, train_dl, val_dl)
-    state = TrainState()
-    accelerator.register_for_checkpointing(scheduler, state)  # registration order is part of the checkpoint format
-    accelerator.init_trackers(recipe.run.name, config=flatten(recipe.to_dict()))
+    state = TrainState(recipe_hash=recipe_hash(recipe))
+    # Registration order is the checkpoint format: scheduler, loop counters, then stateful callbacks in list order.
+    accelerator.register_for_checkpointing(scheduler, state, *callbacks.stateful())
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
+        accelerator.print(f"resumed from {ckpt} at step {state.step}")
     token_bytes, token_chars = (t.to(accelerator.device) for t in token_byte_and_char_counts(data.tokenizer))
+    signals = StopSignals()
+
+    def eval_fn(m):  # gathered metrics of any model copy; None if a stop signal interrupted it
+        return evaluate(accelerator, m, val_dl, token_bytes, token_chars, abort=lambda: signals.received is not None)
+
+    def export_fn(m, out_dir, extra_files=None):
+        export_pretrained(accelerator, m, data.tokenizer, out_dir, extra_files)
+
+    run = RunContext(accelerator, model, optimizer, scheduler, state, recipe, run_dir, data.tokenizer, eval_fn,
+                     export_fn)
+    callbacks.on_train_start(run)
+    accelerator.init_trackers(recipe.run.name, config={**{k: "null" if v is None else v for k, v in
+                                                          flatten(recipe.to_dict()).items()}, "run_id": state.run_id})
     accelerator.print(f"{recipe.run.name}: {count_params(model):,} parameters, {data.n_train_tokens:,} train / "
                       f"{data.n_val_tokens:,} val tokens, {accelerator.num_processes} process(es) on "
                       f"{accelerator.device}, mixed precision {accelerator.mixed_precision}")
 
-    # The loop: one iteration per optimizer step.
-    batches = batch_stream(train_dl, state)
-    meter = Meter(accelerator)
-    bar = tqdm(total=cfg.max_steps, disable=not (accelerator.is_main_process and recipe.log.progress_bar),
-               desc="train", dynamic_ncols=True)
-    eval_metrics: dict = {}
+    # 2. The loop: one iteration per optimizer step.
+    batches = batch_stream(accelerator, train_dl, state)
+    meter = Meter(accelerator, state)
+    bar = tqdm(total=cfg.max_steps, initial=state.step, desc="train", dynamic_ncols=True,
+               disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
+    save_clock = Clock(recipe.checkpoint.every_minutes)
+    eval_metrics, last_ckpt, stop_reason = {}, ckpt, None
     model.train()
     t_start = time.perf_counter()
-    while state.step < cfg.max_steps:
-        window = [next(batches) for _ in range(cfg.grad_accum)]
-        meter.add(loss=backward_window(accelerator, model, window))
-        # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
-        meter.add(grad_norm=clip_gradients(accelerator, params, cfg))
-        optimizer_step(accelerator, optimizer, scheduler)
-        state.step += 1
-        state.tokens_seen += sum(b["input_ids"].numel() for b in window) * accelerator.num_processes
-        bar.update(1)
-        if state.step % recipe.log.log_every == 0 or state.step == cfg.max_steps:
-            logs = meter.flush(state, scheduler, optimizer)  # the loop's only host sync (N11)
-            accelerator.log(logs, step=state.step)
-            bar.set_postfix(loss=f"{logs['train/loss']:.3f}", refresh=False)
-        if (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == cfg.max_steps:
-            eval_metrics = evaluate(accelerator, model, val_dl, token_bytes, token_chars)
-            accelerator.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=state.step)
-            if accelerator.is_main_process:
-                bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-        if cfg.save_every and state.step % cfg.save_every == 0:
-            save_checkpoint(accelerator, run_dir, state.step, cfg.keep_last)
+    with signals:
+        while state.step < cfg.max_steps and stop_reason is None:
+            window = [next(batches) for _ in range(cfg.grad_accum)]
+            loss = backward_window(accelerator, model, window)
+            # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
+            grad_norm = clip_gradients(accelerator, params, cfg)
+            # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
+            nonfinite, stop, save_due = agree(accelerator, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)),
+                                              signals.received is not None or run.stop_reason is not None,
+                                              save_clock.due())
+            if nonfinite:
+                skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml)
+                continue
+            optimizer_step(accelerator, optimizer, scheduler, state)
+            state.step += 1
+            state.tokens_seen += sum(b["input_ids"].numel() for b in window) * accelerator.num_processes
+            meter.add(loss=loss, grad_norm=grad_norm)
+            bar.update(1)
+            callbacks.on_step_end(run)
+            if state.step % recipe.log.log_every == 0 or state.step == cfg.max_steps:
+                logs = meter.flush(scheduler, optimizer)  # the loop's only host sync besides agree() (N11)
+                accelerator.log(logs, step=state.step)
+                callbacks.on_log(run, logs)
+                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", refresh=False)
+            if (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == cfg.max_steps:
+                eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
+                stop = agree(accelerator, None, stop or run.stop_reason is not None, False)[1]
+            if stop:
+                stop_reason = f"received {signals.received}" if signals.received else run.stop_reason
+            every = recipe.checkpoint.every_steps
+            if (every and state.step % every == 0) or save_due or stop:
+                last_ckpt = save_checkpoint(accelerator, run_dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
+                callbacks.on_save(run, last_ckpt)
+                save_clock.reset()
     bar.close()
     loop_seconds = time.perf_counter() - t_start
+    result = TrainResult(run_dir, None, state.step, eval_metrics, loop_seconds, [], accelerator.is_main_process,
+                         stop_reason, last_ckpt, preempted=signals.received is not None)
+    if result.preempted:  # the cluster wants the machine back: the checkpoint is written, leave now
+        accelerator.end_training()
+        return result
 
-    # Export: config + safetensors + generation config + tokenizer, loadable by from_pretrained.
-    final_dir = run_dir / "final"
-    export_pretrained(accelerator, model, data.tokenizer, final_dir)
-    samples = write_samples(accelerator, model, data.tokenizer, recipe, run_dir)
+    # 3. Export: config + safetensors + generation config + tokenizer, loadable by from_pretrained.
+    result.final_dir = run_dir / "final"
+    export_pretrained(accelerator, model, data.tokenizer, result.final_dir)
+    result.samples = write_samples(accelerator, model, data.tokenizer, recipe, run_dir)
+    callbacks.on_train_end(run)
     accelerator.end_training()
-    return TrainResult(run_dir, final_dir, state.step, eval_metrics, loop_seconds, samples,
-                       accelerator.is_main_process)
+    return result
+
+
+def build_callbacks(recipe: Recipe) -> CallbackList:
+    """Built-ins first, in a fixed order (EMA adds its metrics before the others read them), then the recipe's."""
+    cbs = []
+    if recipe.train.ema is not None:
+        cbs.append(EMA(**recipe.train.ema.model_dump()))
+    if recipe.train.early_stopping is not None:
+        cbs.append(EarlyStopping(**recipe.train.early_stopping.model_dump()))
+    ck = recipe.checkpoint
+    if ck.keep_best:
+        cbs.append(KeepBest(ck.keep_best, ck.best_metric, ck.best_mode, ema=cbs[0] if recipe.train.ema else None))
+    cbs += [load_callback(c.target, c.args, f"callbacks.{i}") for i, c in enumerate(recipe.callbacks)]
+    return CallbackList(cbs)
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    return hashlib.sha256(json.dumps(training_fields(recipe.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def agree(accelerator, nonfinite: torch.Tensor | None, stop: bool, save: bool) -> tuple[bool, bool, bool]:
+    """Whether any process saw non-finite numbers, wants to stop, or has a save due: the same answer on every
+    process, so none of them breaks out of a collective alone (N10). One host sync for the non-finite check; one
+    small all-reduce with several processes; nothing more on one process."""
+    if accelerator.num_processes == 1:
+        return (bool(nonfinite) if nonfinite is not None else False), stop, save
+    flags = torch.tensor([0.0, float(stop), float(save)], device=accelerator.device)
+    if nonfinite is not None:
+        flags[0] = nonfinite.float()
+    nonfinite, stop, save = (v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist())
+    return nonfinite, stop, save
+
+
+def skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml) -> None:
+    """Drop this step's update (the weights stay the last good ones), count it, and stop by policy."""
+    optimizer.zero_grad(set_to_none=True)
+    state.nonfinite_skips += 1
+    state.consecutive_nonfinite += 1
+    accelerator.print(f"warning: non-finite loss or gradient norm at step {state.step + 1}; update skipped "
+                      f"({state.consecutive_nonfinite} in a row)")
+    if cfg.on_nonfinite == "stop" or state.consecutive_nonfinite >= cfg.max_nonfinite_skips:
+        path = save_checkpoint(accelerator, run_dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
+        why = ("train.on_nonfinite=stop" if cfg.on_nonfinite == "stop"
+               else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}")
+        raise NonFiniteError(f"non-finite loss or gradient norm at step {state.step + 1} ({why}); the last good state "
+                             f"is saved in {path}")
+
+
+def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
+    """Evaluate the model, let callbacks add to and act on the metrics (EMA, keep-best, early stopping), log them."""
+    metrics = run.evaluate(run.model)
+    if metrics is None:  # interrupted by a stop signal
+        return None
+    callbacks.on_eval_end(run, metrics)
+    ck = run.recipe.checkpoint
+    if ck.best_metric in metrics and improved(metrics[ck.best_metric], run.state.best_metric, ck.best_mode):
+        run.state.best_metric = metrics[ck.best_metric]
+    run.log({f"eval/{k}": v for k, v in metrics.items() if not k.startswith("ema_")})
+    if run.accelerator.is_main_process:
+        bar.write(f"step {run.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+class Clock:
+    """Time-based checkpoints: due every `minutes` of training (never when None)."""
+
+    def __init__(self, minutes: float | None):
+        self.seconds = None if minutes is None else 60 * minutes
+        self.reset()
+
+    def reset(self):
+        self.start = time.monotonic()
+
+    def due(self) -> bool:
+        return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
 def build_model(recipe: Recipe, tokenizer):
@@ -134,13 +274,17 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def batch_stream(train_dl, state: TrainState):
-    """Micro-batches forever, epoch after epoch; `set_epoch` reshuffles each epoch identically on every rank (N6)."""
+def batch_stream(accelerator, train_dl, state: TrainState):
+    """Micro-batches forever, epoch after epoch; `set_epoch` reshuffles each epoch identically on every rank. After a
+    mid-epoch resume, the first epoch skips the batches the checkpointed run had consumed: with the seedable sampler
+    this replays exactly the batches an uninterrupted run sees (N6)."""
+    skip = state.batch_in_epoch
     while True:
         train_dl.set_epoch(state.epoch)
-        for batch in train_dl:
+        for batch in accelerator.skip_first_batches(train_dl, skip) if skip else train_dl:
             state.batch_in_epoch += 1
             yield batch
+        skip = 0
         state.epoch += 1
         state.batch_in_epoch = 0
 
@@ -166,12 +310,15 @@ def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
     return total
 
 
-def optimizer_step(accelerator, optimizer, scheduler) -> None:
+def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None:
     """Step the optimizer, then the schedule unless fp16's GradScaler skipped the step (inf/NaN gradients): a skipped
-    step must not advance the learning rate (N3)."""
+    step is counted and must not advance the learning rate (N3)."""
     optimizer.step()
-    if not accelerator.optimizer_step_was_skipped:
+    if accelerator.optimizer_step_was_skipped:
+        state.scaler_skips += 1
+    else:
         scheduler.step()
+    state.consecutive_nonfinite = 0
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -192,19 +339,20 @@ def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
 class Meter:
     """Sums training scalars on the device between log steps, so logging syncs with the host once per interval."""
 
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
+    def __init__(self, accelerator, state: TrainState):
+        self.accelerator, self.state = accelerator, state
         self.sums: dict[str, torch.Tensor] = {}
-        self.steps_at_last = 0
+        self.steps_at_last = state.step
         self.time_at_last = time.perf_counter()
-        self.tokens_at_last = 0
+        self.tokens_at_last = state.tokens_seen
 
     def add(self, **values: torch.Tensor):
         for k, v in values.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
 
-    def flush(self, state: TrainState, scheduler, optimizer) -> dict:
+    def flush(self, scheduler, optimizer) -> dict:
+        state = self.state
         steps = state.step - self.steps_at_last
         loss = self.accelerator.reduce(self.sums.pop("loss"), reduction="sum")  # each rank holds its share
         logs = {"train/loss": loss.item() / steps, "train/grad_norm": self.sums.pop("grad_norm").item() / steps}
@@ -212,7 +360,10 @@ class Meter:
         logs["train/tokens_per_s"] = (state.tokens_seen - self.tokens_at_last) / (now - self.time_at_last)
         logs["train/step_time_ms"] = 1000 * (now - self.time_at_last) / steps
         logs["train/peak_mem_mb"] = peak_memory_mb(self.accelerator.device)
+        logs["train/rss_mb"] = psutil.Process().memory_info().rss / 2**20  # current, to see memory stay flat
         logs["train/epoch"] = state.epoch
+        logs["train/nonfinite_skips"] = state.nonfinite_skips
+        logs["train/scaler_skips"] = state.scaler_skips
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             logs[f"train/lr_{group.get('name', len(logs))}"] = lr
         self.sums.clear()
@@ -227,13 +378,19 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, val_dl, token_bytes, token_chars) -> dict:
+def evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort=lambda: False) -> dict | None:
     """Validation loss over every target token of the split, gathered across processes (N5): per-sample sums are
-    gathered with `gather_for_metrics`, which drops the duplicates padding the last batch, then reduced."""
+    gathered with `gather_for_metrics`, which drops the duplicates padding the last batch, then reduced. Returns None
+    when `abort()` (a stop signal) becomes true on any process, checked before each batch."""
+    was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
     for batch in val_dl:
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
+        if agree(accelerator, None, abort(), False)[1]:
+            model.train(was_training)
+            return None
+        with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets autocast too
+            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
         targets = batch["labels"][:, 1:]  # (B, L-1)
         mask = targets != -100
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
@@ -242,7 +399,7 @@ def evaluate(accelerator, model, val_dl, token_bytes, token_chars) -> dict:
         per_sample = torch.stack([nll.sum(1), mask.sum(1), (token_bytes[safe] * mask).sum(1),
                                   (token_chars[safe] * mask).sum(1)], dim=1).double()  # (B, 4)
         totals += accelerator.gather_for_metrics(per_sample).sum(0)
-    model.train()
+    model.train(was_training)
     nll, n_tokens, n_bytes, n_chars = totals.tolist()
     loss = nll / max(n_tokens, 1)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1),

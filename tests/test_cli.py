@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def finished_run(tmp_path_factory, hf_cache):
     run_dir = tmp_path_factory.mktemp("cli") / "run"
     proc = run_cli("train", TINY, "--set", f"run.out_dir={run_dir}", "--set", "train.max_steps=10",
-                   "--set", "train.save_every=5", "--set", "log.progress_bar=false")
+                   "--set", "checkpoint.every_steps=5", "--set", "log.progress_bar=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -72,7 +72,7 @@ def test_rerun_into_a_finished_run_is_refused_unless_overwrite(finished_run):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {run_dir} already holds a run (final, checkpoints, metrics.jsonl, tensorboard, samples.txt); "
-        "choose another run.out_dir or set run.overwrite=true to replace it"]
+        "resume it with --resume, choose another run.out_dir, or set run.overwrite=true to replace it"]
     assert (run_dir / "final" / "model.safetensors").exists()  # untouched
 
 
@@ -88,7 +88,7 @@ def test_python_api_trains_without_the_cli(tmp_path, hf_cache):
     import s4accel
 
     recipe = s4accel.load_recipe(TINY, [f"run.out_dir={tmp_path / 'api'}", "train.max_steps=4",
-                                        "train.eval_every=0", "train.save_every=0", "log.log_with=[]",
+                                        "train.eval_every=0", "checkpoint.every_steps=0", "log.log_with=[]",
                                         "log.progress_bar=false", "sample.prompts=[]"])
     result = s4accel.train(recipe)
     assert result.steps == 4 and result.final_dir == tmp_path / "api" / "final"

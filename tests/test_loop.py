@@ -74,12 +74,15 @@ def test_a_skipped_fp16_step_does_not_advance_the_schedule(skipped):
     """On CPU no GradScaler exists (NOTES item 13), so the skip path is pinned with a stand-in accelerator."""
     from types import SimpleNamespace
 
+    from s4accel.checkpoint import TrainState
     from s4accel.trainer import optimizer_step
 
     param = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([param], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
     param.grad = torch.ones(2)
-    optimizer_step(SimpleNamespace(optimizer_step_was_skipped=skipped), opt, sched)
+    state = TrainState()
+    optimizer_step(SimpleNamespace(optimizer_step_was_skipped=skipped), opt, sched, state)
     assert sched.last_epoch == (0 if skipped else 1)
+    assert state.scaler_skips == (1 if skipped else 0)  # counted, and logged as train/scaler_skips
     assert param.grad is None  # gradients are cleared either way

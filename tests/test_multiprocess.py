@@ -31,7 +31,7 @@ def test_two_process_training_logs_once_saves_once_and_steps_the_schedule_once_p
     run_dir = tmp_path / "run"
     steps = 8
     proc = launch("-m", "s4accel", "train", TINY, "--set", f"run.out_dir={run_dir}", "--set",
-                  f"train.max_steps={steps}", "--set", "train.save_every=8", "--set", "log.log_every=1",
+                  f"train.max_steps={steps}", "--set", "checkpoint.every_steps=8", "--set", "log.log_every=1",
                   "--set", "log.progress_bar=false", "--set", "scheduler.name=linear",
                   "--set", "scheduler.warmup_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]

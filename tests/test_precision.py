@@ -17,7 +17,7 @@ def _train(tmp_path, precision):
     GradientState._reset_state()
     recipe = s4accel.load_recipe(TINY, [f"run.out_dir={tmp_path / precision}", "train.max_steps=3",
                                         f"train.mixed_precision={precision}", "train.eval_every=0",
-                                        "train.save_every=0", "log.log_with=[jsonl]", "log.progress_bar=false",
+                                        "checkpoint.every_steps=0", "log.log_with=[jsonl]", "log.progress_bar=false",
                                         "sample.prompts=[]"])
     return s4accel.train(recipe)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from s4accel import S4Config, S4ForCausalLM
-from s4accel.models.modeling_s4 import S4Block, S4DKernel, fft_causal_conv
+from s4accel.models.modeling_s4 import S4DKernel, fft_causal_conv
 
 
 def _seeded_model(config, seed=0):
@@ -157,7 +157,7 @@ def test_left_padding_does_not_change_the_prediction(tiny_config):
 
 
 def test_block_mask_zeroes_ssm_input(tiny_config):
-    block = S4Block(tiny_config)
+    block = S4ForCausalLM(tiny_config).backbone.layers[0]  # initialised (a bare S4Block holds torch.empty memory)
     x = torch.randn(1, 5, 32)
     mask = torch.tensor([[0, 0, 1, 1, 1]])
     out_masked = block(x, mask)

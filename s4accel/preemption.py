@@ -1,0 +1,38 @@
+"""SIGTERM / SIGINT -> a flag the loop checks once per step, so a preempted run saves a checkpoint and exits 0.
+
+Clusters send SIGTERM before they take a machine back (SLURM, Kubernetes; `accelerate launch`/torchrun forward it
+to every worker), and Ctrl-C sends SIGINT to every process of the group. The handler only records the signal; the
+loop agrees on it across processes (any process that got it stops them all) at its next check. A second SIGINT
+while the first is being handled raises KeyboardInterrupt at once, for a user who does not want to wait.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+class StopSignals:
+    """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+        return False
