@@ -161,7 +161,7 @@ class EarlyStopping(Callback):
 
 class EMA(Callback):
     """Exponential moving average of the weights (`torch.optim.swa_utils.AveragedModel`): updated every `every`
-    optimizer steps from `start_step` on, evaluated beside the raw weights (logged as `eval_ema/*`), saved in every
+    optimizer steps from `start_step` on, evaluated beside the raw weights (`ema_*` metrics, logged as `eval_ema/*`), saved in every
     checkpoint, and exported to `<run_dir>/final_ema` as its own `from_pretrained` directory."""
 
     def __init__(self, decay: float = 0.999, start_step: int = 0, every: int = 1):
@@ -187,8 +187,7 @@ class EMA(Callback):
         if int(self.averaged.n_averaged) == 0:
             return  # nothing averaged yet (before start_step)
         ema_metrics = run.evaluate(self.averaged.module)
-        if ema_metrics is not None:
-            run.log({f"eval_ema/{k}": v for k, v in ema_metrics.items()})
+        if ema_metrics is not None:  # logged with the raw metrics, as eval_ema/*
             metrics.update({f"ema_{k}": v for k, v in ema_metrics.items()})
 
     def on_train_end(self, run):

@@ -241,7 +241,7 @@ def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict |
     ck = run.recipe.checkpoint
     if ck.best_metric in metrics and improved(metrics[ck.best_metric], run.state.best_metric, ck.best_mode):
         run.state.best_metric = metrics[ck.best_metric]
-    run.log({f"eval/{k}": v for k, v in metrics.items() if not k.startswith("ema_")})
+    run.log({(f"eval_ema/{k[4:]}" if k.startswith("ema_") else f"eval/{k}"): v for k, v in metrics.items()})
     if run.accelerator.is_main_process:
         bar.write(f"step {run.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics

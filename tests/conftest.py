@@ -39,3 +39,28 @@ def run_cli(*args, env=None, timeout=600, cwd=REPO):
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "s4accel", *map(str, args)], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=cwd)
+
+
+def small_text_file(tmp_path, chars=3000) -> Path:
+    """The opening of a real play as a .txt file: a few dozen blocks, so an epoch lasts only a few steps."""
+    from s4accel.data import clean_play, shakespeare_files
+
+    path = tmp_path / "play.txt"
+    path.write_text(clean_play(shakespeare_files()[0].read_text())[:chars])
+    return path
+
+
+def train_in_process(recipe_path, overrides, resume=None, force=False):
+    """`s4accel.train` in this process, with Accelerate's process-wide singletons reset first."""
+    import s4accel
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return s4accel.train(s4accel.load_recipe(recipe_path, overrides), resume=resume, force=force)
+
+
+def final_weights(run_dir, name="final"):
+    from safetensors.torch import load_file
+
+    return load_file(Path(run_dir) / name / "model.safetensors")

@@ -1,0 +1,137 @@
+"""Never lose a run: a preempted or killed run resumes exactly, and a resume with a changed recipe is refused."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, final_weights, small_text_file, train_in_process
+from s4accel.errors import ResumeError
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+
+
+def short_epochs(text, out, *extra):
+    """~10 optimizer steps per epoch (20 micro-batches, grad_accum 2), dropout on (so the RNG states matter), EMA
+    on (its state is checkpointed too)."""
+    return [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
+            "data.val_fraction=0.1", "model.overrides={dropout: 0.1}", "train.grad_accum=2", f"train.max_steps={STEPS}",
+            "train.eval_every=8", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "train.ema={decay: 0.9}",
+            "log.log_every=1", "log.progress_bar=false", "sample.prompts=[]", *extra]
+
+
+def callback(target, **args):
+    return f"callbacks=[{{target: '{target}', args: {json.dumps(args)}}}]"
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(dir_a, dir_b, name="final"):
+    a, b = final_weights(dir_a, name), final_weights(dir_b, name)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{name}/{k} differs"
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory, hf_cache):
+    return small_text_file(tmp_path_factory.mktemp("text"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text):
+    """The uninterrupted run every interrupted one must end equal to."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    result = train_in_process(TINY, short_epochs(text, out))
+    assert result.steps == STEPS and not result.preempted
+    return out
+
+
+def test_sigterm_mid_epoch_saves_within_one_step_and_resume_is_bit_exact(reference, text, tmp_path):
+    out = tmp_path / "run"
+    cut = train_in_process(TINY, short_epochs(text, out, callback("testing_callbacks:SignalAt", step=13)))
+    # The signal arrived after step 13: step 14 completes, is checkpointed, and the run returns without exporting.
+    assert cut.preempted and cut.steps == 14 and cut.stop_reason == "received SIGTERM"
+    assert cut.checkpoint == out / "checkpoints" / "step_00000014" and cut.final_dir is None
+    assert not (out / "final").exists()
+    state = torch.load(cut.checkpoint / "custom_checkpoint_1.pkl", weights_only=False)
+    assert (state["epoch"], state["batch_in_epoch"]) == (1, 8)  # 28 micro-batches: one epoch of 20, then 8
+
+    resumed = train_in_process(TINY, short_epochs(text, out), resume="latest")
+    assert resumed.steps == STEPS and resumed.stop_reason is None
+    assert_same_weights(reference, out)
+    assert_same_weights(reference, out, "final_ema")
+    steps = [r["step"] for r in records(out) if "train/loss" in r]
+    assert steps == list(range(1, STEPS + 1))  # each step logged once: records past the checkpoint were dropped
+    evals = lambda d: [(r["step"], r["eval/loss"], r["eval_ema/loss"]) for r in records(d) if "eval/loss" in r]
+    assert evals(out) == evals(reference)
+
+
+def test_resume_with_a_changed_recipe_is_refused_with_a_diff_unless_forced(reference, text, tmp_path):
+    changed = short_epochs(text, reference, "optim.lr=0.001", "log.log_every=2")  # log.* may change freely
+    with pytest.raises(ResumeError) as info:
+        train_in_process(TINY, changed, resume="latest")
+    assert str(info.value).splitlines()[1:] == ["  optim.lr: 0.003 -> 0.001"]
+    result = train_in_process(TINY, [*changed, "train.max_steps=26"], resume="latest", force=True)
+    assert result.steps == 26  # continued from step 20, the newest checkpoint
+
+
+def test_cli_resume_flag_forms_and_missing_checkpoint(tmp_path):
+    from s4accel.cli import bare_resume_to_latest
+
+    assert bare_resume_to_latest(["train", "r.yaml", "--resume"]) == ["train", "r.yaml", "--resume=latest"]
+    assert bare_resume_to_latest(["train", "--resume", "r.yaml"]) == ["train", "--resume=latest", "r.yaml"]
+    assert bare_resume_to_latest(["train", "r.yaml", "--resume", "--force"])[2] == "--resume=latest"
+    assert bare_resume_to_latest(["train", "r.yaml", "--resume", "ck/step_5"])[2:] == ["--resume", "ck/step_5"]
+    from conftest import run_cli
+
+    proc = run_cli("train", TINY, "--set", f"run.out_dir={tmp_path / 'r'}", "--resume", tmp_path / "nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: --resume {tmp_path / 'nope'}: not a usable checkpoint: no such checkpoint"
+
+
+def test_sigkill_at_random_moments_then_resume_ends_equal_to_the_uninterrupted_run(reference, text, tmp_path):
+    """Kill -9 the CLI at random moments (every step writes a checkpoint, so many kills land inside a save), resume
+    with --resume each time, and finish: the final weights equal the uninterrupted run's."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "s4accel", "train", str(TINY), "--resume"]
+    for item in short_epochs(text, out, "checkpoint.every_steps=1", "checkpoint.keep_last=2"):
+        args += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    rng = random.Random(0)
+    kills = 0
+    while kills < 4:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO)
+        start_step = _newest_step(out)
+        deadline = time.monotonic() + 120
+        while _newest_step(out) <= start_step and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # wait until this process has made progress ...
+        if proc.poll() is not None:
+            break  # finished before we could kill it
+        time.sleep(rng.uniform(0.0, 0.12))  # ... then kill it at a random moment of its next steps and saves
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills >= 3, "the run finished too fast to be killed"
+    final = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert f"done: {STEPS} steps" in final.stdout
+    assert_same_weights(reference, out)
+    assert_same_weights(reference, out, "final_ema")
+    assert len(list((out / "checkpoints").glob("step_*"))) == 2
+    assert not list((out / "checkpoints").glob(".tmp_*"))
+
+
+def _newest_step(run_dir):
+    names = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
+    return int(names[-1].name.split("_")[1]) if names else -1

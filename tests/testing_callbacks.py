@@ -1,0 +1,76 @@
+"""Callbacks the tests attach through recipes (`callbacks: [{target: testing_callbacks:X, args: {...}}]`); the tests
+put this folder on the path (PYTHONPATH for subprocesses)."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from s4accel.callbacks import Callback
+
+
+class SignalAt(Callback):
+    """Send this process a signal after optimizer step `step` (as a cluster's preemption notice would)."""
+
+    def __init__(self, step: int, signal_name: str = "SIGTERM"):
+        self.step, self.signal_name = step, signal_name
+
+    def on_step_end(self, run):
+        if run.state.step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+class NaNForwardAt(Callback):
+    """Make the forward pass of the step after `step` produce NaN logits (once), on process `rank`."""
+
+    def __init__(self, step: int, rank: int = 0):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, run):
+        if run.state.step == self.step and run.accelerator.process_index == self.rank:
+            head = run.accelerator.unwrap_model(run.model).lm_head
+            handle = None
+
+            def poison(module, inputs, output):
+                handle.remove()
+                return output * float("nan")
+
+            handle = head.register_forward_hook(poison)
+
+
+class Recorder(Callback):
+    """Writes every hook call to `path` (main process) and counts steps in its checkpointed state."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.steps_seen = 0
+
+    def _write(self, run, event, **extra):
+        if run.accelerator.is_main_process:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"event": event, "step": run.state.step, "steps_seen": self.steps_seen, **extra})
+                        + "\n")
+
+    def on_train_start(self, run):
+        self._write(run, "train_start")
+
+    def on_step_end(self, run):
+        self.steps_seen += 1
+
+    def on_log(self, run, logs):
+        self._write(run, "log", loss=logs["train/loss"])
+
+    def on_eval_end(self, run, metrics):
+        self._write(run, "eval", loss=metrics["loss"])
+
+    def on_save(self, run, checkpoint_dir):
+        self._write(run, "save", dir=Path(checkpoint_dir).name)
+
+    def on_train_end(self, run):
+        self._write(run, "train_end")
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state):
+        self.steps_seen = state["steps_seen"]
