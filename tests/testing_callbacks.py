@@ -21,18 +21,21 @@ class SignalAt(Callback):
 
 
 class NaNForwardAt(Callback):
-    """Make the forward pass of the step after `step` produce NaN logits (once), on process `rank`."""
+    """Make the next `times` forward passes after step `step` produce NaN logits, on process `rank`."""
 
-    def __init__(self, step: int, rank: int = 0):
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int = 0, times: int = 1):
+        self.step, self.rank, self.times = step, rank, times
 
     def on_step_end(self, run):
         if run.state.step == self.step and run.accelerator.process_index == self.rank:
             head = run.accelerator.unwrap_model(run.model).lm_head
-            handle = None
+            calls = 0
 
             def poison(module, inputs, output):
-                handle.remove()
+                nonlocal calls
+                calls += 1
+                if calls == self.times:
+                    handle.remove()
                 return output * float("nan")
 
             handle = head.register_forward_hook(poison)
