@@ -15,6 +15,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -132,7 +133,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
     save_clock = Clock(recipe.checkpoint.every_minutes)
-    eval_metrics, last_ckpt, stop_reason = {}, ckpt, None
+    eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
     model.train()
     t_start = time.perf_counter()
     with signals:
@@ -142,10 +143,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
             # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
             grad_norm = clip_gradients(accelerator, params, cfg)
             # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
-            nonfinite, stop, save_due = agree(accelerator, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)),
-                                              signals.received is not None or run.stop_reason is not None,
-                                              save_clock.due())
-            if nonfinite:
+            flags = agree(accelerator, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)),
+                          signal=signals.received is not None, stop=run.stop_reason is not None, save=save_clock.due())
+            if flags.nonfinite:
                 skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml)
                 continue
             optimizer_step(accelerator, optimizer, scheduler, state)
@@ -161,18 +161,21 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                 bar.set_postfix(loss=f"{logs['train/loss']:.3f}", refresh=False)
             if (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == cfg.max_steps:
                 eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
-                stop = agree(accelerator, None, stop or run.stop_reason is not None, False)[1]
-            if stop:
-                stop_reason = f"received {signals.received}" if signals.received else run.stop_reason
+                flags = flags.merge(agree(accelerator, None, signal=signals.received is not None,
+                                          stop=run.stop_reason is not None))
+            if flags.signal or flags.stop:  # every process takes this branch at the same step
+                preempted = flags.signal
+                stop_reason = (f"received {signals.received or 'a stop signal on another process'}" if preempted
+                               else run.stop_reason or "a callback on another process asked to stop")
             every = recipe.checkpoint.every_steps
-            if (every and state.step % every == 0) or save_due or stop:
+            if (every and state.step % every == 0) or flags.save or stop_reason:
                 last_ckpt = save_checkpoint(accelerator, run_dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
                 callbacks.on_save(run, last_ckpt)
                 save_clock.reset()
     bar.close()
     loop_seconds = time.perf_counter() - t_start
     result = TrainResult(run_dir, None, state.step, eval_metrics, loop_seconds, [], accelerator.is_main_process,
-                         stop_reason, last_ckpt, preempted=signals.received is not None)
+                         stop_reason, last_ckpt, preempted)
     if result.preempted:  # the cluster wants the machine back: the checkpoint is written, leave now
         accelerator.end_training()
         return result
@@ -204,17 +207,28 @@ def recipe_hash(recipe: Recipe) -> str:
     return hashlib.sha256(json.dumps(training_fields(recipe.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def agree(accelerator, nonfinite: torch.Tensor | None, stop: bool, save: bool) -> tuple[bool, bool, bool]:
-    """Whether any process saw non-finite numbers, wants to stop, or has a save due: the same answer on every
-    process, so none of them breaks out of a collective alone (N10). One host sync for the non-finite check; one
-    small all-reduce with several processes; nothing more on one process."""
+class Flags(NamedTuple):
+    """What the processes agreed on at a step: some saw non-finite numbers, got a stop signal, have a callback
+    asking to stop, have a time-based save due."""
+
+    nonfinite: bool = False
+    signal: bool = False
+    stop: bool = False
+    save: bool = False
+
+    def merge(self, other: Flags) -> Flags:
+        return Flags(*(a or b for a, b in zip(self, other)))
+
+
+def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False, save=False) -> Flags:
+    """The flags of any process, the same on every process, so none of them breaks out of a collective alone (N10).
+    One host sync for the non-finite check; one small all-reduce with several processes; nothing more on one."""
     if accelerator.num_processes == 1:
-        return (bool(nonfinite) if nonfinite is not None else False), stop, save
-    flags = torch.tensor([0.0, float(stop), float(save)], device=accelerator.device)
+        return Flags(bool(nonfinite) if nonfinite is not None else False, signal, stop, save)
+    flags = torch.tensor([0.0, signal, stop, save], device=accelerator.device)
     if nonfinite is not None:
         flags[0] = nonfinite.float()
-    nonfinite, stop, save = (v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist())
-    return nonfinite, stop, save
+    return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
 
 
 def skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml) -> None:
@@ -381,12 +395,21 @@ def peak_memory_mb(device: torch.device) -> float:
 def evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort=lambda: False) -> dict | None:
     """Validation loss over every target token of the split, gathered across processes (N5): per-sample sums are
     gathered with `gather_for_metrics`, which drops the duplicates padding the last batch, then reduced. Returns None
-    when `abort()` (a stop signal) becomes true on any process, checked before each batch."""
+    when `abort()` (a stop signal) becomes true on any process, checked before each batch.
+
+    The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
+    how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort)
+
+
+def _evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort) -> dict | None:
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
     for batch in val_dl:
-        if agree(accelerator, None, abort(), False)[1]:
+        if agree(accelerator, None, signal=abort()).signal:
             model.train(was_training)
             return None
         with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets autocast too

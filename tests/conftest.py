@@ -64,3 +64,12 @@ def final_weights(run_dir, name="final"):
     from safetensors.torch import load_file
 
     return load_file(Path(run_dir) / name / "model.safetensors")
+
+
+def short_epochs(text, out, *extra):
+    """Overrides of the tiny recipe for resume tests: ~10 optimizer steps per epoch on one process (20 micro-batches,
+    grad_accum 2), dropout on (so the RNG states matter), EMA on (its state is checkpointed too), 24 steps."""
+    return [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
+            "data.val_fraction=0.1", "model.overrides={dropout: 0.1}", "train.grad_accum=2", "train.max_steps=24",
+            "train.eval_every=8", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "train.ema={decay: 0.9}",
+            "log.log_every=1", "log.progress_bar=false", "sample.prompts=[]", *extra]

@@ -1,5 +1,7 @@
 """The loop's gradient arithmetic: accumulation over ragged micro-batches equals one big batch (NOTES item 4)."""
 
+import math
+
 import pytest
 import torch
 
@@ -86,3 +88,24 @@ def test_a_skipped_fp16_step_does_not_advance_the_schedule(skipped):
     assert sched.last_epoch == (0 if skipped else 1)
     assert state.scaler_skips == (1 if skipped else 0)  # counted, and logged as train/scaler_skips
     assert param.grad is None  # gradients are cleared either way
+
+
+def test_evaluation_leaves_the_training_rng_untouched():
+    """Evaluating (every DataLoader iterator draws a seed from the global RNG) must not shift the random stream that
+    dropout uses, or how often a run evaluates would change its training, and a resumed run would drift."""
+    from torch.utils.data import DataLoader
+
+    from s4accel.data import collate_lm
+    from s4accel.trainer import evaluate
+
+    accelerator = _fresh_accelerator(1)
+    model = accelerator.prepare(S4ForCausalLM(S4Config(d_model=16, n_layer=1, d_state=8, vocab_size=40)))
+    val = accelerator.prepare(DataLoader([{"input_ids": torch.randint(3, 40, (12,))} for _ in range(6)],
+                                         batch_size=2, collate_fn=collate_lm))
+    counts = torch.ones(40, dtype=torch.long)
+    before = torch.get_rng_state()
+    metrics = evaluate(accelerator, model, val, counts, counts)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert metrics["loss"] > 0 and metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2))
+    assert evaluate(accelerator, model, val, counts, counts, abort=lambda: True) is None  # a stop signal cuts it short
+    assert torch.equal(torch.get_rng_state(), before)

@@ -1,13 +1,14 @@
 """Two CPU processes through `accelerate launch` (gloo): the real launch path users take on several GPUs."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, final_weights, short_epochs, small_text_file
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,9 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
 
 
 def launch(*args, timeout=600):
-    return subprocess.run([*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}  # for the recipes' testing_callbacks
+    return subprocess.run([*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
 
 
 def test_two_process_gradients_equal_one_big_batch():
@@ -58,3 +61,33 @@ def test_two_process_training_logs_once_saves_once_and_steps_the_schedule_once_p
     assert train_state["tokens_seen"] == steps * 2 * 8 * 64  # 2 processes x batch 8 x seq_len 64
     assert (run_dir / "final" / "model.safetensors").exists()
     assert not list(run_dir.glob(".*tmp*"))
+
+
+def test_two_process_run_preempted_on_one_rank_resumes_bit_exactly(tmp_path, hf_cache):
+    """SIGTERM reaches rank 1 only: both ranks agree to stop after the next step and save one checkpoint; the resumed
+    run (grad_accum 2, mid-epoch, dropout, EMA) ends with the weights of an uninterrupted 2-process run."""
+    text = small_text_file(tmp_path)
+
+    def train(out, *extra):
+        args = ["-m", "s4accel", "train", TINY]
+        for item in short_epochs(text, out, "train.max_steps=12", *extra):
+            args += ["--set", item]
+        proc = launch(*args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    train(tmp_path / "ref")
+    cut = train(tmp_path / "run", "callbacks=[{target: 'testing_callbacks:SignalAt', args: {step: 7, rank: 1}}]")
+    assert "stopped at step 8 (received a stop signal on another process)" in cut.stdout  # rank 0 speaks
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000008" / "custom_checkpoint_1.pkl",
+                       weights_only=False)
+    assert (state["epoch"], state["batch_in_epoch"]) == (1, 6)  # 10 micro-batches per rank and epoch: 16 = 10 + 6
+    args = ["-m", "s4accel", "train", TINY, "--resume"]
+    for item in short_epochs(text, tmp_path / "run", "train.max_steps=12"):
+        args += ["--set", item]
+    proc = launch(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "done: 12 steps" in proc.stdout
+    for name in ("final", "final_ema"):
+        ref, got = final_weights(tmp_path / "ref", name), final_weights(tmp_path / "run", name)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), name

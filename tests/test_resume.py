@@ -12,21 +12,12 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, final_weights, small_text_file, train_in_process
+from conftest import REPO, TINY, final_weights, short_epochs, small_text_file, train_in_process
 from s4accel.errors import ResumeError
 
 pytestmark = pytest.mark.slow
 
-STEPS = 24
-
-
-def short_epochs(text, out, *extra):
-    """~10 optimizer steps per epoch (20 micro-batches, grad_accum 2), dropout on (so the RNG states matter), EMA
-    on (its state is checkpointed too)."""
-    return [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
-            "data.val_fraction=0.1", "model.overrides={dropout: 0.1}", "train.grad_accum=2", f"train.max_steps={STEPS}",
-            "train.eval_every=8", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "train.ema={decay: 0.9}",
-            "log.log_every=1", "log.progress_bar=false", "sample.prompts=[]", *extra]
+STEPS = 24  # short_epochs' train.max_steps
 
 
 def callback(target, **args):

@@ -10,13 +10,14 @@ from s4accel.callbacks import Callback
 
 
 class SignalAt(Callback):
-    """Send this process a signal after optimizer step `step` (as a cluster's preemption notice would)."""
+    """Send this process a signal after optimizer step `step` (as a cluster's preemption notice would); with `rank`,
+    only that process gets it."""
 
-    def __init__(self, step: int, signal_name: str = "SIGTERM"):
-        self.step, self.signal_name = step, signal_name
+    def __init__(self, step: int, signal_name: str = "SIGTERM", rank: int | None = None):
+        self.step, self.signal_name, self.rank = step, signal_name, rank
 
     def on_step_end(self, run):
-        if run.state.step == self.step:
+        if run.state.step == self.step and self.rank in (None, run.accelerator.process_index):
             os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
