@@ -224,12 +224,16 @@ def main():
                     times[loop].append(measure(loop, size, args.steps or STEPS[size], Path(scratch)))
             medians = {loop: statistics.median(ts) for loop, ts in times.items()}
             base = medians.get("torch")
+            mins = {loop: min(ts) for loop, ts in times.items()}
             results[size] = {
                 "ms_per_step_median": {k: round(v, 3) for k, v in medians.items()},
+                "ms_per_step_min": {k: round(v, 3) for k, v in mins.items()},
                 "ms_per_step_all": {k: [round(t, 3) for t in ts] for k, ts in times.items()},
                 "ratio_to_torch": {k: round(v / base, 3) for k, v in medians.items()} if base else None,
                 "s4accel_over_accelerate": (round(medians["s4accel"] / medians["accelerate"], 3)
                                             if {"s4accel", "accelerate"} <= medians.keys() else None),
+                "s4accel_over_accelerate_min": (round(mins["s4accel"] / mins["accelerate"], 3)
+                                                if {"s4accel", "accelerate"} <= mins.keys() else None),
                 "s4accel_over_trainer": (round(medians["s4accel"] / medians["trainer"], 3)
                                          if {"s4accel", "trainer"} <= medians.keys() else None),
             }

@@ -143,7 +143,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
             # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
             grad_norm = clip_gradients(accelerator, params, cfg)
             # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
-            flags = agree(accelerator, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)),
+            flags = agree(accelerator, ~torch.isfinite(loss + grad_norm),  # NaN or inf in either
                           signal=signals.received is not None, stop=run.stop_reason is not None, save=save_clock.due())
             if flags.nonfinite:
                 skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml)
@@ -310,17 +310,19 @@ def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
     tokens in the whole window on all ranks, so ragged micro-batches weigh by their tokens. Multiplying by
     grad_accum x num_processes cancels backward's 1/grad_accum (N2) and DDP's mean over ranks. One collective.
     """
-    ga = accelerator.gradient_accumulation_steps
+    ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
-    n_items = sum(count_targets(b) for b in window)
-    if accelerator.num_processes > 1:
-        n_items = accelerator.gather(n_items.reshape(1)).sum()
-    total = torch.zeros((), device=accelerator.device)
+    n_items = None  # one micro-batch on one process: the model's own mean over real tokens is that already
+    if ga > 1 or n_proc > 1:
+        n_items = sum(count_targets(b) for b in window)
+        if n_proc > 1:
+            n_items = accelerator.gather(n_items.reshape(1)).sum()
+    total = None
     for batch in window:
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
             out = model(**batch, num_items_in_batch=n_items)
-            accelerator.backward(out.loss * ga * accelerator.num_processes)
-        total += out.loss.detach()
+            accelerator.backward(out.loss * (ga * n_proc) if n_items is not None else out.loss)
+        total = out.loss.detach() if total is None else total + out.loss.detach()
     return total
 
 
@@ -355,6 +357,7 @@ class Meter:
 
     def __init__(self, accelerator, state: TrainState):
         self.accelerator, self.state = accelerator, state
+        self.process = psutil.Process()
         self.sums: dict[str, torch.Tensor] = {}
         self.steps_at_last = state.step
         self.time_at_last = time.perf_counter()
@@ -374,7 +377,7 @@ class Meter:
         logs["train/tokens_per_s"] = (state.tokens_seen - self.tokens_at_last) / (now - self.time_at_last)
         logs["train/step_time_ms"] = 1000 * (now - self.time_at_last) / steps
         logs["train/peak_mem_mb"] = peak_memory_mb(self.accelerator.device)
-        logs["train/rss_mb"] = psutil.Process().memory_info().rss / 2**20  # current, to see memory stay flat
+        logs["train/rss_mb"] = self.process.memory_info().rss / 2**20  # current, to see memory stay flat
         logs["train/epoch"] = state.epoch
         logs["train/nonfinite_skips"] = state.nonfinite_skips
         logs["train/scaler_skips"] = state.scaler_skips

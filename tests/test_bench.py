@@ -1,0 +1,23 @@
+"""bench/loop_overhead.py runs and prints the JSON it promises (a short run: this checks the harness, not speed)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_loop_overhead_bench_prints_ratios_as_json():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--sizes", "tiny", "--repeats",
+                           "1", "--steps", "20", "--loops", "accelerate", "s4accel"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tiny = json.loads(proc.stdout)["results"]["tiny"]
+    assert set(tiny["ms_per_step_median"]) == {"accelerate", "s4accel"}
+    assert all(v > 0 for v in tiny["ms_per_step_median"].values())
+    assert tiny["s4accel_over_accelerate"] == pytest.approx(
+        tiny["ms_per_step_median"]["s4accel"] / tiny["ms_per_step_median"]["accelerate"], rel=1e-2)
