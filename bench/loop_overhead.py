@@ -237,7 +237,8 @@ def main():
                 "s4accel_over_trainer": (round(medians["s4accel"] / medians["trainer"], 3)
                                          if {"s4accel", "trainer"} <= medians.keys() else None),
             }
-    print(json.dumps({"steps": {size: args.steps or STEPS[size] for size in args.sizes}, "warmup": WARMUP, "repeats": args.repeats, "threads": 1,
+    print(json.dumps({"steps": {size: args.steps or STEPS[size] for size in args.sizes}, "warmup": WARMUP,
+                      "repeats": args.repeats, "threads": 1,
                       "results": results}, indent=2))
 
 

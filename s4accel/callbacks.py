@@ -161,8 +161,9 @@ class EarlyStopping(Callback):
 
 class EMA(Callback):
     """Exponential moving average of the weights (`torch.optim.swa_utils.AveragedModel`): updated every `every`
-    optimizer steps from `start_step` on, evaluated beside the raw weights (`ema_*` metrics, logged as `eval_ema/*`), saved in every
-    checkpoint, and exported to `<run_dir>/final_ema` as its own `from_pretrained` directory."""
+    optimizer steps from `start_step` on, evaluated beside the raw weights (`ema_*` metrics, logged as
+    `eval_ema/*`), saved in every checkpoint, and exported to `<run_dir>/final_ema` as its own `from_pretrained`
+    directory."""
 
     def __init__(self, decay: float = 0.999, start_step: int = 0, every: int = 1):
         self.decay, self.start_step, self.every = decay, start_step, every
@@ -204,8 +205,9 @@ class EMA(Callback):
 
 
 class KeepBest(Callback):
-    """Keep the `keep` best models (the EMA weights when ranked by an `ema_*` metric) by an eval metric as `from_pretrained` directories `<run_dir>/best/step_XXXXXXXX`,
-    each with a `metrics.json`. The ranking is read back from disk, so it survives crashes and resumes."""
+    """Keep the `keep` best models by an eval metric as `from_pretrained` directories
+    `<run_dir>/best/step_XXXXXXXX`, each with a `metrics.json` (the EMA weights when ranked by an `ema_*` metric).
+    The ranking is read back from disk, so it survives crashes and resumes."""
 
     def __init__(self, keep: int, metric: str = "loss", mode: str = "min", ema: EMA | None = None):
         self.keep, self.metric, self.mode, self.ema = keep, metric, mode, ema

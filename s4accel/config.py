@@ -145,7 +145,8 @@ EVAL_METRICS = ("loss", "ppl", "bits_per_byte", "bits_per_char")
 def _check_metric(metric: str) -> str:
     allowed = [*EVAL_METRICS, *(f"ema_{m}" for m in EVAL_METRICS)]
     if metric not in allowed:
-        raise ValueError(f"unknown eval metric {metric!r}{_did_you_mean(metric, allowed)}; allowed: {', '.join(allowed)}")
+        raise ValueError(f"unknown eval metric {metric!r}{_did_you_mean(metric, allowed)}; "
+                         f"allowed: {', '.join(allowed)}")
     return metric
 
 

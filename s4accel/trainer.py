@@ -146,7 +146,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
             flags = agree(accelerator, ~torch.isfinite(loss + grad_norm),  # NaN or inf in either
                           signal=signals.received is not None, stop=run.stop_reason is not None, save=save_clock.due())
             if flags.nonfinite:
-                skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml)
+                skip_nonfinite_step(accelerator, optimizer, state, recipe, recipe_yaml)
                 continue
             optimizer_step(accelerator, optimizer, scheduler, state)
             state.step += 1
@@ -191,14 +191,13 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 
 def build_callbacks(recipe: Recipe) -> CallbackList:
     """Built-ins first, in a fixed order (EMA adds its metrics before the others read them), then the recipe's."""
-    cbs = []
-    if recipe.train.ema is not None:
-        cbs.append(EMA(**recipe.train.ema.model_dump()))
+    ema = EMA(**recipe.train.ema.model_dump()) if recipe.train.ema is not None else None
+    cbs = [ema] if ema else []
     if recipe.train.early_stopping is not None:
         cbs.append(EarlyStopping(**recipe.train.early_stopping.model_dump()))
     ck = recipe.checkpoint
     if ck.keep_best:
-        cbs.append(KeepBest(ck.keep_best, ck.best_metric, ck.best_mode, ema=cbs[0] if recipe.train.ema else None))
+        cbs.append(KeepBest(ck.keep_best, ck.best_metric, ck.best_mode, ema=ema))
     cbs += [load_callback(c.target, c.args, f"callbacks.{i}") for i, c in enumerate(recipe.callbacks)]
     return CallbackList(cbs)
 
@@ -231,15 +230,16 @@ def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False,
     return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
 
 
-def skip_nonfinite_step(accelerator, optimizer, state, cfg, run_dir, recipe, recipe_yaml) -> None:
+def skip_nonfinite_step(accelerator, optimizer, state, recipe, recipe_yaml) -> None:
     """Drop this step's update (the weights stay the last good ones), count it, and stop by policy."""
+    cfg = recipe.train
     optimizer.zero_grad(set_to_none=True)
     state.nonfinite_skips += 1
     state.consecutive_nonfinite += 1
     accelerator.print(f"warning: non-finite loss or gradient norm at step {state.step + 1}; update skipped "
                       f"({state.consecutive_nonfinite} in a row)")
     if cfg.on_nonfinite == "stop" or state.consecutive_nonfinite >= cfg.max_nonfinite_skips:
-        path = save_checkpoint(accelerator, run_dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
+        path = save_checkpoint(accelerator, recipe.run.dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
         why = ("train.on_nonfinite=stop" if cfg.on_nonfinite == "stop"
                else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}")
         raise NonFiniteError(f"non-finite loss or gradient norm at step {state.step + 1} ({why}); the last good state "

@@ -1,5 +1,6 @@
 """Test setup: offline Hub and datasets, a session-wide datasets cache, tiny-model fixtures."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -73,3 +74,13 @@ def short_epochs(text, out, *extra):
             "data.val_fraction=0.1", "model.overrides={dropout: 0.1}", "train.grad_accum=2", "train.max_steps=24",
             "train.eval_every=8", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "train.ema={decay: 0.9}",
             "log.log_every=1", "log.progress_bar=false", "sample.prompts=[]", *extra]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def callback_override(target, **args) -> str:
+    """A `--set` item attaching one callback, e.g. callback_override("testing_callbacks:SignalAt", step=3)."""
+    return f"callbacks=[{{target: '{target}', args: {json.dumps(args)}}}]"

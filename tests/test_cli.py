@@ -1,11 +1,10 @@
 """The CLI end to end on the tiny recipe, in a subprocess as a user runs it; and the Python API without the CLI."""
 
-import json
 
 import pytest
 import yaml
 
-from conftest import TINY, run_cli
+from conftest import TINY, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +23,7 @@ def test_run_directory_holds_recipe_metrics_tensorboard_checkpoint_and_model(fin
     assert "done: 10 steps" in proc.stdout
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert recipe["train"]["max_steps"] == 10 and recipe["run"]["out_dir"] == str(run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [5, 10]
     for key in ("train/grad_norm", "train/tokens_per_s", "train/step_time_ms", "train/peak_mem_mb",

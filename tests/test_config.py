@@ -76,7 +76,8 @@ def test_bad_override_syntax(tmp_path):
 
 
 def test_model_name_and_override_keys_are_checked_without_torch(tmp_path):
-    assert "model.name: unknown model size 's4-smal' (did you mean 's4-small'?)" in error_of(TINY, ["model.name=s4-smal"])
+    msg = error_of(TINY, ["model.name=s4-smal"])
+    assert "model.name: unknown model size 's4-smal' (did you mean 's4-small'?)" in msg
     msg = error_of(TINY, ["model.overrides.d_modle=8"])
     assert "model.overrides: unknown key 'd_modle' (did you mean 'd_model'?)" in msg
     assert "set from the tokenizer" in error_of(TINY, ["model.overrides.vocab_size=8"])

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, final_weights, short_epochs, small_text_file
+from conftest import REPO, TINY, final_weights, read_metrics, short_epochs, small_text_file
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_two_process_training_logs_once_saves_once_and_steps_the_schedule_once_p
     assert "2 process(es)" in proc.stdout
     assert proc.stdout.count("done: 8 steps") == 1  # the summary comes from the main process only
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(1, steps + 1))  # logged once per step, not once per process
     # The schedule advanced exactly once per optimizer step: linear warmup 2, then linear decay to 0 at step 8.

@@ -1,6 +1,5 @@
 """Never lose a run: a preempted or killed run resumes exactly, and a resume with a changed recipe is refused."""
 
-import json
 import os
 import random
 import shutil
@@ -12,7 +11,8 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, final_weights, short_epochs, small_text_file, train_in_process
+from conftest import (REPO, TINY, callback_override, final_weights, read_metrics, short_epochs, small_text_file,
+                      train_in_process)
 from s4accel.errors import ResumeError
 
 pytestmark = pytest.mark.slow
@@ -20,12 +20,6 @@ pytestmark = pytest.mark.slow
 STEPS = 24  # short_epochs' train.max_steps
 
 
-def callback(target, **args):
-    return f"callbacks=[{{target: '{target}', args: {json.dumps(args)}}}]"
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_weights(dir_a, dir_b, name="final"):
@@ -51,7 +45,7 @@ def reference(tmp_path_factory, text):
 
 def test_sigterm_mid_epoch_saves_within_one_step_and_resume_is_bit_exact(reference, text, tmp_path):
     out = tmp_path / "run"
-    cut = train_in_process(TINY, short_epochs(text, out, callback("testing_callbacks:SignalAt", step=13)))
+    cut = train_in_process(TINY, short_epochs(text, out, callback_override("testing_callbacks:SignalAt", step=13)))
     # The signal arrived after step 13: step 14 completes, is checkpointed, and the run returns without exporting.
     assert cut.preempted and cut.steps == 14 and cut.stop_reason == "received SIGTERM"
     assert cut.checkpoint == out / "checkpoints" / "step_00000014" and cut.final_dir is None
@@ -63,9 +57,9 @@ def test_sigterm_mid_epoch_saves_within_one_step_and_resume_is_bit_exact(referen
     assert resumed.steps == STEPS and resumed.stop_reason is None
     assert_same_weights(reference, out)
     assert_same_weights(reference, out, "final_ema")
-    steps = [r["step"] for r in records(out) if "train/loss" in r]
+    steps = [r["step"] for r in read_metrics(out) if "train/loss" in r]
     assert steps == list(range(1, STEPS + 1))  # each step logged once: records past the checkpoint were dropped
-    evals = lambda d: [(r["step"], r["eval/loss"], r["eval_ema/loss"]) for r in records(d) if "eval/loss" in r]
+    evals = lambda d: [(r["step"], r["eval/loss"], r["eval_ema/loss"]) for r in read_metrics(d) if "eval/loss" in r]
     assert evals(out) == evals(reference)
 
 

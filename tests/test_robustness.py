@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from conftest import TINY, final_weights, run_cli, small_text_file, train_in_process
+from conftest import (TINY, callback_override, final_weights, read_metrics, run_cli, small_text_file,
+                      train_in_process)
 from s4accel.errors import NonFiniteError, RecipeError, RunDirError
 
 pytestmark = pytest.mark.slow
@@ -24,18 +25,13 @@ def base(text, out, *extra):
             "log.log_every=1", "log.log_with=[jsonl]", "log.progress_bar=false", "sample.prompts=[]", *extra]
 
 
-def callback(target, **args):
-    return f"callbacks=[{{target: '{target}', args: {json.dumps(args)}}}]"
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(text, tmp_path):
-    result = train_in_process(TINY, base(text, tmp_path / "r", callback("testing_callbacks:NaNForwardAt", step=4)))
+    nan_at_4 = callback_override("testing_callbacks:NaNForwardAt", step=4)
+    result = train_in_process(TINY, base(text, tmp_path / "r", nan_at_4))
     assert result.steps == 12  # twelve real updates: the poisoned window did not count as one
-    train = [r for r in records(tmp_path / "r") if "train/loss" in r]
+    train = [r for r in read_metrics(tmp_path / "r") if "train/loss" in r]
     assert all(math.isfinite(r["train/loss"]) for r in train)
     assert [r["train/nonfinite_skips"] for r in train][3:5] == [0, 1]  # counted on the step after the skip
     assert all(torch.isfinite(t).all() for t in final_weights(tmp_path / "r").values())
@@ -44,7 +40,7 @@ def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(text, tmp_pat
 def test_stop_policy_saves_the_last_good_state_and_exits_non_zero_naming_the_step(text, tmp_path):
     out = tmp_path / "r"
     args = ["train", TINY, "--set", "train.on_nonfinite=stop"]
-    for item in base(text, out, callback("testing_callbacks:NaNForwardAt", step=4)):
+    for item in base(text, out, callback_override("testing_callbacks:NaNForwardAt", step=4)):
         args += ["--set", item]
     proc = run_cli(*args, env={"PYTHONPATH": str(TINY.parents[1] / "tests")})
     assert proc.returncode == 3
@@ -61,7 +57,7 @@ def test_stop_policy_saves_the_last_good_state_and_exits_non_zero_naming_the_ste
 def test_consecutive_skips_stop_the_run(text, tmp_path):
     # Every forward after step 3 is poisoned: after max_nonfinite_skips in a row, the run stops as with `stop`.
     overrides = base(text, tmp_path / "r", "train.max_nonfinite_skips=3",
-                     callback("testing_callbacks:NaNForwardAt", step=3, times=100))
+                     callback_override("testing_callbacks:NaNForwardAt", step=3, times=100))
     with pytest.raises(NonFiniteError, match=r"at step 4 \(3 in a row, train.max_nonfinite_skips=3\)"):
         train_in_process(TINY, overrides)
 
@@ -71,7 +67,7 @@ def test_early_stopping_on_patience_and_on_divergence(text, tmp_path):
     result = train_in_process(TINY, base(text, tmp_path / "a", "train.eval_every=2", "train.max_steps=40",
                                          "train.early_stopping={patience: 2, min_delta: 100.0}"))
     assert result.steps == 6
-    first = next(r["eval/loss"] for r in records(tmp_path / "a") if "eval/loss" in r)
+    first = next(r["eval/loss"] for r in read_metrics(tmp_path / "a") if "eval/loss" in r)
     assert result.stop_reason == f"early stopping: eval loss has not improved on {first:.4g} for 2 evaluations"
     assert (tmp_path / "a" / "final" / "model.safetensors").exists()  # an early stop still exports the model
     assert (tmp_path / "a" / "checkpoints" / "step_00000006").exists()
@@ -84,7 +80,7 @@ def test_keep_best_keeps_the_best_models_by_metric_as_pretrained_dirs(text, tmp_
     out = tmp_path / "r"
     train_in_process(TINY, base(text, out, "train.eval_every=2", "checkpoint.keep_best=2",
                                 "checkpoint.best_metric=bits_per_char"))
-    evals = {r["step"]: r["eval/bits_per_char"] for r in records(out) if "eval/bits_per_char" in r}
+    evals = {r["step"]: r["eval/bits_per_char"] for r in read_metrics(out) if "eval/bits_per_char" in r}
     best_two = sorted(evals, key=evals.get)[:2]
     assert sorted(int(p.name.split("_")[1]) for p in (out / "best").iterdir()) == sorted(best_two)
     from transformers import AutoModelForCausalLM
@@ -97,7 +93,7 @@ def test_keep_best_keeps_the_best_models_by_metric_as_pretrained_dirs(text, tmp_
 
 def test_user_callback_hooks_run_in_order_and_its_state_is_checkpointed(text, tmp_path):
     out, log = tmp_path / "r", tmp_path / "events.jsonl"
-    cb = callback("testing_callbacks:Recorder", path=str(log))
+    cb = callback_override("testing_callbacks:Recorder", path=str(log))
     result = train_in_process(TINY, base(text, out, cb, "train.eval_every=4", "checkpoint.every_steps=4",
                                          "checkpoint.keep_last=2", "log.log_every=4", "train.max_steps=8"))
     events = [json.loads(line) for line in log.read_text().splitlines()]
@@ -115,7 +111,7 @@ def test_user_callback_hooks_run_in_order_and_its_state_is_checkpointed(text, tm
 
 def test_a_callback_that_cannot_be_imported_fails_before_any_compute(text, tmp_path):
     with pytest.raises(RecipeError, match=r"callbacks.0.target: cannot import 'nowhere.mod:Thing'"):
-        train_in_process(TINY, base(text, tmp_path / "r", callback("nowhere.mod:Thing")))
+        train_in_process(TINY, base(text, tmp_path / "r", callback_override("nowhere.mod:Thing")))
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
@@ -154,5 +150,5 @@ def test_endurance_many_checkpoints_bounded_disk_flat_memory(text, tmp_path):
     assert len(list((out / "checkpoints").iterdir())) == 2  # 75 checkpoints written, the newest 2 kept
     assert len(list((out / "best").iterdir())) == 1
     assert not list(out.rglob(".*tmp*"))
-    rss = {r["step"]: r["train/rss_mb"] for r in records(out) if "train/rss_mb" in r}
+    rss = {r["step"]: r["train/rss_mb"] for r in read_metrics(out) if "train/rss_mb" in r}
     assert rss[150] - rss[30] < 30, rss  # 60 checkpoints and 12 evaluations later, memory has not grown

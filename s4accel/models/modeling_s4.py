@@ -82,7 +82,8 @@ class S4DKernel(nn.Module):
         init.copy_(self.C, torch.randn(H, N2, 2, device=device) * math.sqrt(0.5))
 
     def discretize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns `dtA (H, N/2)` and `C~ (H, N/2)`, complex64 (complex128 for fp64 parameters), with `exp(dtA)` the discrete state matrix."""
+        """Returns `dtA (H, N/2)` and `C~ (H, N/2)`, complex64 (complex128 for fp64 parameters); `exp(dtA)` is the
+        discrete state matrix."""
         dt = torch.exp(_fp32_or_wider(self.log_dt))  # (H,)
         A = torch.complex(-torch.exp(_fp32_or_wider(self.log_A_real)), _fp32_or_wider(self.A_imag))  # (H, N/2)
         C = torch.view_as_complex(_fp32_or_wider(self.C).contiguous())  # (H, N/2)
@@ -215,7 +216,8 @@ class S4Model(S4PreTrainedModel):
 
 
 class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
-    """S4 language model: `S4Model` + a linear head tied to the input embedding (unless `tie_word_embeddings=False`)."""
+    """S4 language model: `S4Model` + a linear head tied to the input embedding (unless
+    `tie_word_embeddings=False`)."""
 
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
 
