@@ -27,6 +27,8 @@ _LAZY = {
     "S4PreTrainedModel": "s4accel.models",
     "S4Model": "s4accel.models",
     "S4ForCausalLM": "s4accel.models",
+    "S4ForSequenceClassification": "s4accel.models",
+    "S4Cache": "s4accel.models",
 }
 
 

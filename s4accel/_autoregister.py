@@ -13,15 +13,17 @@ import warnings
 
 
 def register_auto_classes() -> None:
-    """Make `AutoConfig`, `AutoModel` and `AutoModelForCausalLM` know every family. Idempotent."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    """Make `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` and `AutoModelForSequenceClassification` know every
+    family. Idempotent."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from .models.configuration_s4 import S4Config
-    from .models.modeling_s4 import S4ForCausalLM, S4Model
+    from .models.modeling_s4 import S4ForCausalLM, S4ForSequenceClassification, S4Model
 
     AutoConfig.register(S4Config.model_type, S4Config, exist_ok=True)
     AutoModel.register(S4Config, S4Model, exist_ok=True)
     AutoModelForCausalLM.register(S4Config, S4ForCausalLM, exist_ok=True)
+    AutoModelForSequenceClassification.register(S4Config, S4ForSequenceClassification, exist_ok=True)
 
 
 def _register() -> None:

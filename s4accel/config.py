@@ -113,7 +113,7 @@ class OptimCfg(_Section):
     eps: float = Field(1e-8, gt=0)
     ssm_lr: float = Field(1e-3, gt=0)
     """Learning rate of the SSM parameters named in `ssm_params` (the reference uses min(1e-3, lr))."""
-    ssm_params: list[str] = Field(default_factory=lambda: ["log_dt", "log_A_real", "A_imag"])
+    ssm_params: list[str] = Field(default_factory=lambda: ["log_dt", "log_A_real", "A_imag", "P", "B"])
     """Parameter names (last dotted component) that form the SSM group: own lr, no weight decay."""
 
 

@@ -10,7 +10,8 @@ from .config import OptimCfg, RecipeError, SchedulerCfg
 def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:
     """Three groups, each named (the name is logged with its lr):
 
-    - `ssm`: parameters whose last name component is in `cfg.ssm_params` (`log_dt`, `log_A_real`, `A_imag`):
+    - `ssm`: parameters whose last name component is in `cfg.ssm_params` (`log_dt`, `log_A_real`, `A_imag`, and the
+      `s4` kernel's `P`, `B`):
       `ssm_lr`, no weight decay. Chosen by name because per-tensor attributes do not survive `from_pretrained`.
     - `decay`: the other matrices (ndim >= 2: linear weights, embeddings): `lr`, `weight_decay`.
     - `no_decay`: the other vectors (biases, norm weights, `D`): `lr`, no weight decay.

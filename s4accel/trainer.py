@@ -7,6 +7,8 @@ shared NOTES.md (N1 = item 1, ...).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -135,8 +137,12 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     save_clock = Clock(recipe.checkpoint.every_minutes)
     eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
     model.train()
+    # The ~10^5 long-lived objects of setup (dataset, tokenizer, modules, recipe) go to the permanent generation:
+    # otherwise each full collection the loop's garbage triggers rescans them all (0.2 s here, a 13% slower loop).
+    gc.collect()
+    gc.freeze()
     t_start = time.perf_counter()
-    with signals:
+    with signals, unfreeze_gc_after():
         while state.step < cfg.max_steps and stop_reason is None:
             window = [next(batches) for _ in range(cfg.grad_accum)]
             loss = backward_window(accelerator, model, window)
@@ -204,6 +210,15 @@ def build_callbacks(recipe: Recipe) -> CallbackList:
 
 def recipe_hash(recipe: Recipe) -> str:
     return hashlib.sha256(json.dumps(training_fields(recipe.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def unfreeze_gc_after():
+    """Hand the objects `gc.freeze()` set aside back to the collector when the loop ends, however it ends."""
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class Flags(NamedTuple):

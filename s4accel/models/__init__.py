@@ -12,7 +12,7 @@ import transformers  # noqa: F401
 
 from ..sizes import FAMILIES
 from .configuration_s4 import S4Config
-from .modeling_s4 import S4ForCausalLM, S4Model, S4PreTrainedModel
+from .modeling_s4 import S4Cache, S4ForCausalLM, S4ForSequenceClassification, S4Model, S4PreTrainedModel
 
 
 def family_classes(family: str):
@@ -21,4 +21,5 @@ def family_classes(family: str):
     return tuple(getattr(importlib.import_module(f".{module}", __name__), cls) for module, cls in refs)
 
 
-__all__ = ["S4Config", "S4PreTrainedModel", "S4Model", "S4ForCausalLM", "family_classes"]
+__all__ = ["S4Config", "S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache",
+           "family_classes"]

@@ -7,33 +7,60 @@ only `transformers` and `huggingface_hub` (a dependency of transformers).
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-S4D_INITS = ("diag-lin", "diag-inv")
+KERNELS = ("s4d", "s4")
+S4D_INITS = ("diag-lin", "diag-inv", "diag-legs", "diag-real")
+S4_INITS = ("legs",)
+DISCRETIZATIONS = ("zoh", "bilinear")
+NORMS = ("layer", "batch")
+POOLINGS = ("mean", "last")
 
 
 @strict
 class S4Config(PreTrainedConfig):
     r"""
-    Configuration of an S4 language model: a stack of pre-norm residual blocks, each holding one S4D layer
-    (diagonal state space, ZOH discretisation, FFT convolution) followed by GELU and a GLU output projection.
+    Configuration of an S4 model: a stack of residual blocks, each holding one S4 layer (`H = d_model` independent
+    single-input single-output state space models, applied as a convolution) followed by GELU and a GLU output
+    projection.
 
     Args:
-        vocab_size (`int`): Number of token ids (259 for the byte-level `ByT5Tokenizer(extra_ids=0)`).
+        vocab_size (`int`): Number of token ids (259 for the byte-level `ByT5Tokenizer(extra_ids=0)`). Unused when
+            `d_input` is set.
+        d_input (`int`, *optional*): Features per time step of real-valued inputs (`input_values (B, L, d_input)`,
+            e.g. a multivariate time series), encoded by a linear layer instead of a token embedding.
         d_model (`int`): Width `H` of the residual stream; each channel has its own SSM.
         n_layer (`int`): Number of S4 blocks.
-        d_state (`int`): State size `N` of each SSM. Stored as `N/2` complex modes plus their conjugates, so `N`
-            must be even (the reference's convention; its default is 64).
-        init (`str`): Initialisation of the diagonal state matrix `A`: `"diag-lin"` (S4D-Lin, `Im A_n = pi n`) or
-            `"diag-inv"` (S4D-Inv, `Im A_n = (N/pi)(N/(2n+1) - 1)`); `Re A_n = -1/2` for both.
+        d_state (`int`): State size `N` of each SSM, stored as `N/2` complex modes plus their implied conjugates, so
+            `N` must be even (the reference's convention; its default is 64).
+        kernel (`str`): `"s4d"`, a diagonal state matrix `A` (kernel by Vandermonde product), or `"s4"`, the
+            original normal-plus-low-rank `A = Lambda - P P^*` from HiPPO-LegS (kernel by Cauchy sums with the
+            Woodbury correction, bilinear discretisation).
+        disc (`str`): Discretisation of the `"s4d"` kernel: `"zoh"` (zero-order hold) or `"bilinear"`. The `"s4"`
+            kernel is always bilinear.
+        init (`str`, *optional*): Initialisation of `A`. `"s4d"`: `"diag-lin"` (S4D-Lin, `Im A_n = pi n`, the
+            default), `"diag-inv"` (S4D-Inv, `Im A_n = (N/pi)(N/(2n+1) - 1)`), `"diag-legs"` (S4D-LegS, the
+            diagonal part of the HiPPO-LegS NPLR form, with its `B`), `"diag-real"` (S4D-Real, `A_n = -(n+1)`).
+            `"s4"`: `"legs"` (the default).
+        n_ssm (`int`, *optional*): Number of distinct `(A, B, P)` triples, each shared by `d_model / n_ssm` channels
+            (`C` and `dt` stay per channel). `None`: one per channel.
+        l_max (`int`): Kernel length the `"s4"` kernel's `C` is trained for (its `C` is the reference's `C~ =
+            C (I - dA^l_max)`). Shorter inputs use a prefix of this kernel; longer ones a doubled kernel. Set it to the
+            training sequence length. Unused by `"s4d"`.
         dt_min, dt_max (`float`): Range of the log-uniform initialisation of the step size `dt` (one per channel).
+        bidirectional (`bool`): A second, anti-causal kernel per channel (sequence classification only; causal
+            language models and recurrent decoding refuse it).
+        prenorm (`bool`): Normalise each block's input (`x + f(norm(x))`); otherwise its output (`norm(x + f(x))`).
+        norm (`str`): `"layer"` (LayerNorm over channels) or `"batch"` (BatchNorm over batch and time).
         dropout (`float`): Dropout after each S4 layer's activation and on each residual branch.
-        layer_norm_eps (`float`): Epsilon of the LayerNorms.
+        pooling (`str`): How `S4ForSequenceClassification` pools time steps: `"mean"` over real (unpadded) steps or
+            the `"last"` real step.
+        layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.
 
     Example:
 
     ```python
     >>> from s4accel import S4Config, S4ForCausalLM
-    >>> model = S4ForCausalLM(S4Config(d_model=64, n_layer=2))
+    >>> model = S4ForCausalLM(S4Config(d_model=64, n_layer=2, kernel="s4", l_max=256))
     ```
     """
 
@@ -41,13 +68,22 @@ class S4Config(PreTrainedConfig):
     attribute_map = {"hidden_size": "d_model", "num_hidden_layers": "n_layer"}
 
     vocab_size: int = 259
+    d_input: int | None = None
     d_model: int = 256
     n_layer: int = 4
     d_state: int = 64
-    init: str = "diag-lin"
+    kernel: str = "s4d"
+    disc: str = "zoh"
+    init: str | None = None
+    n_ssm: int | None = None
+    l_max: int = 1024
     dt_min: float = 1e-3
     dt_max: float = 1e-1
+    bidirectional: bool = False
+    prenorm: bool = True
+    norm: str = "layer"
     dropout: float = 0.0
+    pooling: str = "mean"
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
@@ -55,17 +91,31 @@ class S4Config(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 1
     tie_word_embeddings: bool = True
 
+    @property
+    def ssm_init(self) -> str:
+        """`init`, or the kernel's default when it is None."""
+        return self.init or ("diag-lin" if self.kernel == "s4d" else "legs")
+
     # Value checks; `@strict` runs every `validate_*` method after construction and checks the field types.
     def validate_sizes(self):
-        for name in ("vocab_size", "d_model", "n_layer"):
+        for name in ("vocab_size", "d_model", "n_layer", "l_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_input is not None and self.d_input < 1:
+            raise ValueError(f"d_input must be >= 1 (or None for token ids), got {self.d_input}")
         if self.d_state < 2 or self.d_state % 2:
             raise ValueError(f"d_state must be an even number >= 2 (N/2 complex modes), got {self.d_state}")
+        if self.n_ssm is not None and (self.n_ssm < 1 or self.d_model % self.n_ssm):
+            raise ValueError(f"n_ssm must divide d_model={self.d_model}, got {self.n_ssm}")
 
-    def validate_init(self):
-        if self.init not in S4D_INITS:
-            raise ValueError(f"init must be one of {', '.join(S4D_INITS)}, got {self.init!r}")
+    def validate_choices(self):
+        for name, allowed in (("kernel", KERNELS), ("disc", DISCRETIZATIONS), ("norm", NORMS),
+                              ("pooling", POOLINGS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        allowed = S4D_INITS if self.kernel == "s4d" else S4_INITS
+        if self.ssm_init not in allowed:
+            raise ValueError(f"init for kernel={self.kernel} must be one of {', '.join(allowed)}, got {self.init!r}")
 
     def validate_dt(self):
         if not 0 < self.dt_min <= self.dt_max:

@@ -1,27 +1,42 @@
-"""S4 (diagonal, S4D) language model in PyTorch, as a `transformers` model.
+"""S4 models in PyTorch, as `transformers` models: a causal language model and a sequence classifier.
 
 Notation follows the S4/S4D papers: `H` channels (`d_model`), each an independent single-input single-output SSM
 with state size `N` (`d_state`), stored as `N/2` complex modes whose conjugates are implied. Per channel:
 
-    x'(t) = A x(t) + B u(t),   y(t) = C x(t) + D u(t),      A diagonal complex, B = 1 (absorbed into C)
+    x'(t) = A x(t) + B u(t),   y(t) = C x(t) + D u(t)
 
-ZOH discretisation with step `dt = exp(log_dt)` gives `x_k = exp(dt A) x_{k-1} + u_k` and
-`y_k = 2 Re(C~ . x_k) + D u_k` with `C~ = C (exp(dt A) - 1) / A`, equivalent to a causal convolution of `u` with
-the kernel `K[l] = 2 Re(sum_n C~_n exp(dt A_n l))`, computed by Vandermonde product and applied by FFT.
+Discretised with step `dt = exp(log_dt)` to `x_k = dA x_{k-1} + dB u_k`, `y_k = C x_k + D u_k`, which is a causal
+convolution of `u` with the kernel `K[l] = C dA^l dB`. Two kernels:
+
+- `S4DKernel` (`kernel="s4d"`): `A` diagonal. ZOH (`dA = exp(dt A)`, `dB = (dA - 1)/A`) or bilinear
+  (`dA = (1 + dt A/2)/(1 - dt A/2)`, `dB = dt/(1 - dt A/2)`). `K[l] = 2 Re(sum_n C_n dB_n dA_n^l)`, a Vandermonde
+  product. `B` is folded into `C` (both are per mode, so the family of kernels is the same).
+- `S4Kernel` (`kernel="s4"`): `A = Lambda - P P^*`, normal plus low rank, initialised from HiPPO-LegS. Bilinear.
+  The kernel's generating function at the roots of unity is a sum of Cauchy terms with a Woodbury correction for
+  `P P^*`; an inverse FFT gives `K`. Its `C` is the reference's `C~ = C (I - dA^l_max)` (see `S4Config.l_max`).
+
+Each kernel also has a recurrent form (`step`), the state a convolution leaves (`forward_state`) and the output an
+initial state produces (`state_output`), so generation decodes one token in O(1) and long streams can be trained
+chunk by chunk with carried state. `recurrence` runs the SSM step by step: the slow, obviously correct reference
+every fast path is tested against.
 
 This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch, transformers and
 its sibling `configuration_s4.py`.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+from transformers.modeling_outputs import BaseModelOutput, ModelOutput, SequenceClassifierOutput
 
 from .configuration_s4 import S4Config
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
 
 
 def _fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
@@ -29,163 +44,474 @@ def _fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-def fft_causal_conv(u: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
-    """Causal convolution `y[t] = sum_{s<=t} K[t-s] u[s]`.
+def _complex(t: torch.Tensor) -> torch.Tensor:
+    """A parameter stored as (..., 2) real pairs (safetensors holds no complex dtype) as a complex tensor."""
+    return torch.view_as_complex(_fp32_or_wider(t).contiguous())
 
-    u: (B, H, L), K: (H, L) -> y: (B, H, L). Both are zero-padded to length 2L so the FFT product is a linear,
-    not circular, convolution: no output sees a future input.
+
+def fft_conv(u: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
+    """Convolution of `u (B, H, L)` with kernels `K (c, H, L)`; c = 1 causal, c = 2 bidirectional -> (B, H, L).
+
+    Causal: `y[t] = sum_{s<=t} K[0, t-s] u[s]`. Bidirectional adds the anti-causal `sum_{s>t} K[1, s-t-1] u[s]`.
+    Both are zero-padded to length 2L so the FFT product is a linear, not circular, convolution.
     """
     L = u.shape[-1]
-    n = 2 * L
-    y = torch.fft.irfft(torch.fft.rfft(u, n=n) * torch.fft.rfft(K, n=n), n=n)
+    k = nn.functional.pad(K[0], (0, L))  # (H, 2L): taps 0..L-1 act on the past and present
+    if K.shape[0] == 2:  # taps L+1..2L-1 wrap around to act on the future, nearest last
+        k = k + nn.functional.pad(K[1].flip(-1), (L, 0))
+    y = torch.fft.irfft(torch.fft.rfft(u, n=2 * L) * torch.fft.rfft(k, n=2 * L), n=2 * L)
     return y[..., :L]
 
 
-class S4DKernel(nn.Module):
-    """The convolution kernels `K (H, L)` of `H` diagonal SSMs, ZOH-discretised.
+def vandermonde(log_dA: torch.Tensor, L: int) -> torch.Tensor:
+    """`dA^l = exp(l log dA)` for l = 0..L-1: (..., n) complex -> (..., n, L) complex."""
+    l = torch.arange(L, device=log_dA.device, dtype=log_dA.real.dtype)
+    # A real exp plus cos/sin (polar) is ~1.5x faster on CPU than torch's complex exp.
+    return torch.polar(torch.exp(log_dA.real[..., None] * l), log_dA.imag[..., None] * l)
 
-    Parameters (names are used by the optimizer to give `log_dt`, `log_A_real` and `A_imag` their own learning rate
-    and no weight decay):
-        log_dt     (H,)         log step size
-        log_A_real (H, N/2)     Re A = -exp(log_A_real) < 0 keeps every mode stable
-        A_imag     (H, N/2)     Im A
-        C          (H, N/2, 2)  complex C stored as (real, imag) pairs; safetensors holds no complex dtype
+
+def krylov(M: torch.Tensor, v: torch.Tensor, L: int) -> torch.Tensor:
+    """`[v, M v, M^2 v, ..., M^(L-1) v]` by doubling: M (H, N, N), v (H, N) -> (H, N, L). O(log L) matmuls."""
+    out, power = v[..., None], M
+    while out.shape[-1] < L:
+        out = torch.cat([out, power @ out], dim=-1)
+        power = power @ power
+    return out[..., :L]
+
+
+def hippo_legs_nplr(N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HiPPO-LegS in normal-plus-low-rank form, diagonalised, in float64 / complex128.
+
+    LegS: `A_nk = -sqrt(2n+1) sqrt(2k+1)` (n > k), `-(n+1)` (n = k), 0 (n < k); `B_n = sqrt(2n+1)`. With
+    `P_n = sqrt(n + 1/2)`, `S = A + P P^T = -I/2 + (skew-symmetric)` is normal: `S = V Lambda V^*`. Returns the
+    `N/2` eigenvalues `Lambda` with positive imaginary part (the others are their conjugates), and `P~ = V^* P`,
+    `B~ = V^* B` for those modes, so that in the eigenbasis `A = Lambda - P~ P~^*`.
+    """
+    n = torch.arange(N, dtype=torch.float64)
+    q = torch.sqrt(2 * n + 1)
+    A = -torch.tril(q[:, None] * q[None, :], diagonal=-1) - torch.diag(n + 1)
+    P = torch.sqrt(n + 0.5)
+    S = A + P[:, None] * P[None, :]
+    skew = (S - S.T) / 2  # S = -I/2 + skew exactly
+    w, V = torch.linalg.eigh(-1j * skew.to(torch.complex128))  # -i skew is Hermitian: skew = V diag(i w) V^*
+    keep = w > 0  # one of each conjugate pair, in increasing frequency
+    V = V[:, keep]
+    Lambda = torch.complex(torch.full_like(w[keep], -0.5), w[keep])
+    return Lambda, V.conj().T @ P.to(V.dtype), V.conj().T @ q.to(V.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+class _SSMKernel(nn.Module):
+    """Shared by both kernels: `log_dt` per channel, `A` per SSM copy (`n_ssm` of them, each shared by
+    `H / n_ssm` channels), `C` per channel and direction.
+
+    Parameters (the optimizer gives `log_dt`, `log_A_real`, `A_imag`, `P` and `B` their own learning rate and no
+    weight decay, by name):
+        log_dt     (H,)             log step size
+        log_A_real (S, N/2)         Re A = -exp(log_A_real) < 0 keeps every mode stable
+        A_imag     (S, N/2)         Im A
+        C          (c, H, N/2, 2)   complex C as (real, imag) pairs; c = 2 with a second, anti-causal kernel
     """
 
     def __init__(self, config: S4Config):
         super().__init__()
         self.config = config
         H, N2 = config.d_model, config.d_state // 2
+        S = config.n_ssm or H
+        self.copies = H // S  # channels per SSM copy
         self.log_dt = nn.Parameter(torch.empty(H))
-        self.log_A_real = nn.Parameter(torch.empty(H, N2))
-        self.A_imag = nn.Parameter(torch.empty(H, N2))
-        self.C = nn.Parameter(torch.empty(H, N2, 2))
+        self.log_A_real = nn.Parameter(torch.empty(S, N2))
+        self.A_imag = nn.Parameter(torch.empty(S, N2))
+        self.C = nn.Parameter(torch.empty(2 if config.bidirectional else 1, H, N2, 2))
+
+    def _per_channel(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(self.copies, dim=0) if self.copies > 1 else t  # (S, ...) -> (H, ...)
+
+    def _A(self) -> torch.Tensor:
+        """A (H, N/2) complex64 (complex128 for fp64 parameters)."""
+        A = torch.complex(-torch.exp(_fp32_or_wider(self.log_A_real)), _fp32_or_wider(self.A_imag))
+        return self._per_channel(A)
+
+    @torch.no_grad()
+    def _init_common(self, A: torch.Tensor, C_scale: torch.Tensor | float = 1.0):
+        """dt log-uniform in [dt_min, dt_max] per channel; `A (S, N/2)`; C ~ complex normal (unit variance) times
+        `C_scale`."""
+        cfg = self.config
+        H = self.log_dt.shape[0]
+        device = self.log_dt.device
+        log_dt = torch.rand(H, device=device) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min)
+        init.copy_(self.log_dt, log_dt)
+        init.copy_(self.log_A_real, torch.log(-A.real).to(device).float())
+        init.copy_(self.A_imag, A.imag.to(device).float())
+        C = torch.randn(*self.C.shape[:-1], dtype=torch.complex64, device=device)  # E|C|^2 = 1
+        init.copy_(self.C, torch.view_as_real(C * torch.as_tensor(C_scale, device=device).to(C.dtype)))
+
+    def recurrence(self, u: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slow, obviously correct reference: the discrete SSM one step at a time. u: (B, H, L) -> y (B, H, L) and the
+        final state. Equal to the convolution (plus `state_output` of `state`) up to rounding (see tests)."""
+        params = self.step_params()
+        x = self.zero_state(u.shape[0], u) if state is None else state
+        ys = []
+        for k in range(u.shape[-1]):
+            y, x = self.step(u[..., k], x, params)
+            ys.append(y)
+        return torch.stack(ys, dim=-1), x
+
+
+class S4DKernel(_SSMKernel):
+    """Diagonal state matrix (`kernel="s4d"`). The recurrent state is `(B, H, N/2)` complex; `y = 2 Re(C~ . x)`."""
 
     @torch.no_grad()
     def reset_parameters(self):
         """Structured S4D init; called from `S4PreTrainedModel._init_weights` (never N(0, std) like a Linear)."""
-        H, N2 = self.A_imag.shape
-        cfg = self.config
-        device = self.A_imag.device
-        # dt log-uniform in [dt_min, dt_max], one per channel.
-        log_dt = torch.rand(H, device=device) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min)
-        n = torch.arange(N2, dtype=torch.float32, device=device)
-        if cfg.init == "diag-lin":  # S4D-Lin: Im A_n = pi n
-            imag = math.pi * n
-        else:  # S4D-Inv: Im A_n = (N/pi) (N/(2n+1) - 1)
-            N = 2 * N2
-            imag = (N / math.pi) * (N / (2 * n + 1) - 1)
-        init.copy_(self.log_dt, log_dt)
-        init.copy_(self.log_A_real, torch.full((H, N2), math.log(0.5), device=device))  # Re A = -1/2
-        init.copy_(self.A_imag, imag.expand(H, N2))
-        # C ~ complex standard normal (unit variance overall), as in the reference.
-        init.copy_(self.C, torch.randn(H, N2, 2, device=device) * math.sqrt(0.5))
+        S, N2 = self.A_imag.shape
+        N = 2 * N2
+        n = torch.arange(N2, dtype=torch.float64)
+        C_scale = 1.0
+        kind = self.config.ssm_init
+        if kind == "diag-lin":  # S4D-Lin: A_n = -1/2 + i pi n
+            A = torch.complex(torch.full_like(n, -0.5), math.pi * n)
+        elif kind == "diag-inv":  # S4D-Inv: A_n = -1/2 + i (N/pi)(N/(2n+1) - 1)
+            A = torch.complex(torch.full_like(n, -0.5), (N / math.pi) * (N / (2 * n + 1) - 1))
+        elif kind == "diag-real":  # S4D-Real: A_n = -(n+1)
+            A = torch.complex(-(n + 1), torch.zeros_like(n))
+        else:  # diag-legs: the diagonal part of HiPPO-LegS's NPLR form, with its B (folded into C)
+            A, _, B = hippo_legs_nplr(N)
+            C_scale = torch.complex(B.real, B.imag.clamp(-2.0, 2.0))  # the reference clips Im B to [-2, 2]
+        self._init_common(A.expand(S, N2), C_scale)
 
     def discretize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns `dtA (H, N/2)` and `C~ (H, N/2)`, complex64 (complex128 for fp64 parameters); `exp(dtA)` is the
-        discrete state matrix."""
-        dt = torch.exp(_fp32_or_wider(self.log_dt))  # (H,)
-        A = torch.complex(-torch.exp(_fp32_or_wider(self.log_A_real)), _fp32_or_wider(self.A_imag))  # (H, N/2)
-        C = torch.view_as_complex(_fp32_or_wider(self.C).contiguous())  # (H, N/2)
-        dtA = A * dt[:, None]  # (H, N/2)
-        C_tilde = C * (torch.exp(dtA) - 1.0) / A  # ZOH: B~ = (exp(dtA) - 1) / A, folded into C
-        return dtA, C_tilde
+        """`log dA (H, N/2)` and `C~ = C dB (c, H, N/2)`, complex64 (complex128 for fp64 parameters)."""
+        dt = torch.exp(_fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
+        A = self._A()  # (H, N/2)
+        dtA = A * dt
+        if self.config.disc == "zoh":
+            log_dA, dB = dtA, (torch.exp(dtA) - 1.0) / A
+        else:  # bilinear
+            log_dA, dB = torch.log((1.0 + dtA / 2) / (1.0 - dtA / 2)), dt / (1.0 - dtA / 2)
+        return log_dA, _complex(self.C) * dB
 
     def forward(self, L: int) -> torch.Tensor:
-        """Kernel `K (H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n exp(dtA_n l))` (Vandermonde product)."""
-        dtA, C_tilde = self.discretize()
-        l = torch.arange(L, device=dtA.device, dtype=dtA.real.dtype)
-        # exp(dtA l) as |.| e^{i angle}: a real exp plus cos/sin is ~1.5x faster on CPU than torch's complex exp
-        vandermonde = torch.polar(torch.exp(dtA.real[:, :, None] * l), dtA.imag[:, :, None] * l)  # (H, N/2, L)
-        return 2 * torch.einsum("hn,hnl->hl", C_tilde, vandermonde).real
+        """Kernels `K (c, H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n dA_n^l)`."""
+        log_dA, C_tilde = self.discretize()
+        return 2 * torch.einsum("chn,hnl->chl", C_tilde, vandermonde(log_dA, L)).real
 
-    def recurrence(self, u: torch.Tensor) -> torch.Tensor:
-        """Slow, obviously correct reference: run the discrete SSM step by step. u: (B, H, L) -> (B, H, L).
+    # Recurrent form
+    def zero_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        dtype = torch.complex128 if like.dtype == torch.float64 else torch.complex64
+        H, N2 = self.log_dt.shape[0], self.A_imag.shape[1]
+        return torch.zeros(batch, H, N2, dtype=dtype, device=like.device)  # (B, H, N/2)
 
-        Equal to `fft_causal_conv(u, self(L))` up to rounding (see tests); it is what generation will use step by step.
-        """
-        dtA, C_tilde = self.discretize()
-        dA = torch.exp(dtA)  # (H, N/2)
-        x = torch.zeros(*u.shape[:2], dA.shape[-1], dtype=dA.dtype, device=u.device)  # (B, H, N/2)
-        ys = []
-        for k in range(u.shape[-1]):
-            x = dA * x + u[..., k, None]  # x_k = exp(dtA) x_{k-1} + B u_k, B = 1
-            ys.append(2 * (C_tilde * x).sum(-1).real)  # y_k = 2 Re(C~ . x_k)
-        return torch.stack(ys, dim=-1)
+    def step_params(self) -> dict:
+        log_dA, C_tilde = self.discretize()
+        return {"dA": torch.exp(log_dA), "C": C_tilde[0]}
+
+    def step(self, u: torch.Tensor, x: torch.Tensor, p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """u (B, H), x (B, H, N/2) -> y (B, H), next x. `x_k = dA x_{k-1} + u_k` (B folded into C~)."""
+        x = p["dA"] * x + u[..., None]
+        return 2 * (p["C"] * x).sum(-1).real, x
+
+    def forward_state(self, u: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """The state after reading `u (B, H, L)` from `state` (zero if None): `x_L = dA^L x_0 + sum_k dA^(L-1-k) u_k`."""
+        log_dA, _ = self.discretize()
+        L = u.shape[-1]
+        x = torch.einsum("bhl,hnl->bhn", u.flip(-1).to(log_dA.dtype), vandermonde(log_dA, L))
+        return x if state is None else x + torch.exp(log_dA * L) * state
+
+    def state_output(self, state: torch.Tensor, L: int) -> torch.Tensor:
+        """What an initial state adds to the next L outputs: `y_k += 2 Re(C~ dA^(k+1) x_0)`. (B, H, N/2) -> (B, H, L)."""
+        log_dA, C_tilde = self.discretize()
+        return 2 * torch.einsum("bhn,hnl->bhl", state * C_tilde[0] * torch.exp(log_dA), vandermonde(log_dA, L)).real
+
+
+class S4Kernel(_SSMKernel):
+    """Normal plus low rank state matrix `A = Lambda - P P^*` (`kernel="s4"`), bilinear, from HiPPO-LegS.
+
+    Extra parameters (per SSM copy, no weight decay): `P (S, N/2, 2)` and `B (S, N/2, 2)`, complex as pairs.
+
+    Convolution: the kernel's generating function at the L-th roots of unity `z`,
+    `K^(z) = C~ (I - z dA)^-1 dB = C~ M(z)^-1 B` with `M(z) = (1-z)/dt - (1+z)/2 A` (bilinear), is a sum of
+    Cauchy terms `1/((1-z)/dt - (1+z)/2 lambda_n)` over all N modes (each `N/2` one plus its conjugate) with the
+    Woodbury correction for the rank-1 term; `K = irfft(K^)`. Nothing of size (B, H, N, L) is built.
+
+    Recurrent form: the full N-dimensional complex eigenbasis (modes and conjugates), dense `dA (H, N, N)`,
+    `y = Re(C x)`, with the true `C = C~ (I - dA^l_max)^-1`.
+    """
+
+    def __init__(self, config: S4Config):
+        super().__init__(config)
+        S, N2 = self.A_imag.shape
+        self.P = nn.Parameter(torch.empty(S, N2, 2))
+        self.B = nn.Parameter(torch.empty(S, N2, 2))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        S, N2 = self.A_imag.shape
+        Lambda, P, B = hippo_legs_nplr(2 * N2)
+        B = torch.complex(B.real, B.imag.clamp(-2.0, 2.0))  # as the reference: clip Im B to [-2, 2]
+        self._init_common(Lambda.expand(S, N2))
+        init.copy_(self.P, torch.view_as_real(P.to(torch.complex64)).expand(S, N2, 2))
+        init.copy_(self.B, torch.view_as_real(B.to(torch.complex64)).expand(S, N2, 2))
+
+    def _ssm(self):
+        """dt (H,), Lambda, P, B (H, N/2) complex."""
+        return (torch.exp(_fp32_or_wider(self.log_dt)), self._A(), self._per_channel(_complex(self.P)),
+                self._per_channel(_complex(self.B)))
+
+    def _kernel_length(self, L: int) -> int:
+        """l_max, doubled until it covers L."""
+        n = self.config.l_max
+        while n < L:
+            n *= 2
+        return n
+
+    def forward(self, L: int) -> torch.Tensor:
+        """Kernels `K (c, H, L)` in float32 (or float64)."""
+        Lk = self._kernel_length(L)
+        dt, Lambda, P, B = self._ssm()
+        C_tilde = _complex(self.C) if Lk == self.config.l_max else self._c_tilde(Lk)  # (c, H, N/2)
+        k = torch.arange(Lk // 2 + 1, device=dt.device, dtype=dt.dtype)
+        z = torch.polar(torch.ones_like(k), -2 * math.pi * k / Lk)  # rfft frequencies, (Lk/2+1,)
+        a = (1 - z)[None, :] / dt[:, None]  # (H, F)
+        b = (1 + z) / 2  # (F,)
+
+        def cauchy(v):  # sum over all N modes of v_n / (a - b lambda_n); the conjugate modes carry conj(v_n)
+            r = torch.einsum("...hn,hnf->...hf", v, 1 / (a[:, None, :] - b * Lambda[..., None]))
+            return r + torch.einsum("...hn,hnf->...hf", v.conj(), 1 / (a[:, None, :] - b * Lambda.conj()[..., None]))
+
+        k00, k01 = cauchy(C_tilde * B), cauchy(C_tilde * P)  # (c, H, F)
+        k10, k11 = cauchy(P.conj() * B), cauchy(P.conj() * P)  # (H, F)
+        K_hat = k00 - b * k01 * k10 / (1 + b * k11)  # Woodbury: (R^-1 + b P P^*)^-1 = R - b R P (1 + b P^* R P)^-1 P^* R
+        return torch.fft.irfft(K_hat, n=Lk)[..., :L]
+
+    # Dense form in the full eigenbasis (modes and conjugates): recurrence, state transfer, longer kernels
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bilinear `dA (H, N, N)` and `dB (H, N)`: `dA = (I - dt/2 A)^-1 (I + dt/2 A)`, `dB = (I - dt/2 A)^-1 dt B`."""
+        dt, Lambda, P, B = self._ssm()
+        full = lambda t: torch.cat([t, t.conj()], dim=-1)  # noqa: E731  (H, N/2) -> (H, N)
+        Pf, Bf = full(P), full(B)
+        A = torch.diag_embed(full(Lambda)) - Pf[:, :, None] * Pf.conj()[:, None, :]
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        half = (dt / 2)[:, None, None] * A
+        dA = torch.linalg.solve(eye - half, eye + half)
+        dB = torch.linalg.solve(eye - half, (dt[:, None] * Bf)[..., None])[..., 0]
+        return dA, dB
+
+    def _c_true(self, dA: torch.Tensor) -> torch.Tensor:
+        """The output matrix `C = C~ (I - dA^l_max)^-1`, (c, H, N), from the stored `C~`."""
+        C_tilde = _complex(self.C)
+        Cf = torch.cat([C_tilde, C_tilde.conj()], dim=-1)  # (c, H, N)
+        eye = torch.eye(dA.shape[-1], dtype=dA.dtype, device=dA.device)
+        M = eye - torch.linalg.matrix_power(dA, self.config.l_max)  # (H, N, N)
+        return torch.linalg.solve(M.transpose(-1, -2), Cf[..., None])[..., 0]  # row vector: C M = C~
+
+    def _c_tilde(self, L: int) -> torch.Tensor:
+        """`C~` for a kernel of length L: `C (I - dA^L)`, first N/2 modes (the rest are their conjugates)."""
+        dA, _ = self._dense()
+        C = self._c_true(dA)
+        C_L = C - torch.einsum("chn,hnm->chm", C, torch.linalg.matrix_power(dA, L))
+        return C_L[..., : dA.shape[-1] // 2]
+
+    def zero_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        dtype = torch.complex128 if like.dtype == torch.float64 else torch.complex64
+        H, N = self.log_dt.shape[0], 2 * self.A_imag.shape[1]
+        return torch.zeros(batch, H, N, dtype=dtype, device=like.device)  # (B, H, N)
+
+    def step_params(self) -> dict:
+        dA, dB = self._dense()
+        return {"dA": dA, "dB": dB, "C": self._c_true(dA)[0]}
+
+    def step(self, u: torch.Tensor, x: torch.Tensor, p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """u (B, H), x (B, H, N) -> y (B, H), next x: `x_k = dA x_{k-1} + dB u_k`, `y_k = Re(C x_k)`."""
+        x = torch.einsum("hnm,bhm->bhn", p["dA"], x) + p["dB"] * u[..., None]
+        return (p["C"] * x).sum(-1).real, x
+
+    def forward_state(self, u: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """`x_L = dA^L x_0 + sum_k dA^(L-1-k) dB u_k`, (B, H, L) -> (B, H, N)."""
+        dA, dB = self._dense()
+        L = u.shape[-1]
+        x = torch.einsum("bhl,hnl->bhn", u.flip(-1).to(dA.dtype), krylov(dA, dB, L))
+        if state is not None:
+            x = x + torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(dA, L), state)
+        return x
+
+    def state_output(self, state: torch.Tensor, L: int) -> torch.Tensor:
+        """`y_k += Re(C dA^(k+1) x_0)`, (B, H, N) -> (B, H, L)."""
+        dA, _ = self._dense()
+        rows = krylov(dA.transpose(-1, -2), self._c_true(dA)[0], L + 1)[..., 1:]  # (H, N, L): (C dA^(k+1))^T
+        return torch.einsum("hnl,bhn->bhl", rows, state).real
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
 
 
 class S4Layer(nn.Module):
-    """One S4D layer: SSM convolution + D skip, GELU, dropout, then a GLU output projection. (B, L, H) -> (B, L, H)."""
+    """One S4 layer: SSM convolution + D skip, GELU, dropout, then a GLU output projection. (B, L, H) -> (B, L, H)."""
 
     def __init__(self, config: S4Config):
         super().__init__()
         H = config.d_model
-        self.kernel = S4DKernel(config)
+        self.kernel = S4DKernel(config) if config.kernel == "s4d" else S4Kernel(config)
         self.D = nn.Parameter(torch.empty(H))  # (H,) skip connection, y += D u
         self.activation = nn.GELU()
         self.dropout = nn.Dropout(config.dropout)
         self.output_linear = nn.Linear(H, 2 * H)  # GLU halves it back to H
         self.glu = nn.GLU(dim=-1)
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
+    def _mix(self, y: torch.Tensor) -> torch.Tensor:
+        """Pointwise nonlinearity and mixing across channels: (..., H) -> (..., H)."""
+        return self.glu(self.output_linear(self.dropout(self.activation(y))))
+
+    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None, return_state: bool = False):
+        """u (B, L, H) -> y (B, L, H) and, with `return_state`, the SSM state after the last step (else None).
+        `state`: the SSM state before the first step (None: zeros)."""
         L = u.shape[1]
-        # 1. The SSM in float32 whatever the autocast dtype: exp(dtA * l) over long l and the FFT lose everything in
-        #    half precision (log_dt going NaN under fp16 is a known report against the reference).
+        # The SSM in float32 whatever the autocast dtype: exp(dtA * l) over long l and the FFT lose everything in half
+        # precision (log_dt going NaN under fp16 is a known report against the reference).
         with torch.autocast(device_type=u.device.type, enabled=False):
             u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
-            y = fft_causal_conv(u32, self.kernel(L)) + u32 * _fp32_or_wider(self.D)[:, None]  # (B, H, L)
-        y = y.transpose(1, 2).to(u.dtype)  # (B, L, H)
-        # 2. Pointwise nonlinearity and mixing across channels.
-        y = self.dropout(self.activation(y))
-        return self.glu(self.output_linear(y))  # (B, L, 2H) -> (B, L, H)
+            y = fft_conv(u32, self.kernel(L)) + u32 * _fp32_or_wider(self.D)[:, None]  # (B, H, L)
+            if state is not None:
+                y = y + self.kernel.state_output(state, L)
+            new_state = self.kernel.forward_state(u32, state) if return_state else None
+        return self._mix(y.transpose(1, 2).to(u.dtype)), new_state
+
+    def step(self, u: torch.Tensor, state: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One time step: u (B, H) -> y (B, H), next state. `params` from `self.kernel.step_params()`."""
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            u32 = _fp32_or_wider(u)
+            y, state = self.kernel.step(u32, state, params)
+            y = y + u32 * _fp32_or_wider(self.D)
+        return self._mix(y.to(u.dtype)), state
+
+
+def _norm(config: S4Config) -> nn.Module:
+    if config.norm == "layer":
+        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+    return _BatchNormChannels(config.d_model, eps=config.layer_norm_eps)
+
+
+class _BatchNormChannels(nn.BatchNorm1d):
+    """BatchNorm over batch and time for (..., H) inputs, statistics per channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # (B, H): one time step
+            return super().forward(x)
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)  # (B, L, H) -> (B, H, L) and back
 
 
 class S4Block(nn.Module):
-    """Pre-norm residual block: `x + dropout(S4Layer(LayerNorm(x)))`."""
+    """Residual block. Pre-norm: `x + dropout(S4Layer(norm(x)))`; post-norm: `norm(x + dropout(S4Layer(x)))`."""
 
     def __init__(self, config: S4Config):
         super().__init__()
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.prenorm = config.prenorm
+        self.norm = _norm(config)
         self.layer = S4Layer(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        z = self.norm(x)
+    def forward(self, x, mask=None, state=None, return_state=False):
+        z = self.norm(x) if self.prenorm else x
         if mask is not None:
             # Padded positions feed zeros into the SSM, so a left-padded prompt leaves the same state as no padding.
             z = z * mask[..., None].to(z.dtype)
-        return x + self.dropout(self.layer(z))
+        y, state = self.layer(z, state, return_state)
+        x = x + self.dropout(y)
+        return (x if self.prenorm else self.norm(x)), state
+
+    def step(self, x, state, params):
+        """x (B, H) at one time step."""
+        z = self.norm(x) if self.prenorm else x
+        y, state = self.layer.step(z, state, params)
+        x = x + self.dropout(y)
+        return (x if self.prenorm else self.norm(x)), state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recurrent state
+
+
+class S4Cache:
+    """The recurrent state of every layer, carried between `generate()` steps (as `cache_params`) or between the
+    chunks of a long sequence (stateful training). `states[i]`: layer i's SSM state after the last position read."""
+
+    is_compileable = False  # generate() asks before deciding to compile the forward
+
+    def __init__(self, states: list[torch.Tensor] | None = None):
+        self.states = states
+        self.step_params: list[dict] | None = None  # discrete (dA, dB, C) of each layer, computed once per decode
+
+    @property
+    def has_previous_state(self) -> bool:
+        return self.states is not None
+
+    def detach(self) -> "S4Cache":
+        """The same state without its autograd history (truncated backpropagation through time)."""
+        return S4Cache([s.detach() for s in self.states] if self.states is not None else None)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.states is not None:
+            self.states = [s.index_select(0, beam_idx.to(s.device)) for s in self.states]
+
+
+@dataclass
+class S4ModelOutput(ModelOutput):
+    last_hidden_state: torch.FloatTensor | None = None
+    cache_params: S4Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class S4CausalLMOutput(ModelOutput):
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache_params: S4Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
 
 
 class S4PreTrainedModel(PreTrainedModel):
     config: S4Config
     config_class = S4Config
     base_model_prefix = "backbone"
+    main_input_name = "input_ids"
     _no_split_modules = ["S4Block"]
     supports_gradient_checkpointing = False
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """Embeddings and Linears get N(0, initializer_range) from the base class; SSM parameters their S4D init."""
+        """Embeddings and Linears get N(0, initializer_range) from the base class; SSM parameters their structured
+        init."""
         super()._init_weights(module)
-        if isinstance(module, S4DKernel):
+        if isinstance(module, _SSMKernel):
             module.reset_parameters()
         elif isinstance(module, S4Layer):
             init.normal_(module.D, mean=0.0, std=1.0)  # the reference's D ~ N(0, 1)
 
 
 class S4Model(S4PreTrainedModel):
-    """Token embedding, `n_layer` S4 blocks and a final LayerNorm. input_ids (B, L) -> hidden states (B, L, H)."""
+    """Input encoder (token embedding, or a linear layer for `input_values` when `d_input` is set), `n_layer` S4
+    blocks and a final norm (pre-norm only). -> hidden states (B, L, H)."""
 
     def __init__(self, config: S4Config):
         super().__init__(config)
-        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        if config.d_input is None:
+            self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        else:
+            self.encoder = nn.Linear(config.d_input, config.d_model)
         self.layers = nn.ModuleList([S4Block(config) for _ in range(config.n_layer)])
-        self.norm_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm_f = _norm(config) if config.prenorm else nn.Identity()
         self.post_init()
 
     def get_input_embeddings(self):
-        return self.embeddings
+        return getattr(self, "embeddings", None)
 
     def set_input_embeddings(self, new_embeddings):
         self.embeddings = new_embeddings
@@ -195,34 +521,81 @@ class S4Model(S4PreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        input_values: torch.Tensor | None = None,
+        cache_params: S4Cache | None = None,
+        use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Specify exactly one of input_ids or inputs_embeds")
+    ) -> S4ModelOutput:
+        r"""
+        input_values (`torch.FloatTensor` of shape `(batch_size, sequence_length, d_input)`, *optional*):
+            Real-valued inputs, for a model with `d_input` set.
+        cache_params (`S4Cache`, *optional*): Every layer's state before the first position (None: zeros). A single
+            position with a cache runs the recurrent step (O(1) per token); longer inputs run the convolution from
+            that state.
+        use_cache (`bool`, *optional*): Return the states after the last position in `cache_params`.
+        """
+        if sum(t is not None for t in (input_ids, inputs_embeds, input_values)) != 1:
+            raise ValueError("Specify exactly one of input_ids, inputs_embeds or input_values")
+        if input_values is not None:
+            if self.config.d_input is None:
+                raise ValueError("input_values needs a model with d_input set; this one reads input_ids")
+            x = self.encoder(input_values)
+        elif input_ids is not None:
+            if self.config.d_input is not None:
+                raise ValueError(f"this model reads input_values (d_input={self.config.d_input}), not input_ids")
+            x = self.embeddings(input_ids)
+        else:
+            x = inputs_embeds  # (B, L, H)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
-        x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (B, L, H)
+        states = cache_params.states if cache_params is not None and cache_params.has_previous_state else None
+        if (use_cache or states is not None) and self.config.bidirectional:
+            raise ValueError("a bidirectional S4 model reads whole sequences: it has no recurrent state")
         all_hidden = [] if output_hidden_states else None
-        for block in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(x)
-            x = block(x, mask=attention_mask)
+        new_states = []
+        if states is not None and x.shape[1] == 1:  # decode one position recurrently
+            if cache_params.step_params is None:
+                cache_params.step_params = [block.layer.kernel.step_params() for block in self.layers]
+            h = x[:, 0]
+            for block, state, params in zip(self.layers, states, cache_params.step_params):
+                if all_hidden is not None:
+                    all_hidden.append(h[:, None])
+                h, state = block.step(h, state, params)
+                new_states.append(state)
+            x = h[:, None]
+        else:
+            for i, block in enumerate(self.layers):
+                if all_hidden is not None:
+                    all_hidden.append(x)
+                x, state = block(x, mask=attention_mask, state=states[i] if states is not None else None,
+                                 return_state=bool(use_cache))
+                new_states.append(state)
         x = self.norm_f(x)
         if all_hidden is not None:
             all_hidden.append(x)
-        return BaseModelOutput(last_hidden_state=x, hidden_states=tuple(all_hidden) if all_hidden else None)
+        cache = None
+        if use_cache:
+            cache = cache_params if cache_params is not None else S4Cache()
+            cache.states = new_states
+        return S4ModelOutput(last_hidden_state=x, cache_params=cache,
+                             hidden_states=tuple(all_hidden) if all_hidden else None)
 
 
 class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
     """S4 language model: `S4Model` + a linear head tied to the input embedding (unless
-    `tie_word_embeddings=False`)."""
+    `tie_word_embeddings=False`). `generate()` prefills the prompt by convolution, then decodes one token per step
+    with the recurrent form (`use_cache=True`, the default), in O(1) time and memory per token."""
 
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
 
     def __init__(self, config: S4Config):
         super().__init__(config)
+        if config.bidirectional:
+            raise ValueError("a causal language model cannot use bidirectional=True (it would see the future)")
+        if config.d_input is not None:
+            raise ValueError("a causal language model reads token ids: leave d_input unset")
         self.backbone = S4Model(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
@@ -241,26 +614,36 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # An SSM has no key/value cache; generate() must not build one for us.
+        # An SSM has no key/value cache: generate() must not build a DynamicCache; forward() builds an S4Cache.
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
-        # No recurrent cache yet: every decoding step re-runs the convolution over the whole sequence, so the input is
-        # never cut down to the newest token (which `use_cache=True` would otherwise ask for).
-        return super().prepare_inputs_for_generation(input_ids, next_sequence_length=None, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache_params=None,
+                                      attention_mask=None, **kwargs):
+        if cache_params is None or not cache_params.has_previous_state:
+            next_sequence_length = None  # no state yet (prefill, or use_cache=False): read the whole sequence
+        inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
+                                                       cache_params=cache_params, attention_mask=attention_mask,
+                                                       **kwargs)
+        if cache_params is not None and cache_params.has_previous_state:
+            inputs["attention_mask"] = None  # generated tokens are never padding
+        return inputs
 
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        cache_params: S4Cache | None = None,
+        use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
-    ) -> CausalLMOutput:
+    ) -> S4CausalLMOutput:
         r"""
+        cache_params (`S4Cache`, *optional*): Every layer's recurrent state before the first position (see `S4Model`).
+        use_cache (`bool`, *optional*): Return every layer's state after the last position in `cache_params`.
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Targets, usually `input_ids`; shifted inside (position t predicts t+1); -100 is ignored.
         logits_to_keep (`int`): compute logits only for the last `logits_to_keep` positions (0 = all).
@@ -272,6 +655,8 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            cache_params=cache_params,
+            use_cache=use_cache,
             output_hidden_states=output_hidden_states,
         )
         hidden = out.last_hidden_state  # (B, L, H)
@@ -283,7 +668,76 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             loss = self.loss_function(
                 logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch
             )
-        return CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        return S4CausalLMOutput(loss=loss, logits=logits, cache_params=out.cache_params,
+                                hidden_states=out.hidden_states)
 
 
-__all__ = ["S4PreTrainedModel", "S4Model", "S4ForCausalLM"]
+class S4ForSequenceClassification(S4PreTrainedModel):
+    """`S4Model` + pooling over time (`config.pooling`: mean over real steps, or the last real step) + a linear head.
+    `num_labels == 1` is regression (MSE); otherwise classification (cross-entropy), or multi-label with
+    `problem_type="multi_label_classification"`, following transformers' `problem_type`."""
+
+    def __init__(self, config: S4Config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.backbone = S4Model(config)
+        self.score = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.get_input_embeddings()
+
+    def set_input_embeddings(self, new_embeddings):
+        self.backbone.set_input_embeddings(new_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        input_values: torch.FloatTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        r"""
+        input_values (`torch.FloatTensor` of shape `(batch_size, sequence_length, d_input)`, *optional*):
+            Real-valued inputs (a model with `d_input` set); otherwise `input_ids`.
+        attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): 1 for real steps, 0 for
+            padding (right-padded sequences of different lengths); pooling ignores padding.
+        labels (`torch.Tensor` of shape `(batch_size,)`): class ids, or targets for regression.
+        """
+        out = self.backbone(input_ids=input_ids, input_values=input_values, inputs_embeds=inputs_embeds,
+                            attention_mask=attention_mask, output_hidden_states=output_hidden_states)
+        h = out.last_hidden_state  # (B, L, H)
+        if attention_mask is None:
+            attention_mask = torch.ones(h.shape[:2], dtype=h.dtype, device=h.device)
+        mask = attention_mask.to(h.dtype)
+        if self.config.pooling == "mean":
+            pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        else:  # the last real step: the highest index with mask 1
+            positions = torch.arange(h.shape[1], device=h.device)
+            last = (mask * positions).argmax(1)
+            pooled = h[torch.arange(h.shape[0], device=h.device), last]
+        logits = self.score(pooled)  # (B, num_labels)
+        loss = None
+        if labels is not None:
+            loss = self._loss(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            if self.num_labels == 1:
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
+            else:
+                self.config.problem_type = "multi_label_classification"
+        if self.config.problem_type == "regression":
+            return nn.functional.mse_loss(logits.squeeze(-1).float(), labels.float())
+        if self.config.problem_type == "single_label_classification":
+            return nn.functional.cross_entropy(logits.float(), labels.view(-1))
+        return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+__all__ = ["S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache"]

@@ -1,5 +1,5 @@
-"""S4 model: numerics of the S4D layer against slow references, and the transformers contract (Auto classes,
-save/from_pretrained, generate)."""
+"""S4 models: the transformers contract (Auto classes, save/from_pretrained, generate with the recurrent cache,
+sequence classification). Kernel numerics are in test_s4_numerics.py."""
 
 import math
 
@@ -7,66 +7,11 @@ import pytest
 import torch
 
 from s4accel import S4Config, S4ForCausalLM
-from s4accel.models.modeling_s4 import S4DKernel, fft_causal_conv
 
 
 def _seeded_model(config, seed=0):
     torch.manual_seed(seed)
     return S4ForCausalLM(config).eval()
-
-
-# ---------------------------------------------------------------------------------------------------- numerics
-
-
-def test_fft_conv_equals_direct_causal_convolution():
-    torch.manual_seed(0)
-    u, K = torch.randn(2, 3, 40, dtype=torch.float64), torch.randn(3, 40, dtype=torch.float64)
-    direct = torch.zeros_like(u)
-    for t in range(40):
-        for s in range(t + 1):
-            direct[..., t] += K[:, t - s] * u[..., s]
-    torch.testing.assert_close(fft_causal_conv(u, K), direct, rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("init", ["diag-lin", "diag-inv"])
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_convolution_equals_recurrence(init, dtype, tol):
-    """The FFT-convolution path equals running the discrete SSM x_k = exp(dtA) x_{k-1} + u_k step by step."""
-    torch.manual_seed(0)
-    kernel = S4DKernel(S4Config(d_model=16, d_state=32, init=init))
-    kernel.reset_parameters()
-    kernel = kernel.to(dtype)
-    u = torch.randn(2, 16, 200, dtype=dtype)
-    y_conv = fft_causal_conv(u, kernel(200))
-    y_rec = kernel.recurrence(u)
-    scale = y_rec.abs().max()
-    assert (y_conv - y_rec).abs().max() / scale <= tol
-
-
-def test_s4d_init_follows_the_papers():
-    config = S4Config(d_model=4, d_state=8, dt_min=1e-3, dt_max=1e-1)
-    for init, expected in [("diag-lin", [math.pi * n for n in range(4)]),
-                           ("diag-inv", [(8 / math.pi) * (8 / (2 * n + 1) - 1) for n in range(4)])]:
-        model = _seeded_model(S4Config(**{**config.to_diff_dict(), "init": init, "n_layer": 1}))
-        k = model.backbone.layers[0].layer.kernel
-        torch.testing.assert_close(k.A_imag[0], torch.tensor(expected))
-        torch.testing.assert_close(-torch.exp(k.log_A_real), torch.full((4, 4), -0.5))
-        dt = torch.exp(k.log_dt)
-        assert ((dt >= 1e-3) & (dt <= 1e-1)).all()
-
-
-def test_layer_is_causal():
-    """Perturbing the input at t0 leaves every output before t0 unchanged (the FFT is long enough: no wrap-around).
-    In float64 so that the only change before t0 is FFT rounding (~1e-16), far below a wrap-around's O(1)."""
-    model = _seeded_model(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=20)).double()
-    ids = torch.randint(3, 20, (1, 64))
-    t0 = 40
-    changed = ids.clone()
-    changed[0, t0] = (ids[0, t0] + 1) % 20
-    with torch.no_grad():
-        a, b = model(ids).logits, model(changed).logits
-    assert (a[:, :t0] - b[:, :t0]).abs().max() < 1e-12
-    assert (a[:, t0:] - b[:, t0:]).abs().max() > 1e-4
 
 
 def test_kernel_and_fft_stay_fp32_under_autocast():
@@ -78,7 +23,7 @@ def test_kernel_and_fft_stay_fp32_under_autocast():
         ref = model(ids).logits
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(ids).logits
-    assert seen == [torch.float32, torch.float32]
+    assert seen == [torch.float32, torch.float32]  # the kernel (c, H, L) in float32 under bf16 autocast
     assert torch.isfinite(low).all()
     assert (low.float() - ref).abs().max() < 0.1
 
@@ -160,6 +105,126 @@ def test_block_mask_zeroes_ssm_input(tiny_config):
     block = S4ForCausalLM(tiny_config).backbone.layers[0]  # initialised (a bare S4Block holds torch.empty memory)
     x = torch.randn(1, 5, 32)
     mask = torch.tensor([[0, 0, 1, 1, 1]])
-    out_masked = block(x, mask)
-    out_plain = block(x[:, 2:])
+    out_masked, _ = block(x, mask)
+    out_plain, _ = block(x[:, 2:])
     torch.testing.assert_close(out_masked[:, 2:], out_plain, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- recurrent decoding
+
+
+@pytest.fixture(params=["s4d", "s4"])
+def lm(request):
+    torch.manual_seed(0)
+    config = S4Config(d_model=32, n_layer=2, d_state=16, vocab_size=50, kernel=request.param, l_max=64)
+    return S4ForCausalLM(config).eval()
+
+
+def test_cached_generation_decodes_one_token_per_forward_and_matches_full_reforward(lm):
+    lengths = []
+    hook = lm.backbone.embeddings.register_forward_hook(lambda m, i, out: lengths.append(out.shape[1]))
+    prompt = torch.randint(3, 50, (2, 9))
+    cached = lm.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=True)
+    assert lengths == [9] + [1] * 19  # prefill by convolution, then one position per step
+    hook.remove()
+    full = lm.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=False)
+    assert torch.equal(cached, full)
+
+
+def test_batched_prompts_of_different_lengths_equal_one_by_one(lm):
+    short, long = torch.randint(3, 50, (1, 4)), torch.randint(3, 50, (1, 11))
+    batch = torch.cat([torch.cat([torch.zeros(1, 7, dtype=torch.long), short], 1), long])  # left-padded
+    mask = (torch.arange(11) >= torch.tensor([[7], [0]])).long()
+    out = lm.generate(batch, attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0, 11:], lm.generate(short, max_new_tokens=15, do_sample=False)[0, 4:])
+    assert torch.equal(out[1, 11:], lm.generate(long, max_new_tokens=15, do_sample=False)[0, 11:])
+
+
+def test_sampling_with_a_seed_is_reproducible(lm):
+    prompt = torch.randint(3, 50, (1, 5))
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return lm.generate(prompt, max_new_tokens=25, do_sample=True, temperature=1.0, top_k=0)
+
+    a, b, c = sample(1), sample(1), sample(2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_causal_lm_refuses_bidirectional_and_input_values():
+    with pytest.raises(ValueError, match="bidirectional"):
+        S4ForCausalLM(S4Config(d_model=8, n_layer=1, d_state=4, bidirectional=True))
+    with pytest.raises(ValueError, match="d_input"):
+        S4ForCausalLM(S4Config(d_model=8, n_layer=1, d_state=4, d_input=3))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kernel": "s4", "init": "diag-lin"}, "init for kernel=s4"), ({"kernel": "s5"}, "kernel must be one of"),
+    ({"disc": "euler"}, "disc must be one of"), ({"n_ssm": 3}, "n_ssm must divide"), ({"norm": "group"}, "norm"),
+    ({"d_state": 7}, "even"),
+])
+def test_config_rejects_bad_values(fields, message):
+    with pytest.raises(Exception, match=message):
+        S4Config(d_model=8, **fields)
+
+
+# ---------------------------------------------------------------------------------------------------- classification
+
+
+def _classifier(seed=0, **fields):
+    from s4accel import S4ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = S4Config(**{"d_input": 3, "d_model": 16, "n_layer": 2, "d_state": 8, "num_labels": 4, **fields})
+    return S4ForSequenceClassification(config).eval()
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_classifier_pooling_ignores_right_padding(pooling):
+    model = _classifier(pooling=pooling)
+    x = torch.randn(1, 12, 3)
+    padded = torch.cat([x, torch.randn(1, 5, 3)], dim=1)  # garbage after the real steps
+    mask = torch.cat([torch.ones(1, 12), torch.zeros(1, 5)], dim=1).long()
+    with torch.no_grad():
+        plain = model(input_values=x).logits
+        masked = model(input_values=padded, attention_mask=mask).logits
+    assert plain.shape == (1, 4)
+    torch.testing.assert_close(masked, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_classifier_losses_follow_problem_type():
+    x = torch.randn(5, 10, 3)
+    model = _classifier()
+    labels = torch.tensor([0, 3, 1, 2, 0])
+    out = model(input_values=x, labels=labels)
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
+    assert model.config.problem_type == "single_label_classification"
+    reg = _classifier(num_labels=1)
+    targets = torch.randn(5)
+    out = reg(input_values=x, labels=targets)
+    assert reg.config.problem_type == "regression"
+    torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits[:, 0], targets))
+
+
+def test_bidirectional_classifier_sees_the_whole_sequence():
+    model = _classifier(bidirectional=True, pooling="last")
+    x = torch.randn(1, 10, 3)
+    changed = x.clone()
+    changed[0, -1] += 1.0
+    with torch.no_grad():
+        h1 = model.backbone(input_values=x).last_hidden_state
+        h2 = model.backbone(input_values=changed).last_hidden_state
+    assert (h1[:, 0] - h2[:, 0]).abs().max() > 1e-4  # the first step reacts to a change at the end
+
+
+@pytest.mark.parametrize("kernel", ["s4d", "s4"])
+def test_classifier_auto_class_round_trip(tmp_path, kernel):
+    from transformers import AutoModelForSequenceClassification
+
+    model = _classifier(kernel=kernel, norm="batch", prenorm=False, l_max=16)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    x = torch.randn(2, 16, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_values=x).logits, model(input_values=x).logits, rtol=0, atol=0)
