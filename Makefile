@@ -32,7 +32,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest $(ARGS)
 
 bench: $(STAMP)
-	$(PY) bench/loop_overhead.py $(ARGS)
+	$(PY) bench/loop_overhead.py --rounds 40 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

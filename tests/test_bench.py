@@ -11,13 +11,14 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_loop_overhead_bench_prints_ratios_as_json():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--sizes", "tiny", "--repeats",
-                           "1", "--steps", "20", "--loops", "accelerate", "s4accel"],
+def test_loop_overhead_bench_prints_paired_ratios_as_json():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--sizes", "tiny", "--rounds",
+                           "3", "--loops", "accelerate", "s4accel"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tiny = json.loads(proc.stdout)["results"]["tiny"]
     assert set(tiny["ms_per_step_median"]) == {"accelerate", "s4accel"}
     assert all(v > 0 for v in tiny["ms_per_step_median"].values())
-    assert tiny["s4accel_over_accelerate"] == pytest.approx(
-        tiny["ms_per_step_median"]["s4accel"] / tiny["ms_per_step_median"]["accelerate"], rel=1e-2)
+    ratio = tiny["s4accel_over_accelerate"]
+    assert 0 < ratio["q1"] <= ratio["median"] <= ratio["q3"]
+    assert tiny["s4accel_over_trainer"] is None  # the Trainer did not run
