@@ -122,7 +122,7 @@ def setup(recipe):
     torch.set_num_threads(1)
     data = build_text_data(recipe.data)
     set_seed(recipe.run.seed)
-    return build_model(recipe, data.tokenizer), data
+    return build_model(recipe, data), data
 
 
 def train_loader(recipe, data):

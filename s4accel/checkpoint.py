@@ -203,7 +203,8 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files:
         try:
             unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
             unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
-            tokenizer.save_pretrained(tmp)
+            if tokenizer is not None:  # array data has none
+                tokenizer.save_pretrained(tmp)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
             old = out_dir.with_name(f".{out_dir.name}.old")

@@ -68,20 +68,20 @@ def show(recipe: RecipeArg, overrides: SetOpt = None):
     except S4AccelError as e:
         raise _fail(e) from None
     typer.echo(resolved.to_yaml(), nl=False)
-    typer.echo(f"# model: {resolved.model.name} ({config.model_type}), {n_params:,} parameters, "
-               f"vocab {config.vocab_size}")
+    inputs = f"vocab {config.vocab_size}" if config.d_input is None else \
+        f"{config.d_input} feature(s) per step, {config.num_labels} label(s)"
+    typer.echo(f"# model: {resolved.model.name} ({config.model_type}), {n_params:,} parameters, {inputs}")
 
 
 def _model_summary(recipe):
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .config import build_model_config
-    from .data import tokenizer_spec
+    from .data import auto_model_class, data_spec
 
-    config = build_model_config(recipe.model, **tokenizer_spec(recipe.data))
+    config = build_model_config(recipe.model, **data_spec(recipe.data))
     with torch.device("meta"):  # shapes only: no memory, no init
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(recipe.data).from_config(config)
     return config, sum(p.numel() for p in model.parameters())
 
 

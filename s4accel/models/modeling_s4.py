@@ -698,6 +698,7 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput:
         r"""
@@ -706,6 +707,8 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): 1 for real steps, 0 for
             padding (right-padded sequences of different lengths); pooling ignores padding.
         labels (`torch.Tensor` of shape `(batch_size,)`): class ids, or targets for regression.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): When given, the loss is the sum of the per-sequence
+            losses divided by this count (a trainer's sequences in a whole accumulation window across processes).
         """
         out = self.backbone(input_ids=input_ids, input_values=input_values, inputs_embeds=inputs_embeds,
                             attention_mask=attention_mask, output_hidden_states=output_hidden_states)
@@ -722,10 +725,10 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         logits = self.score(pooled)  # (B, num_labels)
         loss = None
         if labels is not None:
-            loss = self._loss(logits, labels)
+            loss = self._loss(logits, labels, num_items_in_batch)
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         if self.config.problem_type is None:
             if self.num_labels == 1:
                 self.config.problem_type = "regression"
@@ -733,11 +736,15 @@ class S4ForSequenceClassification(S4PreTrainedModel):
                 self.config.problem_type = "single_label_classification"
             else:
                 self.config.problem_type = "multi_label_classification"
+        reduction = "mean" if num_items_in_batch is None else "sum"
         if self.config.problem_type == "regression":
-            return nn.functional.mse_loss(logits.squeeze(-1).float(), labels.float())
-        if self.config.problem_type == "single_label_classification":
-            return nn.functional.cross_entropy(logits.float(), labels.view(-1))
-        return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
+            loss = nn.functional.mse_loss(logits.squeeze(-1).float(), labels.float(), reduction=reduction)
+        elif self.config.problem_type == "single_label_classification":
+            loss = nn.functional.cross_entropy(logits.float(), labels.view(-1), reduction=reduction)
+        else:
+            loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
+            loss = loss.mean() if num_items_in_batch is None else loss.mean(-1).sum()
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 __all__ = ["S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache"]
