@@ -198,6 +198,16 @@ class EarlyStoppingCfg(_Section):
         return _check_metric(metric)
 
 
+class StateCfg(_Section):
+    mode: Literal["none", "tbptt", "reset", "bptt"] = "none"
+    """Recurrent state across consecutive chunks of long text streams (see s4accel/stateful.py): `none` trains on
+    shuffled independent blocks; `tbptt` carries each chunk's final state (detached) into the next chunk of the same
+    rows; `reset` does so but restarts from zero every `n_context + 1` chunks; `bptt` starts each chunk from the state
+    of re-reading the previous `n_context` chunks without gradient. Text data only."""
+    n_context: int = Field(1, ge=1)
+    """Chunks of context for `reset` and `bptt`."""
+
+
 class TrainCfg(_Section):
     max_steps: int = Field(1000, ge=1)
     """Number of optimizer steps."""
@@ -222,6 +232,8 @@ class TrainCfg(_Section):
     """Exponential moving average of the weights (`null`: off)."""
     early_stopping: EarlyStoppingCfg | None = None
     """Stop when an eval metric stops improving (`null`: off)."""
+    state: StateCfg = Field(default_factory=StateCfg)
+    """Stateful training over long streams (`mode: none` by default)."""
 
     @model_validator(mode="after")
     def _one_clip(self):
@@ -294,6 +306,13 @@ class Recipe(_Section):
     sample: SampleCfg = Field(default_factory=SampleCfg)
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
+
+    @model_validator(mode="after")
+    def _state_needs_text(self):
+        if self.train.state.mode != "none" and not self.data.is_text:
+            raise ValueError(f"train.state.mode: {self.train.state.mode!r} carries state along text streams; "
+                             f"data.source {self.data.source!r} has independent sequences (use mode none)")
+        return self
 
     @model_validator(mode="after")
     def _prompts_need_text(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import math
 import resource
@@ -33,6 +34,7 @@ from .data import auto_model_class, build_dataloaders, build_data, data_spec, to
 from .errors import NonFiniteError, ResumeError
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopSignals
+from .stateful import CarriedState, stream_loader
 from .tracking import build_trackers
 
 
@@ -103,10 +105,18 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     scheduler = build_scheduler(optimizer, recipe.scheduler, recipe.warmup_steps, cfg.max_steps)  # not prepared (N3)
     train_dl, val_dl = build_dataloaders(recipe.data, data, recipe.run.seed, cfg.eval_max_batches,
                                          accelerator.num_processes)
-    model, optimizer, train_dl, val_dl = accelerator.prepare(model, optimizer, train_dl, val_dl)
+    carried = None
+    if cfg.state.mode == "none":
+        model, optimizer, train_dl, val_dl = accelerator.prepare(model, optimizer, train_dl, val_dl)
+    else:  # fixed rows per process, in text order: not a sharded loader, which would interleave the rows (N14)
+        train_dl = stream_loader(data.train, recipe.data.batch_size, accelerator.num_processes,
+                                 accelerator.process_index, recipe.data.num_workers)
+        model, optimizer, val_dl = accelerator.prepare(model, optimizer, val_dl)
+        carried = CarriedState(cfg.state, accelerator)
     state = TrainState(recipe_hash=recipe_hash(recipe))
-    # Registration order is the checkpoint format: scheduler, loop counters, then stateful callbacks in list order.
-    accelerator.register_for_checkpointing(scheduler, state, *callbacks.stateful())
+    # Registration order is the checkpoint format: scheduler, loop counters, the carried state of stateful training,
+    # then stateful callbacks in list order.
+    accelerator.register_for_checkpointing(scheduler, state, *([carried] if carried else []), *callbacks.stateful())
     if ckpt is not None:
         accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
@@ -151,7 +161,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     with signals, unfreeze_gc_after():
         while state.step < cfg.max_steps and stop_reason is None:
             window = [next(batches) for _ in range(cfg.grad_accum)]
-            loss = backward_window(accelerator, model, window)
+            loss = backward_window(accelerator, model, window, carried)
             # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
             grad_norm = clip_gradients(accelerator, params, cfg)
             # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
@@ -173,6 +183,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                 bar.set_postfix(loss=f"{logs['train/loss']:.3f}", refresh=False)
             if (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == cfg.max_steps:
                 eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
+                if carried is not None:
+                    carried.reset()  # the streams' state restarts after an evaluation
                 flags = flags.merge(agree(accelerator, None, signal=signals.received is not None,
                                           stop=run.stop_reason is not None))
             if flags.signal or flags.stop:  # every process takes this branch at the same step
@@ -313,8 +325,13 @@ def batch_stream(accelerator, train_dl, state: TrainState):
     this replays exactly the batches an uninterrupted run sees (N6)."""
     skip = state.batch_in_epoch
     while True:
-        train_dl.set_epoch(state.epoch)
-        for batch in accelerator.skip_first_batches(train_dl, skip) if skip else train_dl:
+        if hasattr(train_dl, "set_epoch"):  # a prepared (sharded, device-placing) loader
+            train_dl.set_epoch(state.epoch)
+            batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
+        else:  # the stream loader of stateful training: in order, on the CPU
+            batches = ({k: v.to(accelerator.device) for k, v in b.items()}
+                       for b in itertools.islice(train_dl, skip, None))
+        for batch in batches:
             state.batch_in_epoch += 1
             yield batch
         skip = 0
@@ -322,12 +339,13 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         state.batch_in_epoch = 0
 
 
-def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
+def backward_window(accelerator, model, window: list[dict], carried: CarriedState | None = None) -> torch.Tensor:
     """Forward and backward over the micro-batches of one optimizer step; returns this rank's share of the loss.
 
     Token-normalised (N4): every micro-batch's loss is its summed token loss divided by the number of real target
     tokens in the whole window on all ranks, so ragged micro-batches weigh by their tokens. Multiplying by
     grad_accum x num_processes cancels backward's 1/grad_accum (N2) and DDP's mean over ranks. One collective.
+    With `carried` (stateful training), each micro-batch starts from the state the previous chunk left.
     """
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
@@ -339,7 +357,10 @@ def backward_window(accelerator, model, window: list[dict]) -> torch.Tensor:
     total = None
     for batch in window:
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
-            out = model(**batch, num_items_in_batch=n_items)
+            if carried is None:
+                out = model(**batch, num_items_in_batch=n_items)
+            else:
+                out = carried.forward(model, batch, num_items_in_batch=n_items)
             accelerator.backward(out.loss * (ga * n_proc) if n_items is not None else out.loss)
         total = out.loss.detach() if total is None else total + out.loss.detach()
     return total
