@@ -38,7 +38,7 @@ from s4accel.models.configuration_s4 import S4Config
 from s4accel.models.modeling_s4 import S4DKernel, S4Kernel, S4Layer, hippo_legs_nplr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from s4_layer import import_reference  # noqa: E402  (bench/ is not a package)
+from s4_layer import import_reference  # bench/ is not a package: imported from its folder
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -118,7 +118,7 @@ def dplr_pair(s4, args, dtype, n_ssm=None):
     copies = H // S
     perm = torch.tensor([v * S + s for s in range(S) for v in range(copies)])  # ours h = s copies + v
     ours = ours_kernel(S4Kernel, dtype, d_model=H, d_state=N, kernel="s4", l_max=l_max, n_ssm=n_ssm)
-    c = lambda name: torch.view_as_complex(getattr(ref, name).contiguous()).conj()  # noqa: E731
+    c = lambda name: torch.view_as_complex(getattr(ref, name).contiguous()).conj()
     with torch.no_grad():
         ours.log_dt.copy_(ref.inv_dt[perm, 0])
         ours.log_A_real.copy_(ref.A_real)
@@ -158,7 +158,7 @@ def case_s4d_layer(s4d, args, dtype) -> dict:
         ours.output_linear.bias.copy_(conv.bias)
     u = torch.randn(2, H, L, dtype=dtype)
     y_ref, _ = ref(u)
-    run = lambda layer: layer(u.transpose(1, 2).to(layer.D.dtype))[0].transpose(1, 2)  # noqa: E731
+    run = lambda layer: layer(u.transpose(1, 2).to(layer.D.dtype))[0].transpose(1, 2)
     return compare(ours, run, y_ref, TOLERANCE[dtype])
 
 

@@ -51,6 +51,12 @@ def small_text_file(tmp_path, chars=3000) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def text(tmp_path_factory, hf_cache):
+    """A small text file (a few plays' worth), once per test module."""
+    return small_text_file(tmp_path_factory.mktemp("text"))
+
+
 def train_in_process(recipe_path, overrides, resume=None, force=False):
     """`s4accel.train` in this process, with Accelerate's process-wide singletons reset first."""
     import s4accel

@@ -30,7 +30,7 @@ def test_parse_ts_refuses_ragged_series(tmp_path):
 
 
 def test_ucr_sets_come_with_the_archive_split():
-    x_tr, y_tr, x_te, y_te, classes = read_ucr("GunPoint")
+    x_tr, y_tr, x_te, _, classes = read_ucr("GunPoint")
     assert x_tr.shape == (50, 150, 1) and x_te.shape == (150, 150, 1)
     assert classes == ["1", "2"] and set(y_tr) == {0, 1}
     x_tr, *_ = read_ucr("ACSF1")

@@ -91,3 +91,27 @@ def test_two_process_run_preempted_on_one_rank_resumes_bit_exactly(tmp_path, hf_
     for name in ("final", "final_ema"):
         ref, got = final_weights(tmp_path / "ref", name), final_weights(tmp_path / "run", name)
         assert all(torch.equal(ref[k], got[k]) for k in ref), name
+
+
+def test_two_process_classifier_gathers_metrics_over_the_whole_test_split(tmp_path):
+    """359 test sequences over 2 processes: gather_for_metrics drops the padded duplicate, so the accuracy the run
+    reports equals the exported model's accuracy on the whole split, computed in one process."""
+    from transformers import AutoModelForSequenceClassification
+
+    from s4accel.arrays import build_array_data
+    from s4accel.config import DataCfg
+
+    run_dir = tmp_path / "run"
+    proc = launch("-m", "s4accel", "train", REPO / "recipes" / "digits.yaml", "--set", f"run.out_dir={run_dir}",
+                  "--set", "model.overrides={d_model: 16, n_layer: 1, d_state: 8, bidirectional: true}",
+                  "--set", "train.max_steps=20", "--set", "train.eval_every=0", "--set", "log.progress_bar=false",
+                  "--set", "checkpoint.every_steps=0", "--set", "scheduler.warmup_steps=2", "--set", "optim.lr=1e-2",
+                  "--set", "data.eval_batch_size=32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reported = [r for r in read_metrics(run_dir) if "eval/accuracy" in r][-1]["eval/accuracy"]
+    model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final").eval()
+    data = build_array_data(DataCfg(source="digits", val_fraction=0.2))
+    with torch.no_grad():
+        hits = (model(input_values=data.val[:]["input_values"]).logits.argmax(-1) == data.val[:]["labels"]).sum()
+    assert len(data.val) == 359  # odd: the second process's last batch is padded with a duplicate
+    assert reported == pytest.approx(hits.item() / 359, abs=1e-12)

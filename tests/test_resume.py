@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, TINY, callback_override, final_weights, read_metrics, short_epochs, small_text_file,
+from conftest import (REPO, TINY, callback_override, final_weights, read_metrics, short_epochs,
                       train_in_process)
 from s4accel.errors import ResumeError
 
@@ -27,11 +27,6 @@ def assert_same_weights(dir_a, dir_b, name="final"):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{name}/{k} differs"
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory, hf_cache):
-    return small_text_file(tmp_path_factory.mktemp("text"))
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,11 @@ import math
 import pytest
 import torch
 
-from conftest import (TINY, callback_override, final_weights, read_metrics, run_cli, small_text_file,
+from conftest import (TINY, callback_override, final_weights, read_metrics, run_cli,
                       train_in_process)
 from s4accel.errors import NonFiniteError, RecipeError, RunDirError
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory, hf_cache):
-    return small_text_file(tmp_path_factory.mktemp("text"))
 
 
 def base(text, out, *extra):

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, callback_override, final_weights, read_metrics, small_text_file, train_in_process
+from conftest import REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
 from s4accel.stateful import StreamBatchSampler
 
 
@@ -17,11 +17,6 @@ def test_stream_layout_gives_each_process_fixed_contiguous_rows():
     assert ranks[0][:3] == [[0, 6], [1, 7], [2, 8]]  # rows 0 and 1 continue their own text chunk after chunk
     assert ranks[1][:3] == [[12, 18], [13, 19], [14, 20]]
     assert len(ranks[0]) == 6
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory, hf_cache):
-    return small_text_file(tmp_path_factory.mktemp("text"))
 
 
 def stream(text, out, *extra):

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutput, ModelOutput, SequenceClassifierOutput
+from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
 
 from .configuration_s4 import S4Config
 
@@ -47,6 +47,11 @@ def _fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
 def _complex(t: torch.Tensor) -> torch.Tensor:
     """A parameter stored as (..., 2) real pairs (safetensors holds no complex dtype) as a complex tensor."""
     return torch.view_as_complex(_fp32_or_wider(t).contiguous())
+
+
+def _with_conjugates(t: torch.Tensor) -> torch.Tensor:
+    """(..., N/2) modes -> (..., N): each mode followed, after all of them, by its complex conjugate."""
+    return torch.cat([t, t.conj()], dim=-1)
 
 
 def fft_conv(u: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
@@ -291,9 +296,8 @@ class S4Kernel(_SSMKernel):
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Bilinear `dA (H, N, N)` and `dB (H, N)`: `dA = (I - dt/2 A)^-1 (I + dt/2 A)`, `dB = (I - dt/2 A)^-1 dt B`."""
         dt, Lambda, P, B = self._ssm()
-        full = lambda t: torch.cat([t, t.conj()], dim=-1)  # noqa: E731  (H, N/2) -> (H, N)
-        Pf, Bf = full(P), full(B)
-        A = torch.diag_embed(full(Lambda)) - Pf[:, :, None] * Pf.conj()[:, None, :]
+        Pf, Bf = _with_conjugates(P), _with_conjugates(B)
+        A = torch.diag_embed(_with_conjugates(Lambda)) - Pf[:, :, None] * Pf.conj()[:, None, :]
         eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
         half = (dt / 2)[:, None, None] * A
         dA = torch.linalg.solve(eye - half, eye + half)
@@ -302,8 +306,7 @@ class S4Kernel(_SSMKernel):
 
     def _c_true(self, dA: torch.Tensor) -> torch.Tensor:
         """The output matrix `C = C~ (I - dA^l_max)^-1`, (c, H, N), from the stored `C~`."""
-        C_tilde = _complex(self.C)
-        Cf = torch.cat([C_tilde, C_tilde.conj()], dim=-1)  # (c, H, N)
+        Cf = _with_conjugates(_complex(self.C))  # (c, H, N)
         eye = torch.eye(dA.shape[-1], dtype=dA.dtype, device=dA.device)
         M = eye - torch.linalg.matrix_power(dA, self.config.l_max)  # (H, N, N)
         return torch.linalg.solve(M.transpose(-1, -2), Cf[..., None])[..., 0]  # row vector: C M = C~
