@@ -22,6 +22,7 @@ from collections import deque
 import torch
 
 from .config import StateCfg
+from .errors import DataError
 
 
 class StreamBatchSampler:
@@ -48,8 +49,6 @@ def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_work
 
     sampler = StreamBatchSampler(len(data), batch_size, num_processes, rank)
     if sampler.chunks < 1:
-        from .errors import DataError
-
         raise DataError(f"stateful training needs at least one chunk per stream: {len(data)} blocks < "
                         f"{batch_size} x {num_processes} rows")
 

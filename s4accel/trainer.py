@@ -445,75 +445,74 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort=lambda: False) -> dict | None:
-    """Validation loss over every target token of the split, gathered across processes (N5): per-sample sums are
-    gathered with `gather_for_metrics`, which drops the duplicates padding the last batch, then reduced. Returns None
-    when `abort()` (a stop signal) becomes true on any process, checked before each batch.
+def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -> list[float] | None:
+    """Sum `per_sample(model, batch) -> (B, k)` over the whole evaluation split on all processes (N5): the rows go
+    through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns None when `abort()` (a
+    stop signal) becomes true on any process, checked before each batch.
 
     The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
     how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return _evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort)
-
-
-def _evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort) -> dict | None:
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
-    for batch in val_dl:
-        if agree(accelerator, None, signal=abort()).signal:
+        was_training = model.training
+        model.eval()
+        totals = None
+        try:
+            for batch in val_dl:
+                if agree(accelerator, None, signal=abort()).signal:
+                    return None
+                with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets it too
+                    rows = accelerator.gather_for_metrics(per_sample(model, batch).double()).sum(0)
+                totals = rows if totals is None else totals + rows
+        finally:
             model.train(was_training)
-            return None
-        with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets autocast too
-            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
+    return totals.tolist()
+
+
+def evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort=lambda: False) -> dict | None:
+    """Language model: loss (nats/token), perplexity, bits per byte and per character over every target token."""
+
+    def per_sample(model, batch):
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
         targets = batch["labels"][:, 1:]  # (B, L-1)
         mask = targets != -100
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
                                                 ignore_index=-100)
         safe = targets.clamp(min=0)
-        per_sample = torch.stack([nll.sum(1), mask.sum(1), (token_bytes[safe] * mask).sum(1),
-                                  (token_chars[safe] * mask).sum(1)], dim=1).double()  # (B, 4)
-        totals += accelerator.gather_for_metrics(per_sample).sum(0)
-    model.train(was_training)
-    nll, n_tokens, n_bytes, n_chars = totals.tolist()
+        return torch.stack([nll.sum(1), mask.sum(1), (token_bytes[safe] * mask).sum(1),
+                            (token_chars[safe] * mask).sum(1)], dim=1)  # (B, 4)
+
+    sums = gathered_sums(accelerator, model, val_dl, per_sample, abort)
+    if sums is None:
+        return None
+    nll, n_tokens, n_bytes, n_chars = sums
     loss = nll / max(n_tokens, 1)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1),
             "bits_per_char": nll / math.log(2) / max(n_chars, 1)}
 
 
-@torch.no_grad()
 def evaluate_classifier(accelerator, model, val_dl, abort=lambda: False) -> dict | None:
-    """Loss and accuracy (classification) or loss, mse, mae (regression) over the whole evaluation split, gathered
-    across processes: per-sample values go through `gather_for_metrics` (which drops the duplicates padding the last
-    batch), then are summed. Returns None when `abort()` becomes true on any process. Leaves the RNG untouched."""
-    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        was_training = model.training
-        model.eval()
-        totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
-        regression = accelerator.unwrap_model(model).config.problem_type == "regression"
-        for batch in val_dl:
-            if agree(accelerator, None, signal=abort()).signal:
-                model.train(was_training)
-                return None
-            with accelerator.autocast():
-                logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
-            labels = batch["labels"]
-            if regression:
-                err = logits[:, 0] - labels.float()
-                per_sample = torch.stack([err**2, err**2, err.abs(), torch.ones_like(err)], dim=1)
-            else:
-                nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-                hit = (logits.argmax(-1) == labels).float()
-                per_sample = torch.stack([nll, hit, torch.zeros_like(nll), torch.ones_like(nll)], dim=1)
-            totals += accelerator.gather_for_metrics(per_sample.double()).sum(0)
-        model.train(was_training)
-    loss, second, third, n = totals.tolist()
-    n = max(n, 1)
+    """Sequence classifier: loss and accuracy; regressor: loss (= mse), mse, mae; over every test sequence."""
+    regression = accelerator.unwrap_model(model).config.problem_type == "regression"
+
+    def per_sample(model, batch):
+        logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
+        labels = batch["labels"]
+        if regression:
+            err = logits[:, 0] - labels.float()
+            return torch.stack([err**2, err.abs(), torch.ones_like(err)], dim=1)
+        nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        hit = (logits.argmax(-1) == labels).float()
+        return torch.stack([nll, hit, torch.ones_like(nll)], dim=1)
+
+    sums = gathered_sums(accelerator, model, val_dl, per_sample, abort)
+    if sums is None:
+        return None
     if regression:
-        return {"loss": loss / n, "mse": second / n, "mae": third / n}
-    return {"loss": loss / n, "accuracy": second / n}
+        sq, ab, n = sums
+        return {"loss": sq / max(n, 1), "mse": sq / max(n, 1), "mae": ab / max(n, 1)}
+    nll, hits, n = sums
+    return {"loss": nll / max(n, 1), "accuracy": hits / max(n, 1)}
 
 
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:
