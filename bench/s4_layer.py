@@ -6,9 +6,7 @@ What it measures (float32, CPU, `--threads` intra-op threads; default B=16, H=25
 
 - `layer`: seconds for one forward + backward (the loss is the output's sum; the input requires grad, as inside a
   network) of each model at each length L:
-    ours        `S4Layer` (kernel="s4d", ZOH) as `s4accel/models/modeling_s4.py` has it now
-    proposed    the same layer and parameters through the faster kernel and convolution prototyped below (the
-                change proposed for `modeling_s4.py`; delete this model once that change lands)
+    ours        `S4Layer` (kernel="s4d", ZOH) of `s4accel/models/modeling_s4.py`
     reference   state-spaces/s4 `models/s4/s4d.py` `S4D(d_model=H, d_state=N, transposed=True)`, on its own (B, H, L)
                 layout, imported from `--reference-dir` (skipped, with the reason, when absent)
     attention   a same-width causal self-attention layer: qkv and output projections around
@@ -21,8 +19,8 @@ What it measures (float32, CPU, `--threads` intra-op threads; default B=16, H=25
   Also the minor page faults of one full pass of each (glibc returns large freed blocks to the OS, so each pass
   faults its buffers in again; `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` or another allocator remove
   that, and `machine.malloc_env` records which were set).
-- `memory`: the largest tensor any operation creates in one forward + backward of ours and proposed (seen by a
-  dispatch mode), against one (B, H, L) activation and a (B, H, N/2, L) complex tensor, which must never appear.
+- `memory`: the largest tensor any operation creates in one forward + backward of ours (seen by a dispatch
+  mode), against one (B, H, L) activation and a (B, H, N/2, L) complex tensor, which must never appear.
 - `decode`: milliseconds per token of `S4Layer.step` at batch 1 and B, with the state actually stepped from zero to
   each of `--decode-positions`; the windows of `--decode-window` steps from those saved states are then timed in
   interleaved rounds. The state is O(1), so the time per token should not grow with the position.
@@ -62,10 +60,10 @@ import torch
 from torch import nn
 
 from s4accel.models.configuration_s4 import S4Config
-from s4accel.models.modeling_s4 import S4ForCausalLM, S4Layer, fft_conv, vandermonde_product
+from s4accel.models.modeling_s4 import S4ForCausalLM, S4Layer, fft_conv
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
-MODELS = ("ours", "proposed", "reference", "attention", "gru")
+MODELS = ("ours", "reference", "attention", "gru")
 BASELINES = ("attention", "gru")  # skipped where too slow; the S4 layers always run
 GOAL_SPEEDUP = 1.5  # the issue's target: ours at L=1024 at least 1.5x faster than the reference's s4d.py
 
@@ -104,29 +102,6 @@ def _stub_missing(module: str, **attrs):
         sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
     for key, value in attrs.items():
         setattr(sys.modules[module], key, value)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The proposed change, now landed in `modeling_s4.py`: `proposed` runs the layer's pieces through the library's
-# `vandermonde_product` (kernel powers factored through l = I j + i, I ~ sqrt L) and `fft_conv` (a hand-written
-# correlation backward, D as the tap at lag 0), so it equals `ours`; kept until the bench's report drops it.
-
-
-def proposed_kernel(layer: S4Layer, L: int) -> torch.Tensor:
-    log_dA, C = layer.kernel.discretize()
-    return vandermonde_product(C, log_dA, L)  # (1, H, L)
-
-
-def proposed_conv(u: torch.Tensor, K: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-    """Causal only (the bench's layer): u (B, H, L), K (1, H, L), D (H,) -> (B, H, L)."""
-    return fft_conv(u, K, D)
-
-
-def proposed_forward(layer: S4Layer, u: torch.Tensor) -> torch.Tensor:
-    """`S4Layer.forward` (no state) through the two changes: u (B, L, H) -> (B, L, H)."""
-    y = proposed_conv(u.transpose(1, 2), proposed_kernel(layer, u.shape[1]), layer.D)
-    # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
-    return layer._mix(y.transpose(1, 2).contiguous().to(u.dtype))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -174,7 +149,6 @@ def build_models(args, reference) -> dict:
         return torch.randn(B, L, H, requires_grad=True)
 
     models["ours"] = (lambda L: pass_fn(ours, lambda x: ours(x)[0], blh(L)), 1)
-    models["proposed"] = (lambda L: pass_fn(ours, lambda x: proposed_forward(ours, x), blh(L)), 1)
     if reference is not None:
         ref = reference.S4D(H, d_state=args.d_state, transposed=True)
         # its native layout (B, H, L): no transposes are charged to it
@@ -247,8 +221,7 @@ def bench_layers(args, models: dict, unavailable: dict) -> dict:
         entry = {"seconds_median": {name: statistics.median(ts) for name, ts in times.items()},
                  "rounds": {name: len(ts) for name, ts in times.items()},
                  "skipped": {**skipped, **unavailable}}
-        for a in ("ours", "proposed"):
-            entry[f"{a}_over"] = {b: ratio_summary(times, a, b) for b in MODELS if b != a}
+        entry["ours_over"] = {b: ratio_summary(times, "ours", b) for b in MODELS if b != "ours"}
         out[str(L)] = entry
         del fns
         print(f"L={L}: " + ", ".join(f"{k} {v:.3f}s" for k, v in entry["seconds_median"].items()), file=sys.stderr)
@@ -277,13 +250,9 @@ def breakdown(args, reference) -> dict:
 
     pieces = {
         "ours.kernel": backward_of(lambda: layer.kernel(L)),
-        "ours.conv": backward_of(lambda: fft_conv(u_leaf, K_leaf) + u_leaf * D_leaf[:, None]),
+        "ours.conv": backward_of(lambda: fft_conv(u_leaf, K_leaf, D_leaf)),  # D is the tap at lag 0
         "ours.mix": backward_of(lambda: layer._mix(y_leaf)),
         "ours.full": backward_of(lambda: layer(x)[0]),
-        "proposed.kernel": backward_of(lambda: proposed_kernel(layer, L)),
-        "proposed.conv": backward_of(lambda: proposed_conv(u_leaf, K_leaf, D_leaf)),
-        "proposed.mix": backward_of(lambda: layer._mix(y_leaf)),
-        "proposed.full": backward_of(lambda: proposed_forward(layer, x)),
     }
     if reference is not None:
         ref = reference.S4D(H, d_state=args.d_state, transposed=True)
@@ -296,7 +265,7 @@ def breakdown(args, reference) -> dict:
     times = paired_rounds(pieces, {name: args.repeats for name in pieces})
     med = {name: statistics.median(ts) for name, ts in times.items()}
     out = {"length": L, "seconds_median": {}}
-    for impl in ("ours", "proposed", "reference"):
+    for impl in ("ours", "reference"):
         parts = {k.split(".")[1]: v for k, v in med.items() if k.startswith(impl + ".")}
         if not parts:
             continue
@@ -353,11 +322,10 @@ def memory_check(args) -> dict:
     activation = B * H * L * 4  # one float32 (B, H, L) tensor
     bhnl = B * H * (N // 2) * L * 8  # a complex64 (B, H, N/2, L) tensor
     out = {"length": L, "activation_bytes": activation, "bhnl_complex_bytes": bhnl}
-    for name, forward in (("ours", lambda: layer(x)[0]), ("proposed", lambda: proposed_forward(layer, x))):
-        big = largest_tensor(lambda forward=forward: forward().sum().backward())
-        big["over_activation"] = big["bytes"] / activation
-        out[name] = big
-    out["no_BHNL_tensor"] = all(out[name]["bytes"] < bhnl for name in ("ours", "proposed"))
+    big = largest_tensor(lambda: layer(x)[0].sum().backward())
+    big["over_activation"] = big["bytes"] / activation
+    out["ours"] = big
+    out["no_BHNL_tensor"] = big["bytes"] < bhnl
     return out
 
 
@@ -501,8 +469,8 @@ def main(argv=None):
     if "layer" in result:
         at = result["layer"].get(str(args.breakdown_length), {}).get("seconds_median", {})
         if "reference" in at:
-            speedups = {a: at["reference"] / at[a] for a in ("ours", "proposed") if a in at}
-            result["speedup_over_reference"] = {"length": args.breakdown_length, "goal": GOAL_SPEEDUP, **speedups}
+            result["speedup_over_reference"] = {"length": args.breakdown_length, "goal": GOAL_SPEEDUP,
+                                                "ours": at["reference"] / at["ours"]}
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     print(json.dumps(result, indent=1))
 

@@ -29,6 +29,9 @@ _LAZY = {
     "S4ForCausalLM": "s4accel.models",
     "S4ForSequenceClassification": "s4accel.models",
     "S4Cache": "s4accel.models",
+    "MoEConfig": "s4accel.models",
+    "MoEModel": "s4accel.models",
+    "MoEForCausalLM": "s4accel.models",
 }
 
 

@@ -17,13 +17,18 @@ def register_auto_classes() -> None:
     family. Idempotent."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from .models.configuration_moe import MoEConfig
     from .models.configuration_s4 import S4Config
+    from .models.modeling_moe import MoEForCausalLM, MoEModel
     from .models.modeling_s4 import S4ForCausalLM, S4ForSequenceClassification, S4Model
 
     AutoConfig.register(S4Config.model_type, S4Config, exist_ok=True)
     AutoModel.register(S4Config, S4Model, exist_ok=True)
     AutoModelForCausalLM.register(S4Config, S4ForCausalLM, exist_ok=True)
     AutoModelForSequenceClassification.register(S4Config, S4ForSequenceClassification, exist_ok=True)
+    AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
+    AutoModel.register(MoEConfig, MoEModel, exist_ok=True)
+    AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
 
 
 def _register() -> None:

@@ -282,6 +282,9 @@ class LogCfg(_Section):
     """Log training scalars every N optimizer steps (the only host sync in the loop)."""
     progress_bar: bool = True
     """tqdm progress bar on the main process."""
+    expert_idle_warn_steps: int = Field(200, ge=1)
+    """Mixture-of-experts models: warn when an expert has received no token (on any process) for this many
+    optimizer steps (checked at each log step)."""
 
 
 class SampleCfg(_Section):

@@ -17,11 +17,16 @@ MODEL_SIZES: dict[str, dict] = {
     "s4-base": {"family": "s4", "d_model": 512, "n_layer": 8, "d_state": 64},
     # 36M parameters.
     "s4-large": {"family": "s4", "d_model": 1024, "n_layer": 16, "d_state": 64},
+    # Mixture-of-experts transformers (8 experts, top-2); `overrides: {use_moe: false}` gives the dense baseline of
+    # the same shape (one expert's width).
+    "moe-tiny": {"family": "moe", "d_model": 64, "n_layer": 2, "n_head": 4, "d_ffn": 128, "num_experts": 4},
+    "moe-small": {"family": "moe", "d_model": 256, "n_layer": 4, "n_head": 4, "d_ffn": 512, "num_experts": 8},
 }
 
 # family -> (config class, causal LM class), as "module:Class" inside s4accel.models.
 FAMILIES: dict[str, tuple[str, str]] = {
     "s4": ("configuration_s4:S4Config", "modeling_s4:S4ForCausalLM"),
+    "moe": ("configuration_moe:MoEConfig", "modeling_moe:MoEForCausalLM"),
 }
 
 

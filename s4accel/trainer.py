@@ -146,7 +146,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 
     # 2. The loop: one iteration per optimizer step.
     batches = batch_stream(accelerator, train_dl, state)
-    meter = Meter(accelerator, state)
+    meter = Meter(accelerator, state, recipe.log.expert_idle_warn_steps)
     bar = tqdm(total=cfg.max_steps, initial=state.step, desc="train", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
@@ -161,11 +161,12 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     with signals, unfreeze_gc_after():
         while state.step < cfg.max_steps and stop_reason is None:
             window = [next(batches) for _ in range(cfg.grad_accum)]
-            loss = backward_window(accelerator, model, window, carried)
+            scalars = backward_window(accelerator, model, window, carried)
             # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
             grad_norm = clip_gradients(accelerator, params, cfg)
             # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
-            flags = agree(accelerator, ~torch.isfinite(loss + grad_norm),  # NaN or inf in either
+            objective = scalars["loss"] + scalars.get("aux_loss", 0)
+            flags = agree(accelerator, ~torch.isfinite(objective + grad_norm),  # NaN or inf in either
                           signal=signals.received is not None, stop=run.stop_reason is not None, save=save_clock.due())
             if flags.nonfinite:
                 skip_nonfinite_step(accelerator, optimizer, state, recipe, recipe_yaml)
@@ -173,7 +174,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
             optimizer_step(accelerator, optimizer, scheduler, state)
             state.step += 1
             state.tokens_seen += sum(steps_in(b) for b in window) * accelerator.num_processes
-            meter.add(loss=loss, grad_norm=grad_norm)
+            meter.add(**scalars, grad_norm=grad_norm)
             bar.update(1)
             callbacks.on_step_end(run)
             if state.step % recipe.log.log_every == 0 or state.step == cfg.max_steps:
@@ -339,12 +340,15 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         state.batch_in_epoch = 0
 
 
-def backward_window(accelerator, model, window: list[dict], carried: CarriedState | None = None) -> torch.Tensor:
-    """Forward and backward over the micro-batches of one optimizer step; returns this rank's share of the loss.
+def backward_window(accelerator, model, window: list[dict], carried: CarriedState | None = None) -> dict:
+    """Forward and backward over the micro-batches of one optimizer step; returns this rank's share of the window's
+    training scalars (`loss`, and for mixture-of-experts models `aux_loss`, `expert_counts`, `dropped_counts`).
 
     Token-normalised (N4): every micro-batch's loss is its summed token loss divided by the number of real target
     tokens in the whole window on all ranks, so ragged micro-batches weigh by their tokens. Multiplying by
     grad_accum x num_processes cancels backward's 1/grad_accum (N2) and DDP's mean over ranks. One collective.
+    A model's `aux_loss` (router losses, included in its `loss`) is its own micro-batch's mean, so it is taken out
+    of that scaling: backward's 1/grad_accum and DDP's mean make it the mean over the window's micro-batches.
     With `carried` (stateful training), each micro-batch starts from the state the previous chunk left.
     """
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
@@ -354,16 +358,26 @@ def backward_window(accelerator, model, window: list[dict], carried: CarriedStat
         n_items = sum(count_items(b) for b in window)
         if n_proc > 1:
             n_items = accelerator.gather(n_items.reshape(1)).sum()
-    total = None
+    totals: dict[str, torch.Tensor] = {}
     for batch in window:
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
             if carried is None:
                 out = model(**batch, num_items_in_batch=n_items)
             else:
                 out = carried.forward(model, batch, num_items_in_batch=n_items)
-            accelerator.backward(out.loss * (ga * n_proc) if n_items is not None else out.loss)
-        total = out.loss.detach() if total is None else total + out.loss.detach()
-    return total
+            aux = getattr(out, "aux_loss", None)
+            task = out.loss - aux if aux is not None else out.loss
+            objective = task * (ga * n_proc) if n_items is not None else task
+            accelerator.backward(objective + aux if aux is not None else objective)
+        parts = {"loss": task.detach()}
+        if aux is not None:
+            parts["aux_loss"] = aux.detach() / (ga * n_proc)  # summed over the window and ranks: the mean
+            for key in ("expert_counts", "dropped_counts"):
+                if getattr(out, key, None) is not None:
+                    parts[key] = out[key]
+        for k, v in parts.items():
+            totals[k] = totals[k] + v if k in totals else v
+    return totals
 
 
 def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None:
@@ -405,17 +419,18 @@ def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
 class Meter:
     """Sums training scalars on the device between log steps, so logging syncs with the host once per interval."""
 
-    def __init__(self, accelerator, state: TrainState):
+    def __init__(self, accelerator, state: TrainState, expert_idle_warn_steps: int = 200):
         self.accelerator, self.state = accelerator, state
         self.process = psutil.Process()
         self.sums: dict[str, torch.Tensor] = {}
         self.steps_at_last = state.step
         self.time_at_last = time.perf_counter()
         self.tokens_at_last = state.tokens_seen
+        self.experts = ExpertLoad(expert_idle_warn_steps, accelerator.is_main_process)
 
     def add(self, **values: torch.Tensor):
         for k, v in values.items():
-            v = v.detach().float()
+            v = v.detach() if k in ("expert_counts", "dropped_counts") else v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
 
     def flush(self, scheduler, optimizer) -> dict:
@@ -423,6 +438,13 @@ class Meter:
         steps = state.step - self.steps_at_last
         loss = self.accelerator.reduce(self.sums.pop("loss"), reduction="sum")  # each rank holds its share
         logs = {"train/loss": loss.item() / steps, "train/grad_norm": self.sums.pop("grad_norm").item() / steps}
+        if "aux_loss" in self.sums:
+            aux = self.accelerator.reduce(self.sums.pop("aux_loss"), reduction="sum")
+            logs["train/aux_loss"] = aux.item() / steps
+        if "expert_counts" in self.sums:  # (n_moe, E) routed pairs, summed over the interval and every process
+            counts = self.accelerator.reduce(self.sums.pop("expert_counts"), reduction="sum")
+            dropped = self.accelerator.reduce(self.sums.pop("dropped_counts"), reduction="sum")
+            logs.update(self.experts.update(counts, dropped, steps, state.step))
         now = time.perf_counter()
         logs["train/tokens_per_s"] = (state.tokens_seen - self.tokens_at_last) / (now - self.time_at_last)
         logs["train/step_time_ms"] = 1000 * (now - self.time_at_last) / steps
@@ -435,6 +457,39 @@ class Meter:
             logs[f"train/lr_{group.get('name', len(logs))}"] = lr
         self.sums.clear()
         self.steps_at_last, self.time_at_last, self.tokens_at_last = state.step, now, state.tokens_seen
+        return logs
+
+
+class ExpertLoad:
+    """Mixture-of-experts routing statistics for the logs: each expert's share of its layer's routed (token, expert)
+    pairs, the fraction of pairs dropped by the capacity limit, and a warning when an expert has received nothing
+    for `warn_steps` optimizer steps (a dead expert: the router sends it no token, so it never learns)."""
+
+    def __init__(self, warn_steps: int, warn: bool = True):
+        self.warn_steps, self.warn = warn_steps, warn  # every process computes the same; one warns
+        self.idle: torch.Tensor | None = None  # (n_moe, E): steps since each expert last received a pair
+        self.warned: set[tuple[int, int]] = set()
+
+    def update(self, counts: torch.Tensor, dropped: torch.Tensor, steps: int, step: int) -> dict:
+        counts, dropped = counts.double().cpu(), dropped.double().cpu()
+        totals = counts.sum(-1)  # (n_moe,)
+        share = counts / totals.clamp(min=1)[:, None]
+        logs = {f"moe/load/layer{i}/expert{e}": share[i, e].item()
+                for i in range(share.shape[0]) for e in range(share.shape[1])}
+        logs["moe/routed_pairs"] = totals.sum().item()  # all layers, all processes, this interval
+        logs["moe/dropped_fraction"] = (dropped.sum() / totals.sum().clamp(min=1)).item()
+        logs["moe/max_load"] = share.max().item()  # 1/E when balanced
+        logs["moe/idle_experts"] = int((counts == 0).sum())
+        idle = torch.zeros_like(counts) if self.idle is None else self.idle
+        self.idle = torch.where(counts == 0, idle + steps, torch.zeros_like(idle))
+        for i, e in (self.idle >= self.warn_steps).nonzero().tolist():
+            if (i, e) not in self.warned:
+                self.warned.add((i, e))
+                if self.warn:
+                    warnings.warn(f"step {step}: expert {e} of MoE layer {i} has received no token for "
+                                  f"{int(self.idle[i, e])} steps (a dead expert); consider a larger "
+                                  "router_aux_loss_coef", stacklevel=2)
+        self.warned = {(i, e) for i, e in self.warned if self.idle[i, e] > 0}  # warn again if it dies again
         return logs
 
 

@@ -39,7 +39,7 @@ def _grads_and_loss(ga, normalise=True):
     bs = 4 // ga
     window = [{"input_ids": ids[i : i + bs], "labels": labels[i : i + bs]} for i in range(0, 4, bs)]
     if normalise:
-        loss = backward_window(accelerator, model, window)
+        loss = backward_window(accelerator, model, window)["loss"]
     else:  # what a naive loop does: the mean of per-micro-batch means
         loss = 0
         for batch in window:
@@ -61,6 +61,36 @@ def test_accumulation_over_ragged_micro_batches_equals_one_big_batch(ga):
     naive, _ = _grads_and_loss(ga, normalise=False)
     worst = max(((naive[n] - big[n]).norm() / big[n].norm()).item() for n in big)
     assert worst > 0.05
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_router_losses_are_backpropagated_once_per_window_as_the_mean_over_micro_batches(ga):
+    """An MoE model's `loss` includes its own micro-batch's `aux_loss`: the window's gradient must be that of
+    (token mean of the LM loss over the window) + (mean of the micro-batches' aux losses), not aux x grad_accum."""
+    from s4accel import MoEConfig, MoEForCausalLM
+    from s4accel.trainer import backward_window
+
+    ids, labels = _ragged_batch()
+    config = MoEConfig(d_model=16, n_layer=2, n_head=2, d_ffn=24, num_experts=4, vocab_size=40,
+                       router_aux_loss_coef=0.5, router_z_loss_coef=0.1)
+    accelerator = _fresh_accelerator(ga)
+    torch.manual_seed(0)
+    model = accelerator.prepare(MoEForCausalLM(config))
+    bs = 4 // ga
+    window = [{"input_ids": ids[i : i + bs], "labels": labels[i : i + bs]} for i in range(0, 4, bs)]
+    scalars = backward_window(accelerator, model, window)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    reference = MoEForCausalLM(config)
+    lm = reference(ids, labels=labels)
+    aux = sum(reference(**b).aux_loss for b in window) / ga
+    (lm.loss - lm.aux_loss + aux).backward()
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+    torch.testing.assert_close(scalars["loss"], (lm.loss - lm.aux_loss).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scalars["aux_loss"], aux.detach(), rtol=1e-5, atol=1e-6)
+    assert scalars["expert_counts"].sum().item() == 4 * 24 * 2 * 2  # every token, k = 2, both layers
 
 
 def test_window_loss_is_the_token_mean_of_the_big_batch():
@@ -109,3 +139,24 @@ def test_evaluation_leaves_the_training_rng_untouched():
     assert metrics["loss"] > 0 and metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2))
     assert evaluate(accelerator, model, val, counts, counts, abort=lambda: True) is None  # a stop signal cuts it short
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_expert_load_logs_shares_and_warns_once_about_a_dead_expert():
+    from s4accel.trainer import ExpertLoad
+
+    load = ExpertLoad(warn_steps=20)
+    busy = torch.tensor([[30, 10, 0, 20]])  # (n_moe = 1, E = 4); expert 2 gets nothing
+    logs = load.update(busy, torch.tensor([6]), steps=10, step=10)
+    assert [logs[f"moe/load/layer0/expert{e}"] for e in range(4)] == [0.5, 1 / 6, 0.0, 1 / 3]
+    assert logs["moe/dropped_fraction"] == pytest.approx(0.1)
+    assert logs["moe/idle_experts"] == 1
+    with pytest.warns(UserWarning, match="expert 2 of MoE layer 0 has received no token for 20 steps"):
+        load.update(busy, torch.tensor([0]), steps=10, step=20)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning while it stays dead ...
+        load.update(busy, torch.tensor([0]), steps=10, step=30)
+        load.update(torch.tensor([[30, 10, 5, 20]]), torch.tensor([0]), steps=10, step=40)  # ... it recovers
+    with pytest.warns(UserWarning, match="expert 2"):  # and dies again: warned again
+        load.update(busy, torch.tensor([0]), steps=20, step=60)

@@ -115,3 +115,27 @@ def test_two_process_classifier_gathers_metrics_over_the_whole_test_split(tmp_pa
         hits = (model(input_values=data.val[:]["input_values"]).logits.argmax(-1) == data.val[:]["labels"]).sum()
     assert len(data.val) == 359  # odd: the second process's last batch is padded with a duplicate
     assert reported == pytest.approx(hits.item() / 359, abs=1e-12)
+
+
+def test_two_process_moe_run_with_experts_idle_on_one_rank_completes_and_logs_gathered_load(tmp_path, hf_cache):
+    """16 experts, top-1, 16 tokens per process and step: most experts get no token on a given rank in a given
+    step. DDP must not wait for their gradients (NOTES 15), and the logged load counts both processes' tokens."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(
+        "model: {name: moe-tiny, overrides: {num_experts: 16, num_experts_per_tok: 1}}\n"
+        "data: {source: files, files: [" + str(small_text_file(tmp_path)) + "], seq_len: 16, batch_size: 1, "
+        "val_fraction: 0.1}\n"
+        "train: {max_steps: 6, eval_every: 6, eval_max_batches: 2}\n"
+        "log: {log_every: 2, progress_bar: false}\n")
+    proc = launch("-m", "s4accel", "train", recipe, "--set", f"run.out_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout
+    train = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for r in train:
+        assert r["moe/routed_pairs"] == 2 * 2 * 16 * 2  # layers x processes x tokens x steps, k = 1
+        for layer in range(2):
+            assert sum(r[f"moe/load/layer{layer}/expert{e}"] for e in range(16)) == pytest.approx(1.0)
+        assert r["train/aux_loss"] > 0
+    assert (run_dir / "final" / "model.safetensors").exists()

@@ -11,7 +11,9 @@ import importlib
 import transformers  # noqa: F401
 
 from ..sizes import FAMILIES
+from .configuration_moe import MoEConfig
 from .configuration_s4 import S4Config
+from .modeling_moe import MoEForCausalLM, MoEModel, MoEPreTrainedModel
 from .modeling_s4 import S4Cache, S4ForCausalLM, S4ForSequenceClassification, S4Model, S4PreTrainedModel
 
 
@@ -21,5 +23,5 @@ def family_classes(family: str):
     return tuple(getattr(importlib.import_module(f".{module}", __name__), cls) for module, cls in refs)
 
 
-__all__ = ["S4Config", "S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache",
+__all__ = ["MoEConfig", "MoEPreTrainedModel", "MoEModel", "MoEForCausalLM", "S4Config", "S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache",
            "family_classes"]

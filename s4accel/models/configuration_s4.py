@@ -7,12 +7,15 @@ only `transformers` and `huggingface_hub` (a dependency of transformers).
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .configuration_moe import check_moe_fields
+
 KERNELS = ("s4d", "s4")
 S4D_INITS = ("diag-lin", "diag-inv", "diag-legs", "diag-real")
 S4_INITS = ("legs",)
 DISCRETIZATIONS = ("zoh", "bilinear")
 NORMS = ("layer", "batch")
 POOLINGS = ("mean", "last")
+FFNS = ("none", "mlp", "moe")
 
 
 @strict
@@ -53,6 +56,12 @@ class S4Config(PreTrainedConfig):
         dropout (`float`): Dropout after each S4 layer's activation and on each residual branch.
         pooling (`str`): How `S4ForSequenceClassification` pools time steps: `"mean"` over real (unpadded) steps or
             the `"last"` real step.
+        ffn (`str`): Feed-forward sub-block after each S4 layer (its own residual and norm): `"none"` (the S4 layer's
+            GLU mixing only, the reference's block), `"mlp"` (a SwiGLU MLP of width `d_ffn`) or `"moe"` (a mixture of
+            SwiGLU experts; see `MoEConfig` for `num_experts`, `num_experts_per_tok`, `norm_topk_prob`, `router_jitter`,
+            `router_aux_loss_coef`, `router_z_loss_coef`, `capacity_factor`, `num_shared_experts`, `moe_dispatch`,
+            which mean the same here).
+        d_ffn (`int`): Hidden width of the feed-forward MLP, or of each expert.
         layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.
 
@@ -84,6 +93,17 @@ class S4Config(PreTrainedConfig):
     norm: str = "layer"
     dropout: float = 0.0
     pooling: str = "mean"
+    ffn: str = "none"
+    d_ffn: int = 512
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    router_jitter: float = 0.0
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    capacity_factor: float | None = None
+    num_shared_experts: int = 0
+    moe_dispatch: str = "auto"
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
@@ -110,12 +130,18 @@ class S4Config(PreTrainedConfig):
 
     def validate_choices(self):
         for name, allowed in (("kernel", KERNELS), ("disc", DISCRETIZATIONS), ("norm", NORMS),
-                              ("pooling", POOLINGS)):
+                              ("pooling", POOLINGS), ("ffn", FFNS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         allowed = S4D_INITS if self.kernel == "s4d" else S4_INITS
         if self.ssm_init not in allowed:
             raise ValueError(f"init for kernel={self.kernel} must be one of {', '.join(allowed)}, got {self.init!r}")
+
+    def validate_ffn(self):
+        if self.ffn != "none" and self.d_ffn < 1:
+            raise ValueError(f"d_ffn must be >= 1, got {self.d_ffn}")
+        if self.ffn == "moe":
+            check_moe_fields(self)
 
     def validate_dt(self):
         if not 0 < self.dt_min <= self.dt_max:

@@ -20,8 +20,11 @@ initial state produces (`state_output`), so generation decodes one token in O(1)
 chunk by chunk with carried state. `recurrence` runs the SSM step by step: the slow, obviously correct reference
 every fast path is tested against.
 
+With `ffn="mlp"` or `"moe"` each block adds a feed-forward sub-block after the S4 layer: a SwiGLU MLP or a mixture
+of SwiGLU experts (`moe.py`), whose router losses join the output's `loss` and `aux_loss`.
+
 This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch, transformers and
-its sibling `configuration_s4.py`.
+its siblings `configuration_s4.py`, `configuration_moe.py` and `moe.py`.
 """
 
 import math
@@ -35,6 +38,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
 
 from .configuration_s4 import S4Config
+from .moe import MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -450,7 +454,9 @@ class _BatchNormChannels(nn.BatchNorm1d):
 
 
 class S4Block(nn.Module):
-    """Residual block. Pre-norm: `x + dropout(S4Layer(norm(x)))`; post-norm: `norm(x + dropout(S4Layer(x)))`."""
+    """Residual block. Pre-norm: `x + dropout(S4Layer(norm(x)))`; post-norm: `norm(x + dropout(S4Layer(x)))`. With
+    `ffn` set, a second residual sub-block of the same form around a SwiGLU MLP or an `MoELayer` follows.
+    forward/step return (x, SSM state, MoE aux dict or None)."""
 
     def __init__(self, config: S4Config):
         super().__init__()
@@ -458,22 +464,43 @@ class S4Block(nn.Module):
         self.norm = _norm(config)
         self.layer = S4Layer(config)
         self.dropout = nn.Dropout(config.dropout)
+        self.is_moe = config.ffn == "moe"
+        if config.ffn != "none":
+            self.ffn_norm = _norm(config)
+            self.ffn = MoELayer(config, config.d_model) if self.is_moe else SwiGLUMLP(config.d_model, config.d_ffn)
+        else:
+            self.ffn = None
+
+    def _residual(self, x, f, norm):
+        z = norm(x) if self.prenorm else x
+        y, extra = f(z)
+        x = x + self.dropout(y)
+        return (x if self.prenorm else norm(x)), extra
+
+    def _feed_forward(self, x, mask=None):
+        if self.ffn is None:
+            return x, None
+        if self.is_moe:
+            return self._residual(x, lambda z: self.ffn(z, mask), self.ffn_norm)
+        return self._residual(x, lambda z: (self.ffn(z), None), self.ffn_norm)
 
     def forward(self, x, mask=None, state=None, return_state=False):
-        z = self.norm(x) if self.prenorm else x
-        if mask is not None:
-            # Padded positions feed zeros into the SSM, so a left-padded prompt leaves the same state as no padding.
-            z = z * mask[..., None].to(z.dtype)
-        y, state = self.layer(z, state, return_state)
-        x = x + self.dropout(y)
-        return (x if self.prenorm else self.norm(x)), state
+        def ssm(z):
+            if mask is not None:
+                # Padded positions feed zeros into the SSM, so a left-padded prompt leaves the same state as no
+                # padding.
+                z = z * mask[..., None].to(z.dtype)
+            return self.layer(z, state, return_state)
+
+        x, state = self._residual(x, ssm, self.norm)
+        x, aux = self._feed_forward(x, mask)
+        return x, state, aux
 
     def step(self, x, state, params):
         """x (B, H) at one time step."""
-        z = self.norm(x) if self.prenorm else x
-        y, state = self.layer.step(z, state, params)
-        x = x + self.dropout(y)
-        return (x if self.prenorm else self.norm(x)), state
+        x, state = self._residual(x, lambda z: self.layer.step(z, state, params), self.norm)
+        x, aux = self._feed_forward(x)
+        return x, state, aux
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -505,17 +532,43 @@ class S4Cache:
 
 @dataclass
 class S4ModelOutput(ModelOutput):
+    """With `ffn="moe"`: `aux_loss` (weighted router losses), `router_logits` per MoE layer, `expert_counts
+    (n_layer, E)` and `dropped_counts (n_layer,)` (see `MoECausalLMOutput`)."""
+
     last_hidden_state: torch.FloatTensor | None = None
     cache_params: S4Cache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    expert_counts: torch.LongTensor | None = None
+    dropped_counts: torch.LongTensor | None = None
 
 
 @dataclass
 class S4CausalLMOutput(ModelOutput):
+    """`loss` includes `aux_loss` (the weighted router losses) when the model has MoE blocks."""
+
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     cache_params: S4Cache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    expert_counts: torch.LongTensor | None = None
+    dropped_counts: torch.LongTensor | None = None
+
+
+@dataclass
+class S4SequenceClassifierOutput(SequenceClassifierOutput):
+    """`loss` includes `aux_loss` (the weighted router losses) when the model has MoE blocks."""
+
+    aux_loss: torch.FloatTensor | None = None
+    expert_counts: torch.LongTensor | None = None
+    dropped_counts: torch.LongTensor | None = None
+
+
+def _moe_fields(out) -> dict:
+    return {"aux_loss": out.aux_loss, "expert_counts": out.expert_counts, "dropped_counts": out.dropped_counts}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -535,6 +588,7 @@ class S4PreTrainedModel(PreTrainedModel):
         """Embeddings and Linears get N(0, initializer_range) from the base class; SSM parameters their structured
         init."""
         super()._init_weights(module)
+        init_moe_weights(module, self.config.initializer_range)
         if isinstance(module, _SSMKernel):
             module.reset_parameters()
         elif isinstance(module, S4Layer):
@@ -599,7 +653,7 @@ class S4Model(S4PreTrainedModel):
         if (use_cache or states is not None) and self.config.bidirectional:
             raise ValueError("a bidirectional S4 model reads whole sequences: it has no recurrent state")
         all_hidden = [] if output_hidden_states else None
-        new_states = []
+        new_states, auxes = [], []
         if states is not None and x.shape[1] == 1:  # decode one position recurrently
             if cache_params.step_params is None:
                 cache_params.step_params = [block.layer.kernel.step_params() for block in self.layers]
@@ -607,16 +661,18 @@ class S4Model(S4PreTrainedModel):
             for block, state, params in zip(self.layers, states, cache_params.step_params):
                 if all_hidden is not None:
                     all_hidden.append(h[:, None])
-                h, state = block.step(h, state, params)
+                h, state, aux = block.step(h, state, params)
                 new_states.append(state)
+                auxes.append(aux)
             x = h[:, None]
         else:
             for i, block in enumerate(self.layers):
                 if all_hidden is not None:
                     all_hidden.append(x)
-                x, state = block(x, mask=attention_mask, state=states[i] if states is not None else None,
-                                 return_state=bool(use_cache))
+                x, state, aux = block(x, mask=attention_mask, state=states[i] if states is not None else None,
+                                      return_state=bool(use_cache))
                 new_states.append(state)
+                auxes.append(aux)
         x = self.norm_f(x)
         if all_hidden is not None:
             all_hidden.append(x)
@@ -625,7 +681,8 @@ class S4Model(S4PreTrainedModel):
             cache = cache_params if cache_params is not None else S4Cache()
             cache.states = new_states
         return S4ModelOutput(last_hidden_state=x, cache_params=cache,
-                             hidden_states=tuple(all_hidden) if all_hidden else None)
+                             hidden_states=tuple(all_hidden) if all_hidden else None,
+                             **moe_losses([a for a in auxes if a is not None], self.config))
 
 
 class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
@@ -713,8 +770,11 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             loss = self.loss_function(
                 logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch
             )
+            if out.aux_loss is not None:
+                loss = loss + out.aux_loss
         return S4CausalLMOutput(loss=loss, logits=logits, cache_params=out.cache_params,
-                                hidden_states=out.hidden_states)
+                                hidden_states=out.hidden_states, router_logits=out.router_logits,
+                                **_moe_fields(out))
 
 
 class S4ForSequenceClassification(S4PreTrainedModel):
@@ -745,7 +805,7 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         output_hidden_states: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
-    ) -> SequenceClassifierOutput:
+    ) -> S4SequenceClassifierOutput:
         r"""
         input_values (`torch.FloatTensor` of shape `(batch_size, sequence_length, d_input)`, *optional*):
             Real-valued inputs (a model with `d_input` set); otherwise `input_ids`.
@@ -771,7 +831,10 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         loss = None
         if labels is not None:
             loss = self._loss(logits, labels, num_items_in_batch)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+            if out.aux_loss is not None:
+                loss = loss + out.aux_loss
+        return S4SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                          **_moe_fields(out))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         if self.config.problem_type is None:

@@ -105,8 +105,8 @@ def test_block_mask_zeroes_ssm_input(tiny_config):
     block = S4ForCausalLM(tiny_config).backbone.layers[0]  # initialised (a bare S4Block holds torch.empty memory)
     x = torch.randn(1, 5, 32)
     mask = torch.tensor([[0, 0, 1, 1, 1]])
-    out_masked, _ = block(x, mask)
-    out_plain, _ = block(x[:, 2:])
+    out_masked, _, _ = block(x, mask)
+    out_plain, _, _ = block(x[:, 2:])
     torch.testing.assert_close(out_masked[:, 2:], out_plain, rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,238 @@
+"""Mixture-of-experts transformer language model, as a `transformers` model.
+
+Pre-norm decoder blocks: `x + Attention(RMSNorm(x))`, then `x + FFN(RMSNorm(x))` where FFN is an `MoELayer` (router,
+top-k SwiGLU experts, optional shared experts; see `moe.py`) or, with `use_moe=False` (or between MoE blocks when
+`moe_every > 1`), a dense SwiGLU MLP of the experts' width. Attention is causal `scaled_dot_product_attention` with
+rotary position embeddings and a key/value cache (`DynamicCache`) for `generate()`.
+
+Shapes: `B` batch, `L` new positions, `S` cached + new positions, `D` width, `h` heads of size `d = D / h`.
+
+The output's `loss` is the language-model loss plus `aux_loss`, the weighted router losses (load balancing and
+z-loss, averaged over MoE layers); `router_logits` holds each MoE layer's `(B L, E)` logits and
+`expert_counts (n_moe, E)` / `dropped_counts (n_moe,)` the routing statistics a trainer logs.
+
+This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch, transformers and
+its siblings `configuration_moe.py` and `moe.py`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+
+from .configuration_moe import MoEConfig
+from .moe import MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding: x (B, h, L, d), positions (B, L) -> x with each pair (x_i, x_{i + d/2}) rotated by
+    `position * theta^(-2i/d)`. Computed in float32."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (d/2,)
+    angle = positions[:, None, :, None].float() * inv_freq  # (B, 1, L, d/2)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MoEAttention(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.n_head, self.theta = layer_idx, config.n_head, config.rope_theta
+        self.dropout = config.dropout
+        self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x, positions, attn_mask, cache):
+        """x (B, L, D), positions (B, L), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None."""
+        B, L, D = x.shape
+        q, k, v = self.qkv_proj(x).view(B, L, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, h, L, d)
+        q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, h, S, d)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and L > 1,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, D))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.rms_norm_eps)
+        self.attn = MoEAttention(config, layer_idx)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.rms_norm_eps)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.ffn = MoELayer(config, config.d_model) if self.is_moe else SwiGLUMLP(config.d_model, config.d_ffn)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, positions, attn_mask, cache, token_mask):
+        x = x + self.dropout(self.attn(self.attn_norm(x), positions, attn_mask, cache))
+        h = self.ffn_norm(x)
+        aux = None
+        if self.is_moe:
+            h, aux = self.ffn(h, token_mask)
+        else:
+            h = self.ffn(h)
+        return x + self.dropout(h), aux
+
+
+@dataclass
+class MoEModelOutput(ModelOutput):
+    last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: DynamicCache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    expert_counts: torch.LongTensor | None = None
+    dropped_counts: torch.LongTensor | None = None
+
+
+@dataclass
+class MoECausalLMOutput(ModelOutput):
+    """`loss` = language-model loss + `aux_loss` (the weighted router losses, included so that `loss.backward()`
+    trains the router). `expert_counts (n_moe, E)`: routed (token, expert) pairs per MoE layer and expert, real
+    tokens only; `dropped_counts (n_moe,)`: pairs dropped by the capacity limit."""
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    past_key_values: DynamicCache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    expert_counts: torch.LongTensor | None = None
+    dropped_counts: torch.LongTensor | None = None
+
+
+class MoEPreTrainedModel(PreTrainedModel):
+    config: MoEConfig
+    config_class = MoEConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["MoEBlock"]
+    _supports_sdpa = True
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        init_moe_weights(module, self.config.initializer_range)
+
+
+def attention_mask_4d(attention_mask: torch.Tensor | None, L: int, S: int, device) -> torch.Tensor | None:
+    """(B, S) padding mask -> (B, 1, L, S) bool: the L new queries (at positions S-L..S-1) see real keys at or before
+    them, and always themselves (so a padding query has a row to attend to). None where SDPA's own masking does:
+    no padding, and either no cached prefix (`is_causal`) or a single query (sees every key)."""
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if not padded and (L == S or L == 1):
+        return None
+    q = torch.arange(S - L, S, device=device)[:, None]
+    k = torch.arange(S, device=device)[None, :]
+    allowed = (k <= q)[None, None]  # (1, 1, L, S)
+    if padded:
+        allowed = allowed & attention_mask[:, None, None, :].bool().to(device)
+    return allowed | (k == q)
+
+
+class MoEModel(MoEPreTrainedModel):
+    def __init__(self, config: MoEConfig):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList([MoEBlock(config, i) for i in range(config.n_layer)])
+        self.norm_f = nn.RMSNorm(config.d_model, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, new_embeddings):
+        self.embeddings = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, **kwargs) -> MoEModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Specify exactly one of input_ids or inputs_embeds")
+        x = self.embeddings(input_ids) if input_ids is not None else inputs_embeds  # (B, L, D)
+        B, L, _ = x.shape
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        S = past + L
+        if attention_mask is not None and attention_mask.shape[1] != S:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, expected {S}")
+        if position_ids is None:
+            if attention_mask is not None:  # left padding: count positions from each row's first real token
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = torch.arange(past, S, device=x.device).expand(B, L)
+        mask4 = attention_mask_4d(attention_mask, L, S, x.device)
+        token_mask = attention_mask[:, past:] if attention_mask is not None else None  # (B, L): route real tokens
+        hidden, auxes = [] if output_hidden_states else None, []
+        for block in self.layers:
+            if hidden is not None:
+                hidden.append(x)
+            x, aux = block(x, position_ids, mask4, past_key_values, token_mask)
+            if aux is not None:
+                auxes.append(aux)
+        x = self.norm_f(x)
+        if hidden is not None:
+            hidden.append(x)
+        return MoEModelOutput(last_hidden_state=x, past_key_values=past_key_values if use_cache else None,
+                              hidden_states=tuple(hidden) if hidden else None, **moe_losses(auxes, self.config))
+
+
+class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
+    """MoE (or dense) transformer language model with a head tied to the input embedding."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config: MoEConfig):
+        super().__init__(config)
+        self.model = MoEModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embeddings
+
+    def set_input_embeddings(self, new_embeddings):
+        self.model.embeddings = new_embeddings
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None, logits_to_keep: int = 0,
+                num_items_in_batch=None, **kwargs) -> MoECausalLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Targets, usually
+            `input_ids`; shifted inside (position t predicts t+1); -100 is ignored.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): The language-model loss is `sum of token losses /
+            num_items_in_batch` instead of a mean over this batch (a trainer's accumulation window); `aux_loss` is
+            always this batch's own.
+        """
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)  # (B, L, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=num_items_in_batch)
+            if out.aux_loss is not None:
+                loss = loss + out.aux_loss
+        return MoECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                 hidden_states=out.hidden_states, aux_loss=out.aux_loss,
+                                 router_logits=out.router_logits, expert_counts=out.expert_counts,
+                                 dropped_counts=out.dropped_counts)
+
+
+__all__ = ["MoEPreTrainedModel", "MoEModel", "MoEForCausalLM"]

@@ -1,0 +1,316 @@
+"""The mixture-of-experts layer and models: routing maths, dispatch paths, capacity, losses, generation, export."""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from s4accel.models.configuration_moe import MoEConfig
+from s4accel.models.moe import MoELayer, SwiGLUMLP, load_balancing_loss, router_z_loss
+
+
+def moe_config(**kw):
+    base = dict(d_model=16, n_layer=2, n_head=2, d_ffn=24, num_experts=4, num_experts_per_tok=2, vocab_size=40)
+    return MoEConfig(**{**base, **kw})
+
+
+def layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = MoELayer(moe_config(**kw), 16)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def dense_like_expert(m: MoELayer, e: int) -> SwiGLUMLP:
+    mlp = SwiGLUMLP(16, 24)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(m.experts.gate_up_proj[e])
+        mlp.down_proj.weight.copy_(m.experts.down_proj[e])
+    return mlp
+
+
+def test_one_expert_top1_is_exactly_the_dense_swiglu_mlp():
+    m = layer(num_experts=1, num_experts_per_tok=1)
+    x = torch.randn(3, 7, 16)
+    y, aux = m(x)
+    assert torch.equal(y, dense_like_expert(m, 0)(x))
+    assert aux["expert_counts"].tolist() == [21]
+
+
+def test_identical_experts_equal_the_dense_mlp_for_any_router_when_renormalised():
+    m = layer(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    with torch.no_grad():
+        m.experts.gate_up_proj.copy_(m.experts.gate_up_proj[:1].expand_as(m.experts.gate_up_proj))
+        m.experts.down_proj.copy_(m.experts.down_proj[:1].expand_as(m.experts.down_proj))
+    x = torch.randn(2, 9, 16)
+    dense = dense_like_expert(m, 0)(x)
+    for seed in range(3):  # whatever the router says
+        torch.manual_seed(seed)
+        torch.nn.init.normal_(m.router.weight, std=3.0)
+        torch.testing.assert_close(m(x)[0], dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_every_dispatch_path_gives_the_same_outputs_and_gradients(capacity_factor, shared):
+    results = []
+    x0 = torch.randn(4, 8, 16)
+    for dispatch in ("grouped_mm", "loop"):
+        m = layer(capacity_factor=capacity_factor, num_shared_experts=shared, moe_dispatch=dispatch)
+        x = x0.clone().requires_grad_()
+        y, aux = m(x)
+        (y * torch.linspace(-1, 1, 16)).sum().backward()
+        results.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}, aux))
+    (y0, gx0, gp0, a0), (y1, gx1, gp1, a1) = results
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    for name in gp0:
+        torch.testing.assert_close(gp1[name], gp0[name], rtol=1e-5, atol=1e-6)
+    assert torch.equal(a0["expert_counts"], a1["expert_counts"])
+
+
+def test_the_sorted_dispatch_equals_a_plain_per_token_sum():
+    """y_t = sum_j w_j SwiGLU_{e_j}(x_t), written out token by token: the obviously correct reference."""
+    m = layer(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    x = torch.randn(10, 16)
+    y, aux = m(x)
+    probs = aux["router_logits"].softmax(-1)
+    w, e = probs.topk(2, dim=-1)
+    expected = torch.stack([sum(w[t, j] * dense_like_expert(m, int(e[t, j]))(x[t]) for j in range(2))
+                            for t in range(10)])
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_load_balancing_loss_is_k_under_uniform_routing_and_grows_under_collapse():
+    E, k, T = 8, 2, 64
+    probs = torch.full((T, E), 1 / E)
+    experts = (torch.arange(T * k).reshape(T, k)) % E  # every expert chosen equally often
+    assert load_balancing_loss(probs, experts, E).item() == pytest.approx(k)
+    # Collapse: one expert gets every token with probability ~1 -> E (top-1).
+    collapsed = torch.full((T, E), 1e-6)
+    collapsed[:, 3] = 1 - 7e-6
+    assert load_balancing_loss(collapsed, torch.full((T, 1), 3), E).item() == pytest.approx(E, rel=1e-4)
+    assert load_balancing_loss(collapsed, torch.full((T, 1), 3), E) > load_balancing_loss(probs, experts[:, :1], E)
+
+
+def test_padding_is_not_routed_and_does_not_enter_the_losses():
+    m = layer()
+    x = torch.randn(2, 6, 16)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    y, aux = m(x, mask)
+    assert aux["expert_counts"].sum().item() == 10 * 2  # real tokens x k
+    assert torch.equal(y[0, :2], torch.zeros(2, 16))
+    real = mask.reshape(-1).bool()
+    torch.testing.assert_close(aux["z_loss"], router_z_loss(aux["router_logits"][real]))
+
+
+def test_z_loss_is_the_mean_squared_logsumexp():
+    m = layer()
+    _, aux = m(torch.randn(3, 5, 16))
+    logits = aux["router_logits"]
+    torch.testing.assert_close(aux["z_loss"], (torch.logsumexp(logits, -1) ** 2).mean())
+
+
+def test_capacity_limits_each_expert_and_overflow_output_is_zero():
+    m = layer(num_experts=4, num_experts_per_tok=1, capacity_factor=1.0)
+    with torch.no_grad():  # route every token to expert 0
+        m.router.weight.zero_()
+        m.router.weight[0].fill_(1.0)
+    x = torch.rand(1, 12, 16) + 0.1  # positive inputs: logit 0 wins
+    y, aux = m(x)
+    capacity = math.ceil(1.0 * 12 * 1 / 4)
+    assert aux["dropped"].item() == 12 - capacity
+    kept = (y[0].abs().sum(-1) > 0).nonzero().flatten().tolist()
+    assert kept == list(range(capacity))  # first come, first served; the rest output zero
+    assert torch.equal(y[0, capacity:], torch.zeros(12 - capacity, 16))
+
+
+def test_capacity_serves_first_choices_before_second_choices():
+    """Each expert keeps its first-choice tokens in token order, then second choices, up to capacity."""
+    m = layer(num_experts=2, num_experts_per_tok=2, capacity_factor=0.5, norm_topk_prob=False)
+    x = torch.randn(8, 16)
+    y, aux = m(x)
+    capacity = math.ceil(0.5 * 8 * 2 / 2)
+    probs = aux["router_logits"].softmax(-1)
+    first = probs.argmax(-1).tolist()
+    expected = torch.zeros(8, 16)
+    for e in range(2):
+        queue = [t for t in range(8) if first[t] == e] + [t for t in range(8) if first[t] != e]
+        for t in queue[:capacity]:
+            expected[t] += probs[t, e] * dense_like_expert(m, e)(x[t])
+    assert aux["dropped"].item() == 16 - 2 * capacity
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_router_runs_in_float32_under_bfloat16_autocast():
+    m = layer()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = m(torch.randn(2, 5, 16))
+    assert aux["router_logits"].dtype == torch.float32
+    assert y.dtype == torch.bfloat16
+
+
+def test_jitter_perturbs_routing_in_training_only():
+    m = layer(router_jitter=0.5)
+    x = torch.randn(2, 5, 16)
+    m.eval()
+    assert torch.equal(m(x)[1]["router_logits"], m(x)[1]["router_logits"])
+    m.train()
+    assert not torch.equal(m(x)[1]["router_logits"], m(x)[1]["router_logits"])
+
+
+def test_shared_experts_are_added_for_every_token():
+    m = layer(num_shared_experts=1)
+    x = torch.randn(2, 5, 16)
+    y, _ = m(x)
+    shared = m.shared_experts(x)
+    m.shared_experts = None
+    torch.testing.assert_close(y, m(x)[0] + shared)
+
+
+def test_an_expert_without_tokens_still_gets_a_zero_gradient():
+    """Every expert weight takes part in the graph, so DDP never waits for an unused parameter (NOTES 15)."""
+    for dispatch in ("grouped_mm", "loop"):
+        m = layer(num_experts=4, num_experts_per_tok=1, moe_dispatch=dispatch)
+        with torch.no_grad():
+            m.router.weight.zero_()
+            m.router.weight[0].fill_(1.0)
+        y, aux = m(torch.rand(1, 6, 16) + 0.1)
+        assert aux["expert_counts"].tolist() == [6, 0, 0, 0]
+        y.sum().backward()
+        assert m.experts.gate_up_proj.grad is not None
+        assert m.experts.gate_up_proj.grad[1:].abs().sum() == 0
+        assert m.experts.gate_up_proj.grad[0].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+
+
+@pytest.fixture
+def moe_lm():
+    from s4accel import MoEForCausalLM
+
+    torch.manual_seed(0)
+    return MoEForCausalLM(moe_config()).eval()
+
+
+def test_model_loss_is_lm_loss_plus_weighted_router_losses(moe_lm):
+    ids = torch.randint(2, 40, (2, 12))
+    out = moe_lm(ids, labels=ids)
+    lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, 40), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, lm + out.aux_loss)
+    c = moe_lm.config
+    assert out.aux_loss > 0 and len(out.router_logits) == c.n_layer
+    assert out.router_logits[0].shape == (24, c.num_experts)
+    assert out.expert_counts.shape == (c.n_layer, c.num_experts)
+    assert out.expert_counts.sum(-1).tolist() == [24 * c.num_experts_per_tok] * c.n_layer
+
+
+def test_dense_baseline_has_no_router_and_no_aux_loss():
+    from s4accel import MoEForCausalLM
+
+    model = MoEForCausalLM(moe_config(use_moe=False))
+    ids = torch.randint(2, 40, (1, 8))
+    out = model(ids, labels=ids)
+    assert out.aux_loss is None and out.expert_counts is None
+    assert not any("router" in n or "experts" in n for n, _ in model.named_parameters())
+
+
+def test_moe_every_alternates_dense_and_moe_blocks():
+    from s4accel import MoEForCausalLM
+
+    model = MoEForCausalLM(moe_config(n_layer=4, moe_every=2))
+    assert [b.is_moe for b in model.model.layers] == [False, True, False, True]
+
+
+def test_attention_is_causal(moe_lm):
+    ids = torch.randint(2, 40, (1, 10))
+    changed = ids.clone()
+    changed[0, 6] = (ids[0, 6] + 1) % 40
+    a, b = moe_lm(ids).logits, moe_lm(changed).logits
+    torch.testing.assert_close(a[:, :6], b[:, :6])
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_greedy_generate_with_kv_cache_equals_without(moe_lm):
+    ids = torch.randint(2, 40, (2, 6))
+    kw = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(moe_lm.generate(ids, use_cache=True, **kw), moe_lm.generate(ids, use_cache=False, **kw))
+
+
+def test_batched_left_padded_prompts_equal_one_by_one(moe_lm):
+    prompts = [torch.randint(2, 40, (n,)) for n in (3, 7)]
+    singles = [moe_lm.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8,
+                               do_sample=False)[0, len(p):] for p in prompts]
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 7 - len(p):], mask[i, 7 - len(p):] = p, 1
+    batched = moe_lm.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, 7:]
+    for i in range(2):
+        assert torch.equal(batched[i], singles[i])
+
+
+def test_config_field_top_k_does_not_leak_into_sampling(moe_lm):
+    assert moe_lm.generation_config.top_k in (None, 50)  # transformers' default, not the router's k
+
+
+@pytest.mark.parametrize("family", ["moe", "s4-moe"])
+def test_save_and_from_pretrained_round_trip(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    import s4accel  # noqa: F401  (registers the Auto classes)
+    from s4accel import MoEForCausalLM, S4Config, S4ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "moe":
+        model = MoEForCausalLM(moe_config(num_shared_experts=1)).eval()
+    else:
+        model = S4ForCausalLM(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=40, ffn="moe", d_ffn=24,
+                                       num_experts=4)).eval()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    ids = torch.randint(2, 40, (2, 9))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_s4_blocks_with_moe_feed_forward_train_and_decode_recurrently():
+    from s4accel import S4Config, S4ForCausalLM
+
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(d_model=16, n_layer=2, d_state=8, vocab_size=40, ffn="moe", d_ffn=24,
+                                   num_experts=4, num_experts_per_tok=1))
+    ids = torch.randint(2, 40, (2, 10))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert out.aux_loss > 0
+    assert model.backbone.layers[0].ffn.router.weight.grad.abs().sum() > 0  # the router learns from aux + LM loss
+    model.eval()
+    kw = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones(2, 5, dtype=torch.long))
+    assert torch.equal(model.generate(ids[:, :5], use_cache=True, **kw),
+                       model.generate(ids[:, :5], use_cache=False, **kw))
+
+
+def test_s4_mlp_feed_forward_option():
+    from s4accel import S4Config, S4ForCausalLM
+
+    model = S4ForCausalLM(S4Config(d_model=16, n_layer=1, d_state=8, vocab_size=40, ffn="mlp", d_ffn=24))
+    out = model(torch.randint(2, 40, (1, 5)))
+    assert out.aux_loss is None
+    assert isinstance(model.backbone.layers[0].ffn, SwiGLUMLP)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(num_experts_per_tok=5), "num_experts_per_tok"),
+    (dict(capacity_factor=0.0), "capacity_factor"),
+    (dict(moe_dispatch="fast"), "moe_dispatch"),
+    (dict(n_head=3), "n_head"),
+])
+def test_bad_moe_config_values_are_refused(bad, message):
+    with pytest.raises(Exception, match=message):
+        moe_config(**bad)
