@@ -36,7 +36,10 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Resume even though trai
 @app.command()
 def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None, force: ForceOpt = False):
     """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE."""
+    from .allocator import keep_freed_memory
     from .config import load_recipe
+
+    keep_freed_memory()  # reuse each step's freed activations instead of faulting them in again (glibc)
 
     try:
         resolved = load_recipe(recipe, overrides or [])

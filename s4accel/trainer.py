@@ -371,7 +371,9 @@ def backward_window(accelerator, model, window: list[dict], carried: CarriedStat
             accelerator.backward(objective + aux if aux is not None else objective)
         parts = {"loss": task.detach()}
         if aux is not None:
-            parts["aux_loss"] = aux.detach() / (ga * n_proc)  # summed over the window and ranks: the mean
+            for key in ("aux_loss", "balance_loss", "z_loss"):  # summed over the window and ranks: the mean
+                if getattr(out, key, None) is not None:
+                    parts[key] = out[key].detach() / (ga * n_proc)
             for key in ("expert_counts", "dropped_counts"):
                 if getattr(out, key, None) is not None:
                     parts[key] = out[key]
@@ -438,9 +440,9 @@ class Meter:
         steps = state.step - self.steps_at_last
         loss = self.accelerator.reduce(self.sums.pop("loss"), reduction="sum")  # each rank holds its share
         logs = {"train/loss": loss.item() / steps, "train/grad_norm": self.sums.pop("grad_norm").item() / steps}
-        if "aux_loss" in self.sums:
-            aux = self.accelerator.reduce(self.sums.pop("aux_loss"), reduction="sum")
-            logs["train/aux_loss"] = aux.item() / steps
+        for key in ("aux_loss", "balance_loss", "z_loss"):  # router losses, mean per step over processes
+            if key in self.sums:
+                logs[f"train/{key}"] = self.accelerator.reduce(self.sums.pop(key), reduction="sum").item() / steps
         if "expert_counts" in self.sums:  # (n_moe, E) routed pairs, summed over the interval and every process
             counts = self.accelerator.reduce(self.sums.pop("expert_counts"), reduction="sum")
             dropped = self.accelerator.reduce(self.sums.pop("dropped_counts"), reduction="sum")

@@ -137,5 +137,5 @@ def test_two_process_moe_run_with_experts_idle_on_one_rank_completes_and_logs_ga
         assert r["moe/routed_pairs"] == 2 * 2 * 16 * 2  # layers x processes x tokens x steps, k = 1
         for layer in range(2):
             assert sum(r[f"moe/load/layer{layer}/expert{e}"] for e in range(16)) == pytest.approx(1.0)
-        assert r["train/aux_loss"] > 0
+        assert r["train/aux_loss"] > 0 and r["train/balance_loss"] > 0 and r["train/z_loss"] > 0
     assert (run_dir / "final" / "model.safetensors").exists()

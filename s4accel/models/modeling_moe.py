@@ -85,6 +85,8 @@ class MoEModelOutput(ModelOutput):
     past_key_values: DynamicCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
+    balance_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     expert_counts: torch.LongTensor | None = None
     dropped_counts: torch.LongTensor | None = None
@@ -93,7 +95,7 @@ class MoEModelOutput(ModelOutput):
 @dataclass
 class MoECausalLMOutput(ModelOutput):
     """`loss` = language-model loss + `aux_loss` (the weighted router losses, included so that `loss.backward()`
-    trains the router). `expert_counts (n_moe, E)`: routed (token, expert) pairs per MoE layer and expert, real
+    trains the router); `balance_loss` and `z_loss` are the unweighted layer means (detached). `expert_counts (n_moe, E)`: routed (token, expert) pairs per MoE layer and expert, real
     tokens only; `dropped_counts (n_moe,)`: pairs dropped by the capacity limit."""
 
     loss: torch.FloatTensor | None = None
@@ -101,6 +103,8 @@ class MoECausalLMOutput(ModelOutput):
     past_key_values: DynamicCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
+    balance_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     expert_counts: torch.LongTensor | None = None
     dropped_counts: torch.LongTensor | None = None
@@ -231,8 +235,8 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
                 loss = loss + out.aux_loss
         return MoECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                  hidden_states=out.hidden_states, aux_loss=out.aux_loss,
-                                 router_logits=out.router_logits, expert_counts=out.expert_counts,
-                                 dropped_counts=out.dropped_counts)
+                                 balance_loss=out.balance_loss, z_loss=out.z_loss, router_logits=out.router_logits,
+                                 expert_counts=out.expert_counts, dropped_counts=out.dropped_counts)
 
 
 __all__ = ["MoEPreTrainedModel", "MoEModel", "MoEForCausalLM"]

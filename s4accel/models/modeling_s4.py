@@ -539,6 +539,8 @@ class S4ModelOutput(ModelOutput):
     cache_params: S4Cache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
+    balance_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     expert_counts: torch.LongTensor | None = None
     dropped_counts: torch.LongTensor | None = None
@@ -553,6 +555,8 @@ class S4CausalLMOutput(ModelOutput):
     cache_params: S4Cache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
+    balance_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     expert_counts: torch.LongTensor | None = None
     dropped_counts: torch.LongTensor | None = None
@@ -563,12 +567,15 @@ class S4SequenceClassifierOutput(SequenceClassifierOutput):
     """`loss` includes `aux_loss` (the weighted router losses) when the model has MoE blocks."""
 
     aux_loss: torch.FloatTensor | None = None
+    balance_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
     expert_counts: torch.LongTensor | None = None
     dropped_counts: torch.LongTensor | None = None
 
 
 def _moe_fields(out) -> dict:
-    return {"aux_loss": out.aux_loss, "expert_counts": out.expert_counts, "dropped_counts": out.dropped_counts}
+    return {k: out[k] if k in out else None
+            for k in ("aux_loss", "balance_loss", "z_loss", "expert_counts", "dropped_counts")}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ routed to `k` experts (`num_experts_per_tok`). Per token `x`:
     SwiGLU_e(x) = down_proj[e] (silu(gate) * up),  (gate, up) = gate_up_proj[e] x
 
 Dispatch sorts the `T k` (token, expert) pairs by expert so that each expert runs one matmul on a contiguous slice:
-`torch.nn.functional.grouped_mm` over all slices at once where it runs (CPU float32/bf16/fp16, CUDA bf16), else a
-loop over the slices. The experts' weights are 3-D parameters (`gate_up_proj (E, 2F, D)`, `down_proj (E, D, F)`,
+`torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA in bf16, where it is one fused kernel;
+it also runs on CPU in float32/bf16/fp16), or a loop over the slices (the default elsewhere: on CPU it is faster).
+The experts' weights are 3-D parameters (`gate_up_proj (E, 2F, D)`, `down_proj (E, D, F)`,
 the layout of transformers' MoE models), so every expert's weights take part in each step's graph even when it
 receives no token: DDP never waits for an unused parameter.
 
@@ -55,12 +56,11 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
     return z.mean() if z.numel() else logits.new_zeros(())
 
 
-def _grouped_mm_runs(x: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+def _grouped_mm_pays(x: torch.Tensor) -> bool:
+    """Where `grouped_mm` is one fused kernel: CUDA, bf16, compute capability >= 8. On CPU it runs a matmul per group
+    anyway, and measured slower than the slice loop (bench/moe.py: 104 vs 90 ms at E=8, 259 vs 206 ms at E=64)."""
+    return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
 class SwiGLUMLP(nn.Module):
@@ -95,16 +95,17 @@ class MoEExperts(nn.Module):
             return x + 0 * (gate_up.sum() + down.sum())
         dispatch = self.dispatch
         if dispatch == "auto":
-            dispatch = "grouped_mm" if _grouped_mm_runs(x) else "loop"
+            dispatch = "grouped_mm" if _grouped_mm_pays(x) else "loop"
         if dispatch == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's slice
             h = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs)  # (P, 2F)
             gate, up = h.chunk(2, dim=-1)
             return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (P, D)
         out = []
-        for e, xe in enumerate(x.split(counts.tolist())):  # one host sync for the slice sizes
-            gate, up = F.linear(xe, gate_up[e]).chunk(2, dim=-1)
-            out.append(F.linear(F.silu(gate) * up, down[e]))
+        # unbind, not gate_up[e]: the backward of E separate index ops would build E full-size (E, 2F, D) gradients
+        for xe, w1, w2 in zip(x.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):  # one host sync
+            gate, up = F.linear(xe, w1).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, w2))
         return torch.cat(out)
 
 
@@ -170,7 +171,7 @@ class MoELayer(nn.Module):
             order, sorted_expert = order[fits], sorted_expert[fits]
         kept_counts = torch.bincount(sorted_expert, minlength=E)
         token = pair_token[order]
-        y = self.experts(flat[token], kept_counts)  # (P, D), in the autocast dtype if any
+        y = self.experts(flat.index_select(0, token), kept_counts)  # (P, D), in the autocast dtype if any
         y = y * pair_weight[order, None].to(y.dtype)
         out = y.new_zeros(T, shape[-1]).index_add_(0, token, y)
         if self.shared_experts is not None:
@@ -182,13 +183,14 @@ class MoELayer(nn.Module):
 
 def moe_losses(auxes: list[dict], config) -> dict:
     """Combine the layers' `aux` dicts: the weighted auxiliary loss (layer means of the balance and z losses times
-    `router_aux_loss_coef` and `router_z_loss_coef`), the router logits per layer, and the load statistics stacked
-    per layer (`expert_counts (n_moe, E)`, `dropped_counts (n_moe,)`)."""
+    `router_aux_loss_coef` and `router_z_loss_coef`), those two means (detached, for logging), the router logits per
+    layer, and the load statistics stacked per layer (`expert_counts (n_moe, E)`, `dropped_counts (n_moe,)`)."""
     if not auxes:
         return {}
     balance = torch.stack([a["balance_loss"] for a in auxes]).mean()
     z = torch.stack([a["z_loss"] for a in auxes]).mean()
     return {"aux_loss": config.router_aux_loss_coef * balance + config.router_z_loss_coef * z,
+            "balance_loss": balance.detach(), "z_loss": z.detach(),
             "router_logits": tuple(a["router_logits"] for a in auxes),
             "expert_counts": torch.stack([a["expert_counts"] for a in auxes]).detach(),
             "dropped_counts": torch.stack([a["dropped"] for a in auxes]).detach()}

@@ -203,6 +203,8 @@ def test_model_loss_is_lm_loss_plus_weighted_router_losses(moe_lm):
     lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, 40), ids[:, 1:].reshape(-1))
     torch.testing.assert_close(out.loss, lm + out.aux_loss)
     c = moe_lm.config
+    torch.testing.assert_close(out.aux_loss.detach(),
+                               c.router_aux_loss_coef * out.balance_loss + c.router_z_loss_coef * out.z_loss)
     assert out.aux_loss > 0 and len(out.router_logits) == c.n_layer
     assert out.router_logits[0].shape == (24, c.num_experts)
     assert out.expert_counts.shape == (c.n_layer, c.num_experts)
@@ -314,3 +316,17 @@ def test_s4_mlp_feed_forward_option():
 def test_bad_moe_config_values_are_refused(bad, message):
     with pytest.raises(Exception, match=message):
         moe_config(**bad)
+
+
+def test_s4_classifier_with_moe_blocks_adds_the_router_losses_and_ignores_padding():
+    from s4accel import S4Config, S4ForSequenceClassification
+
+    torch.manual_seed(0)
+    model = S4ForSequenceClassification(S4Config(d_model=16, n_layer=2, d_state=8, d_input=3, num_labels=4,
+                                                 ffn="moe", d_ffn=24, num_experts=4))
+    x = torch.randn(2, 7, 3)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    labels = torch.tensor([1, 3])
+    out = model(input_values=x, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels) + out.aux_loss)
+    assert out.expert_counts.sum(-1).tolist() == [11 * 2, 11 * 2]  # 11 real steps, k = 2, per layer
