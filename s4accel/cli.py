@@ -88,6 +88,55 @@ def _model_summary(recipe):
     return config, sum(p.numel() for p in model.parameters())
 
 
+ModelArg = Annotated[str, typer.Argument(
+    help="A model directory, a run directory (its final/ model) or a Hub repo id (owner/name).", show_default=False)]
+
+
+@app.command()
+def generate(
+    model: ModelArg,
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.", show_default=False)],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 200,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0: greedy.")] = 0.8,
+    top_p: Annotated[float | None, typer.Option("--top-p", min=0.0, max=1.0, show_default=False)] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=1, show_default=False)] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+):
+    """Continue a prompt with a trained language model (safetensors weights only, no remote code)."""
+    from .inference import generate_text
+
+    try:
+        text = generate_text(model, prompt, max_new_tokens, temperature, top_p, top_k, seed)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    typer.echo(text)
+
+
+@app.command("eval")
+def eval_(
+    model: ModelArg,
+    recipe: RecipeArg,
+    overrides: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
+):
+    """Evaluate a saved or Hub model on a recipe's evaluation split with the loop's metrics."""
+    import json
+
+    from .config import load_recipe
+    from .inference import evaluate_model
+
+    try:
+        metrics = evaluate_model(model, load_recipe(recipe, overrides or []))
+    except S4AccelError as e:
+        raise _fail(e) from None
+    if as_json:
+        typer.echo(json.dumps(metrics))
+        return
+    width = max(map(len, metrics))
+    for key, value in metrics.items():
+        typer.echo(f"{key:<{width}}  {value:.4f}")
+
+
 @app.command()
 def models():
     """List the named model sizes a recipe's model.name can take."""

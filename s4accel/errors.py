@@ -41,3 +41,10 @@ class NonFiniteError(S4AccelError):
     """Training stopped on a non-finite loss or gradient norm (train.on_nonfinite)."""
 
     exit_code = 3
+
+
+class ModelError(S4AccelError):
+    """A model that cannot be used: missing, not an s4accel model, without safetensors weights, or not matching the
+    data it is asked to evaluate."""
+
+    exit_code = 2

@@ -240,3 +240,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
 
 
 __all__ = ["MoEPreTrainedModel", "MoEModel", "MoEForCausalLM"]
+
+# save_pretrained copies this file and its relative imports next to the weights and writes `auto_map`, so
+# `AutoModel*.from_pretrained(path, trust_remote_code=True)` works where s4accel is not installed.
+MoEConfig.register_for_auto_class()
+MoEModel.register_for_auto_class("AutoModel")
+MoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")

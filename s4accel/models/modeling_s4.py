@@ -863,3 +863,10 @@ class S4ForSequenceClassification(S4PreTrainedModel):
 
 
 __all__ = ["S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache"]
+
+# save_pretrained copies this file and its relative imports next to the weights and writes `auto_map`, so
+# `AutoModel*.from_pretrained(path, trust_remote_code=True)` works where s4accel is not installed.
+S4Config.register_for_auto_class()
+S4Model.register_for_auto_class("AutoModel")
+S4ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+S4ForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")

@@ -1,0 +1,98 @@
+"""Using a trained model: `s4accel eval` and `s4accel generate` from the command line, the Python API behind them,
+`transformers.pipeline`, and loading that refuses anything but safetensors and s4accel's own code."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_cli, train_in_process
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, text):
+    out = tmp_path_factory.mktemp("run")
+    overrides = [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
+                 "data.batch_size=4", "data.val_fraction=0.2", "train.max_steps=6", "train.eval_every=6",
+                 "train.eval_max_batches=null", "log.progress_bar=false", "sample.prompts=[]"]
+    train_in_process("recipes/s4_tiny_debug.yaml", overrides)
+    return out, overrides
+
+
+def test_eval_reproduces_the_runs_final_metrics(run):
+    out, overrides = run
+    proc = run_cli("eval", out, "recipes/s4_tiny_debug.yaml", *[a for o in overrides for a in ("--set", o)], "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    final = [r for r in read_metrics(out) if "eval/loss" in r][-1]
+    for key in ("loss", "bits_per_char"):
+        assert metrics[key] == pytest.approx(final[f"eval/{key}"], rel=1e-6)
+
+
+def test_generate_greedy_matches_the_model_and_is_seeded(run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = run
+    proc = run_cli("generate", out, "--prompt", "ROMEO.", "--max-new-tokens", "12", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    ids = tok("ROMEO.", add_special_tokens=False, return_tensors="pt").input_ids
+    expected = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0], skip_special_tokens=True)
+    assert proc.stdout.rstrip("\n") == expected
+
+    from s4accel.inference import generate_text
+
+    a, b = (generate_text(out, "ROMEO.", 16, temperature=1.0, top_p=0.9, seed=3) for _ in range(2))
+    assert a == b and a.startswith("ROMEO.")
+
+
+def test_text_generation_pipeline_works_after_import(run):
+    import transformers
+
+    import s4accel  # noqa: F401
+
+    out, _ = run
+    pipe = transformers.pipeline("text-generation", model=str(out / "final"))
+    result = pipe("To be", max_new_tokens=5, do_sample=False)
+    assert result[0]["generated_text"].startswith("To be")
+
+
+def test_weights_are_only_read_from_safetensors(run, tmp_path):
+    """A pickled checkpoint is refused, not unpickled."""
+    from safetensors.torch import load_file
+
+    out, _ = run
+    model_dir = tmp_path / "pickled"
+    model_dir.mkdir()
+    for f in (out / "final").iterdir():
+        if f.name != "model.safetensors":
+            (model_dir / f.name).write_bytes(f.read_bytes())
+    torch.save(load_file(out / "final" / "model.safetensors"), model_dir / "pytorch_model.bin")
+    proc = run_cli("generate", model_dir, "--prompt", "x", "--max-new-tokens", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {model_dir}: no model.safetensors (s4accel loads weights "
+                                                "only from safetensors)"]
+
+
+def test_remote_code_is_never_run(tmp_path):
+    """A directory whose config points at code of its own (auto_map) and an unknown model type is refused."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "evil", "architectures": ["EvilForCausalLM"],
+                                                      "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    (tmp_path / "evil.py").write_text("raise SystemExit('remote code ran')\n")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    proc = run_cli("generate", tmp_path, "--prompt", "x")
+    assert proc.returncode == 2, proc.stderr
+    assert "remote code ran" not in proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: {tmp_path}: not a model s4accel knows")
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("no/such/dir", "no such directory"),
+    ("missing-owner/missing-model", "not in the local cache and the Hub cannot be reached"),
+])
+def test_a_model_that_is_not_there_is_one_clear_line(ref, message):
+    proc = run_cli("generate", ref, "--prompt", "x")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
