@@ -131,6 +131,27 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int, recip
     return final
 
 
+def check_pickles(path: Path) -> None:
+    """Refuse a checkpoint whose saved objects are more than tensors and plain data, before anything unpickles them.
+
+    Accelerate reads the states of registered objects (`custom_checkpoint_*.pkl`: the scheduler, the loop's counters,
+    the carried state, stateful callbacks) with `weights_only=False`, i.e. a full unpickler that can run code. Ours
+    hold only tensors, numbers, strings, lists and dicts, so each must first load with `weights_only=True`, whose
+    unpickler admits nothing else; a file that does not is refused (model weights are safetensors, and the optimizer
+    and RNG states Accelerate already reads with `weights_only=True`)."""
+    import pickle
+
+    import torch
+
+    for f in sorted(path.glob("custom_checkpoint_*.pkl")):
+        try:
+            torch.load(f, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ResumeError(f"{f} holds more than tensors and plain data; refusing to unpickle it ({first})") \
+                from None
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` is not a complete checkpoint, or None if it is: its manifest lists every file with its size."""
     try:

@@ -138,6 +138,31 @@ def eval_(
 
 
 @app.command()
+def push(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).", show_default=False)],
+    repo_id: Annotated[str, typer.Option("--repo-id", help="owner/name on the Hub.", show_default=False)],
+    private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
+    revision: Annotated[str | None, typer.Option("--revision", help="Branch (created if missing).",
+                                                 show_default=False)] = None,
+    best: Annotated[bool, typer.Option("--best", help="The best model kept by checkpoint.keep_best.")] = False,
+    final: Annotated[bool, typer.Option("--final", help="The final model (the default).")] = False,
+    ema: Annotated[bool, typer.Option("--ema", help="The EMA weights (train.ema).")] = False,
+):
+    """Upload a run's model to the Hub with a model card, recipe, metrics and TensorBoard logs."""
+    from .hub import push_run
+
+    if best + final + ema > 1:
+        typer.echo("error: choose one of --best, --final, --ema", err=True)
+        raise typer.Exit(2)
+    which = "best" if best else "ema" if ema else "final"
+    try:
+        url = push_run(run_dir, repo_id, private=private, revision=revision, which=which)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    typer.echo(f"pushed {which} model of {run_dir} to {repo_id}: {url}")
+
+
+@app.command()
 def models():
     """List the named model sizes a recipe's model.name can take."""
     from .sizes import MODEL_SIZES

@@ -287,6 +287,24 @@ class LogCfg(_Section):
     optimizer steps (checked at each log step)."""
 
 
+class HubCfg(_Section):
+    push_at_end: bool = False
+    """Push the model to the Hub when training ends (main process), as `s4accel push` would."""
+    repo_id: str | None = None
+    """`owner/name` on the Hub (needed when `push_at_end`)."""
+    private: bool = False
+    revision: str | None = None
+    """Branch to push to (created if missing); None: main."""
+    which: Literal["final", "best", "ema"] = "final"
+    """Which model of the run: the final weights, the best one kept by `checkpoint.keep_best`, or the EMA weights."""
+
+    @model_validator(mode="after")
+    def _repo_when_pushing(self):
+        if self.push_at_end and not self.repo_id:
+            raise ValueError("hub.repo_id: needed when hub.push_at_end is true (owner/name)")
+        return self
+
+
 class SampleCfg(_Section):
     prompts: list[str] = Field(default_factory=list)
     """Prompts completed with `generate()` by the final model; written to `<run_dir>/samples.txt`."""
@@ -307,6 +325,7 @@ class Recipe(_Section):
     checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg)
     log: LogCfg = Field(default_factory=LogCfg)
     sample: SampleCfg = Field(default_factory=SampleCfg)
+    hub: HubCfg = Field(default_factory=HubCfg)
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
 

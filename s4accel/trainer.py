@@ -27,8 +27,8 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, improved, load_callback
-from .checkpoint import (TrainState, checkpoint_recipe, checkpoint_step, export_pretrained, locate_checkpoint,
-                         prepare_run_dir, save_checkpoint, write_atomic)
+from .checkpoint import (TrainState, check_pickles, checkpoint_recipe, checkpoint_step, export_pretrained,
+                         locate_checkpoint, prepare_run_dir, save_checkpoint, write_atomic)
 from .config import Recipe, build_model_config, flatten, load_recipe, recipe_diff, training_fields
 from .data import auto_model_class, build_dataloaders, build_data, data_spec, token_byte_and_char_counts
 from .errors import NonFiniteError, ResumeError
@@ -118,6 +118,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     # then stateful callbacks in list order.
     accelerator.register_for_checkpointing(scheduler, state, *([carried] if carried else []), *callbacks.stateful())
     if ckpt is not None:
+        check_pickles(ckpt)  # nothing but tensors and plain data gets unpickled
         accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
     signals = StopSignals()
@@ -209,8 +210,14 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     result.final_dir = run_dir / "final"
     export_pretrained(accelerator, model, data.tokenizer, result.final_dir)
     result.samples = write_samples(accelerator, model, data.tokenizer, recipe, run_dir)
-    callbacks.on_train_end(run)
+    callbacks.on_train_end(run)  # writes final_ema/ and the like before a push reads them
     accelerator.end_training()
+    if recipe.hub.push_at_end and accelerator.is_main_process:  # everything is saved: a failed push loses nothing
+        from .hub import push_run
+
+        hub = recipe.hub
+        url = push_run(run_dir, hub.repo_id, private=hub.private, revision=hub.revision, which=hub.which)
+        accelerator.print(f"pushed the {hub.which} model to {hub.repo_id}: {url}")
     return result
 
 

@@ -118,3 +118,32 @@ def test_sigkill_at_random_moments_then_resume_ends_equal_to_the_uninterrupted_r
 def _newest_step(run_dir):
     names = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
     return int(names[-1].name.split("_")[1]) if names else -1
+
+
+class _Payload:
+    """Unpickling this runs code (creates a file): what a tampered checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_whose_state_would_run_code_is_refused_unread(reference, text, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    target = next(ckpt.glob("custom_checkpoint_*.pkl"))
+    marker = tmp_path / "code-ran"
+    torch.save({"step": 3, "evil": _Payload(str(marker))}, target)
+    import json
+
+    from s4accel.checkpoint import COMPLETE
+
+    manifest = json.loads((ckpt / COMPLETE).read_text())  # keep it "complete": only its content is tampered with
+    manifest["files"][target.name] = target.stat().st_size
+    (ckpt / COMPLETE).write_text(json.dumps(manifest))
+    with pytest.raises(ResumeError, match="refusing to unpickle"):
+        train_in_process(TINY, short_epochs(text, run), resume=str(ckpt))
+    assert not marker.exists()

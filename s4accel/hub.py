@@ -1,0 +1,137 @@
+"""`s4accel push`: upload one model of a run directory to the Hub with its card, recipe, metrics and TensorBoard logs.
+
+What is uploaded is staged in a temporary directory outside the run directory, which is only read. The token is the
+one `huggingface_hub` finds (`HF_TOKEN`, `hf auth login`); it is never printed or written anywhere by s4accel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import S4AccelError
+
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model")  # weights, config, code, tokenizer
+
+
+class HubError(S4AccelError):
+    """The Hub refused or could not be reached; nothing in the run directory changed."""
+
+    exit_code = 1
+
+
+def _is_transport_error(e: Exception) -> bool:
+    """A network failure of the HTTP client huggingface_hub uses (httpx, or its httpx2 fork in huggingface_hub 2)."""
+    return any(cls.__module__.split(".")[0] in ("httpx", "httpx2") and cls.__name__ == "TransportError"
+               for cls in type(e).__mro__)
+
+
+def model_dir_of(run_dir: Path, which: str) -> tuple[Path, dict]:
+    """The directory of the `which` model of a run (`final`, `best`, `ema`) and its evaluation metrics."""
+    from .model_card import read_metrics
+
+    records = read_metrics(run_dir)
+    evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+    if which == "best":
+        ranked = []
+        for path in sorted((run_dir / "best").glob("step_*")):
+            try:
+                ranked.append((json.loads((path / "metrics.json").read_text()), path))
+            except (OSError, ValueError):
+                continue
+        if not ranked:
+            raise HubError(f"{run_dir}: no best model (train with checkpoint.keep_best >= 1)")
+        recipe = _recipe(run_dir)
+        metric = recipe.get("checkpoint", {}).get("best_metric", "loss")
+        sign = -1 if recipe.get("checkpoint", {}).get("best_mode", "min") == "max" else 1
+        metrics, path = min(ranked, key=lambda mp: sign * mp[0].get(metric.removeprefix("ema_"), float("inf")))
+        return path, metrics
+    path = run_dir / ("final_ema" if which == "ema" else "final")
+    if not (path / "config.json").is_file():
+        hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
+        raise HubError(f"{run_dir}: no {path.name}/ model{hint}")
+    prefix = "eval_ema/" if which == "ema" else "eval/"
+    last = next((r for r in reversed(evals) if any(k.startswith(prefix) for k in r)), {})
+    metrics = {"step": last.get("step")} | {k.removeprefix(prefix): v for k, v in last.items() if k.startswith(prefix)}
+    return path, metrics
+
+
+def _recipe(run_dir: Path) -> dict:
+    import yaml
+
+    path = run_dir / "recipe.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+
+
+def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
+    """Everything to upload, laid out as the repository: model files, README.md (card), recipe.yaml, metrics.json,
+    training_curve.png, runs/ (TensorBoard event files)."""
+    from .model_card import model_card, read_metrics, render_training_curve
+
+    model_dir, metrics = model_dir_of(run_dir, which)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json":
+            shutil.copy2(f, out / f.name)
+    recipe_yaml = (run_dir / "recipe.yaml").read_text() if (run_dir / "recipe.yaml").is_file() else ""
+    (out / "recipe.yaml").write_text(recipe_yaml)
+    records = read_metrics(run_dir)
+    (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
+                                                  "train_last": next((r for r in reversed(records)
+                                                                      if "train/loss" in r), {})}, indent=1))
+    has_curve = render_training_curve(records, out / "training_curve.png")
+    tb = run_dir / "tensorboard"
+    if tb.is_dir():
+        for f in tb.rglob("events.out.tfevents.*"):
+            target = out / "runs" / f.relative_to(tb)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+    config = json.loads((model_dir / "config.json").read_text())
+    n_params = _count_params(model_dir / "model.safetensors")
+    (out / "README.md").write_text(model_card(repo_id, config, _recipe(run_dir), recipe_yaml, metrics, which,
+                                              n_params, has_curve))
+    return out
+
+
+def _count_params(weights: Path) -> int | None:
+    if not weights.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def push_run(run_dir: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+             which: str = "final", commit_message: str | None = None) -> str:
+    """Upload the `which` model of `run_dir` to `repo_id` (created if missing; `revision` branch created if
+    missing). Returns the commit URL. Raises HubError with one line on any Hub or network failure."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise HubError(f"{run_dir}: no such run directory")
+    if repo_id.count("/") != 1:
+        raise HubError(f"--repo-id {repo_id!r}: expected owner/name")
+    api = HfApi()
+    with tempfile.TemporaryDirectory(prefix="s4accel-push-") as tmp:
+        folder = stage(run_dir, repo_id, which, Path(tmp))
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if revision is not None:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            info = api.upload_folder(folder_path=folder, repo_id=repo_id, revision=revision,
+                                     commit_message=commit_message or f"s4accel push: {run_dir.name} ({which})")
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else "?"
+            reason = {401: "the token was refused (check HF_TOKEN or `hf auth login`)",
+                      403: "the token may not write to this repository"}.get(status, str(e).splitlines()[0])
+            raise HubError(f"push to {repo_id} failed: HTTP {status}: {reason}") from None
+        except Exception as e:
+            if not (isinstance(e, OSError) or _is_transport_error(e)):
+                raise
+            raise HubError(f"push to {repo_id} failed: cannot reach {api.endpoint} ({type(e).__name__})") from None
+    return str(info.commit_url) if hasattr(info, "commit_url") else str(info)

