@@ -123,7 +123,8 @@ def test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_m
 
 def test_pushing_again_to_an_existing_repo_and_to_a_branch(run, hub):
     env = hub_env(hub.url)
-    assert run_cli("push", run, "--repo-id", "alice/again", env=env).returncode == 0
+    assert run_cli("push", run, "--repo-id", "alice/again", "--private", env=env).returncode == 0
+    assert hub.state.repos["alice/again"].private
     main_files = dict(hub.files("alice/again"))
     proc = run_cli("push", run, "--repo-id", "alice/again", "--best", "--revision", "best-model", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

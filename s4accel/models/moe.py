@@ -40,12 +40,12 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
     `k` under perfectly uniform routing (`f_e = k/E`, `P_e = 1/E`) and grows to `E` when one expert takes every
     token with probability 1 (top-1).
     """
-    chosen = F.one_hot(experts, num_experts).sum(1).to(probs.dtype)  # (T, E): 1 where e is one of the k choices
     if mask is not None:
-        probs, chosen = probs[mask], chosen[mask]
+        probs, experts = probs[mask], experts[mask]
     if probs.shape[0] == 0:
         return probs.new_zeros(())
-    return num_experts * (chosen.mean(0) * probs.mean(0)).sum()
+    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / probs.shape[0]  # (E,), no grad
+    return num_experts * (f * probs.mean(0)).sum()
 
 
 def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
