@@ -275,9 +275,28 @@ class CallbackCfg(_Section):
         return target
 
 
+TRACKERS = ("tensorboard", "jsonl", "wandb", "mlflow", "aim", "comet_ml", "clearml", "dvclive", "swanlab", "trackio")
+
+
 class LogCfg(_Section):
-    log_with: list[Literal["tensorboard", "jsonl"]] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
-    """Trackers: `tensorboard` (event files under `<run_dir>/tb`), `jsonl` (`<run_dir>/metrics.jsonl`)."""
+    log_with: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
+    """Trackers: `tensorboard` (event files under `<run_dir>/tensorboard`), `jsonl` (`<run_dir>/metrics.jsonl`), any
+    of Accelerate's by name (`wandb`, `mlflow`, `aim`, `comet_ml`, `clearml`, `dvclive`, `swanlab`, `trackio`; their
+    package installed), or your own `GeneralTracker` as `module:Class`. A tracker that fails never stops training."""
+    tracker_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Extra constructor arguments per tracker name, e.g. `{wandb: {entity: me}}`."""
+    tracker_retries: int = Field(3, ge=1)
+    """Tries per tracker call before the tracker is disabled (with a warning)."""
+    tracker_backoff_s: float = Field(0.5, ge=0)
+    """Seconds before the second try; doubled for each further one."""
+
+    @field_validator("log_with")
+    @classmethod
+    def _known_trackers(cls, names):
+        for name in names:
+            if ":" not in name and name not in TRACKERS:
+                raise ValueError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}, or module:Class")
+        return names
     log_every: int = Field(10, ge=1)
     """Log training scalars every N optimizer steps (the only host sync in the loop)."""
     progress_bar: bool = True

@@ -1,12 +1,21 @@
-"""Trackers through Accelerate: TensorBoard (`<run_dir>/tensorboard`) and a JSONL file (`<run_dir>/metrics.jsonl`).
+"""Trackers through Accelerate: TensorBoard (`<run_dir>/tensorboard`) and a JSONL file (`<run_dir>/metrics.jsonl`)
+by default, any of Accelerate's trackers by name (`wandb`, `mlflow`, ...), or your own `GeneralTracker` by import
+path (`mypkg.trackers:MyTracker`).
 
-Both log from the main process only and always at `step=<optimizer step>`, for training and evaluation alike.
+All log from the main process only and always at `step=<optimizer step>`, for training and evaluation alike. Each
+runs inside a `GuardedTracker`: a tracker that fails to start or to log never stops training. A failing call is
+retried with exponential backoff; if it still fails, the tracker is disabled with one warning and the run goes on
+with the others.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, on_main_process
@@ -78,11 +87,102 @@ class FastTensorBoardTracker(TensorBoardTracker):
                 self.writer.add_text(k, v, global_step=step)
 
 
-def build_trackers(names: list[str], run_name: str, run_dir: Path,
-                   resume_step: int | None = None) -> list[GeneralTracker]:
-    """The trackers a recipe names; `resume_step` when resuming from a checkpoint of that step."""
-    makers = {
-        "tensorboard": lambda: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step),
-        "jsonl": lambda: JSONLTracker(run_name, run_dir, resume_step=resume_step),
-    }
-    return [makers[name]() for name in names]
+class GuardedTracker(GeneralTracker):
+    """Runs another tracker so that it cannot stop training. The inner tracker is built and started in `start`;
+    every call (`start`, `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with
+    `backoff_s * 2^attempt` seconds between tries (a missing package is not retried), after which the tracker is
+    disabled with a warning and later calls do nothing."""
+
+    main_process_only = True
+    requires_logging_directory = False
+
+    def __init__(self, name: str, make: Callable[[], GeneralTracker], retries: int = 3, backoff_s: float = 0.5,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.name = name
+        super().__init__()
+        self.make, self.retries, self.backoff_s, self.sleep = make, retries, backoff_s, sleep
+        self.inner: GeneralTracker | None = None
+        self.disabled = False
+
+    @property
+    def tracker(self):
+        return self.inner.tracker if self.inner is not None else None
+
+    def _guarded(self, what: str, call: Callable[[], None]) -> None:
+        if self.disabled:
+            return
+        error = None
+        for attempt in range(self.retries):
+            try:
+                call()
+                return
+            except ImportError as e:  # the tracker's package is not installed: retrying cannot help
+                error = e
+                break
+            except Exception as e:  # a tracker's own failure (network, disk, server) must not end the run
+                error = e
+                if attempt + 1 < self.retries:
+                    self.sleep(self.backoff_s * 2**attempt)
+        self.disabled = True
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        warnings.warn(f"tracker {self.name!r}: {what} failed ({type(error).__name__}: {detail}); disabled, "
+                      "training goes on without it", stacklevel=2)
+
+    @on_main_process
+    def start(self):
+        def start():
+            if self.inner is None:
+                self.inner = self.make()
+            self.inner.start()
+
+        self._guarded("start", start)
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        self._guarded("store_init_configuration", lambda: self.inner.store_init_configuration(values))
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self._guarded("log", lambda: self.inner.log(values, step=step, **kwargs))
+
+    @on_main_process
+    def finish(self):
+        self._guarded("finish", lambda: self.inner.finish())
+
+
+def tracker_class(name: str) -> type[GeneralTracker]:
+    """One of Accelerate's trackers by name, or a `GeneralTracker` subclass by import path (`module:Class`)."""
+    if ":" not in name:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        return LOGGER_TYPE_TO_CLASS[name]
+    module, _, attr = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: int | None = None,
+                   kwargs: dict[str, dict] | None = None, retries: int = 3,
+                   backoff_s: float = 0.5) -> list[GeneralTracker]:
+    """The trackers a recipe names, each guarded; `resume_step` when resuming from a checkpoint of that step;
+    `kwargs[name]`: extra constructor arguments (e.g. `{"wandb": {"entity": "me"}}`)."""
+    kwargs = kwargs or {}
+
+    def maker(name: str) -> Callable[[], GeneralTracker]:
+        extra = kwargs.get(name, {})
+        if name == "tensorboard":
+            return lambda: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step, **extra)
+        if name == "jsonl":
+            return lambda: JSONLTracker(run_name, run_dir, resume_step=resume_step)
+
+        def make():  # Accelerate's own convention: (project name[, logging dir], **kwargs)
+            cls = tracker_class(name)
+            if getattr(cls, "requires_logging_directory", False):
+                return cls(run_name, str(run_dir), **extra)
+            return cls(run_name, **extra)
+
+        return make
+
+    return [GuardedTracker(name, maker(name), retries, backoff_s) for name in names]

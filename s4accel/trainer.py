@@ -83,7 +83,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # the same order on every rank (N6)
         log_with=build_trackers(recipe.log.log_with, recipe.run.name, run_dir,
-                                resume_step=checkpoint_step(ckpt) if ckpt else None) or None,
+                                resume_step=checkpoint_step(ckpt) if ckpt else None,
+                                kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
+                                backoff_s=recipe.log.tracker_backoff_s) or None,
         project_dir=str(run_dir),
         step_scheduler_with_optimizer=False,
     )

@@ -78,3 +78,35 @@ class Recorder(Callback):
 
     def load_state_dict(self, state):
         self.steps_seen = state["steps_seen"]
+
+
+class FlakyTracker:
+    """A tracker (GeneralTracker protocol) whose `log` raises from its `fail_from`-th call on: a tracker server that
+    goes away mid-run. Records what it logged in `LOGGED`."""
+
+    name = "flaky"
+    requires_logging_directory = False
+    main_process_only = True
+    LOGGED: list = []
+
+    def __init__(self, run_name, fail_from: int = 3):
+        self.fail_from, self.calls = fail_from, 0
+
+    @property
+    def tracker(self):
+        return None
+
+    def start(self):
+        pass
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        self.calls += 1
+        if self.calls >= self.fail_from:
+            raise ConnectionError("tracker server went away")
+        FlakyTracker.LOGGED.append(step)
+
+    def finish(self):
+        pass

@@ -1,0 +1,95 @@
+"""A tracker that fails to start or to log never stops training: retried with backoff, then disabled with a
+warning, while the other trackers go on."""
+
+import warnings
+
+import pytest
+
+from conftest import read_metrics, train_in_process
+from s4accel.tracking import GuardedTracker
+
+
+class Inner:
+    name = "inner"
+    requires_logging_directory = False
+
+    def __init__(self, failures=0, error=ConnectionError):
+        self.failures, self.error, self.logged, self.started = failures, error, [], 0
+
+    @property
+    def tracker(self):
+        return self
+
+    def start(self):
+        self.started += 1
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise self.error("temporarily down")
+        self.logged.append(step)
+
+    def finish(self):
+        pass
+
+
+def guarded(inner, retries=3):
+    sleeps = []
+    return GuardedTracker("inner", lambda: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append), sleeps
+
+
+def test_a_transient_failure_is_retried_with_backoff():
+    inner = Inner(failures=2)
+    tracker, sleeps = guarded(inner)
+    tracker.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the third try succeeds
+        tracker.log({"a": 1.0}, step=7)
+    assert inner.logged == [7] and sleeps == [0.5, 1.0] and not tracker.disabled
+
+
+def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
+    inner = Inner(failures=100)
+    tracker, sleeps = guarded(inner)
+    tracker.start()
+    with pytest.warns(UserWarning, match="tracker 'inner': log failed \\(ConnectionError: temporarily down\\); "
+                                         "disabled, training goes on"):
+        tracker.log({"a": 1.0}, step=1)
+    assert tracker.disabled and sleeps == [0.5, 1.0]
+    tracker.log({"a": 2.0}, step=2)  # no more tries, no more warnings
+    tracker.finish()
+    assert inner.failures == 97
+
+
+def test_a_missing_package_is_not_retried():
+    def make():
+        raise ModuleNotFoundError("No module named 'wandb'")
+
+    tracker = GuardedTracker("wandb", make, retries=3, backoff_s=0.5, sleep=pytest.fail)
+    with pytest.warns(UserWarning, match="tracker 'wandb': start failed \\(ModuleNotFoundError"):
+        tracker.start()
+    tracker.log({"a": 1.0}, step=1)
+    assert tracker.disabled
+
+
+@pytest.mark.slow
+def test_training_survives_a_tracker_that_cannot_start_and_one_that_dies_mid_run(tmp_path, text):
+    from testing_callbacks import FlakyTracker
+
+    out = tmp_path / "run"
+    FlakyTracker.LOGGED.clear()
+    with pytest.warns(UserWarning) as caught:
+        result = train_in_process("recipes/s4_tiny_debug.yaml", [
+            f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
+            "train.max_steps=6", "train.eval_every=3", "log.log_every=1", "log.progress_bar=false",
+            "sample.prompts=[]", "log.log_with=[jsonl, tensorboard, wandb, 'testing_callbacks:FlakyTracker']",
+            "log.tracker_kwargs={'testing_callbacks:FlakyTracker': {fail_from: 3}}", "log.tracker_backoff_s=0.01"])
+    assert result.steps == 6 and (out / "final" / "model.safetensors").exists()
+    messages = [str(w.message) for w in caught]
+    assert any(m.startswith("tracker 'wandb': start failed (ModuleNotFoundError") for m in messages), messages
+    assert any(m.startswith("tracker 'testing_callbacks:FlakyTracker': log failed (ConnectionError") for m in messages)
+    assert FlakyTracker.LOGGED == [1, 2]  # then it died and was disabled
+    assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # the others went on
