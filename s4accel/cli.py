@@ -162,6 +162,33 @@ def push(
     typer.echo(f"pushed {which} model of {run_dir} to {repo_id}: {url}")
 
 
+@app.command("lr-find")
+def lr_find(
+    recipe: RecipeArg,
+    overrides: SetOpt = None,
+    min_lr: Annotated[float, typer.Option("--min-lr", min=0.0)] = 1e-7,
+    max_lr: Annotated[float, typer.Option("--max-lr", min=0.0)] = 1.0,
+    steps: Annotated[int, typer.Option("--steps", min=8)] = 100,
+    out: Annotated[Path | None, typer.Option("--out", help="Where lr_find.png and lr_find.json go (default: "
+                                             "<run_dir>/lr_find).", show_default=False)] = None,
+):
+    """Learning-rate range test: an exponential lr sweep on a throwaway model, the smoothed loss, a suggested lr."""
+    from .config import load_recipe
+    from .finders import find_lr
+
+    try:
+        resolved = load_recipe(recipe, overrides or [])
+        result = find_lr(resolved, min_lr, max_lr, steps, out_dir=out or resolved.run.dir / "lr_find")
+    except S4AccelError as e:
+        raise _fail(e) from None
+    if result.plot is None:  # not the main process
+        return
+    why = " (stopped early: the loss diverged)" if result.stopped_early else ""
+    suggestion = f"{result.suggested_lr:.3g}" if result.suggested_lr is not None else "none (too few points)"
+    typer.echo(f"swept {len(result.lrs)} steps from {result.lrs[0]:.2e} to {result.lrs[-1]:.2e}{why}; suggested lr "
+               f"{suggestion} (set optim.lr); plot {result.plot}")
+
+
 @app.command()
 def models():
     """List the named model sizes a recipe's model.name can take."""

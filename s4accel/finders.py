@@ -1,0 +1,128 @@
+"""`s4accel lr-find`: the learning-rate range test (Smith 2015, as in fastai and Lightning's `lr_find`).
+
+A throwaway copy of the recipe's model trains for up to `steps` optimizer steps while the learning rate grows
+exponentially from `min_lr` to `max_lr` (every parameter group keeps its ratio to `optim.lr`, so S4's SSM group
+moves with it). The loss is smoothed with a debiased exponential moving average; the sweep stops early once the
+smoothed loss exceeds `diverge` times its minimum. The suggestion is the learning rate where the smoothed loss falls
+fastest against log(lr). Nothing of the run directory is touched except the result files written to `out_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import Recipe
+from .errors import RecipeError
+
+
+@dataclass
+class LRFindResult:
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # raw per step
+    smoothed: list[float] = field(default_factory=list)
+    suggested_lr: float | None = None
+    stopped_early: bool = False
+    plot: str | None = None
+
+
+def suggest(lrs: list[float], smoothed: list[float], skip_start: int = 3, skip_end: int = 2) -> float | None:
+    """The lr of the steepest descent of the smoothed loss against log(lr), ignoring the noisy first and the
+    diverging last points."""
+    idx = range(skip_start, len(lrs) - skip_end - 1)
+    if len(idx) < 1:
+        return None
+    slopes = [(smoothed[i + 1] - smoothed[i]) / (math.log(lrs[i + 1]) - math.log(lrs[i])) for i in idx]
+    best = min(range(len(slopes)), key=slopes.__getitem__)
+    return lrs[idx[best]]
+
+
+def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100, beta: float = 0.98,
+            diverge: float = 4.0, out_dir: str | Path | None = None) -> LRFindResult:
+    if not 0 < min_lr < max_lr:
+        raise RecipeError(f"lr-find: need 0 < min_lr < max_lr, got {min_lr}, {max_lr}")
+    if steps < 8:
+        raise RecipeError(f"lr-find: steps must be >= 8, got {steps}")
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from .data import build_data, build_dataloaders
+    from .optim import build_optimizer
+    from .trainer import build_model
+
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available(),
+                              mixed_precision=recipe.train.mixed_precision)
+    set_seed(recipe.run.seed)
+    with accelerator.main_process_first():
+        data = build_data(recipe.data, tokenizer_dir=None)
+    model = build_model(recipe, data)
+    optimizer = build_optimizer(model, recipe.optim)
+    train_dl, _ = build_dataloaders(recipe.data, data, recipe.run.seed, 1, accelerator.num_processes)
+    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+    ratios = [group["lr"] / recipe.optim.lr for group in optimizer.param_groups]
+    result, avg, best = LRFindResult(), 0.0, math.inf
+    batches = iter(())
+    model.train()
+    for i in range(steps):
+        lr = min_lr * (max_lr / min_lr) ** (i / (steps - 1))
+        for group, ratio in zip(optimizer.param_groups, ratios):
+            group["lr"] = lr * ratio
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(train_dl)
+            batch = next(batches)
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        if recipe.train.clip_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), recipe.train.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = accelerator.reduce(loss.detach(), reduction="mean").item()
+        if not math.isfinite(value):
+            result.stopped_early = True
+            break
+        avg = beta * avg + (1 - beta) * value
+        smooth = avg / (1 - beta ** (i + 1))  # debiased
+        result.lrs.append(lr)
+        result.losses.append(value)
+        result.smoothed.append(smooth)
+        best = min(best, smooth)
+        if smooth > diverge * best:
+            result.stopped_early = True
+            break
+    result.suggested_lr = suggest(result.lrs, result.smoothed)
+    if out_dir is not None and accelerator.is_main_process:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result.plot = str(out / "lr_find.png")
+        plot(result, out / "lr_find.png")
+        (out / "lr_find.json").write_text(json.dumps(asdict(result), indent=1))
+    return result
+
+
+def plot(result: LRFindResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(result.lrs, result.losses, alpha=0.3, label="loss")
+    ax.plot(result.lrs, result.smoothed, label="smoothed")
+    if result.suggested_lr is not None:
+        ax.axvline(result.suggested_lr, color="red", linestyle="--", label=f"suggested {result.suggested_lr:.2e}")
+    if result.smoothed:  # keep the divergence from flattening the interesting part
+        ax.set_ylim(min(result.smoothed) * 0.9, result.smoothed[0] * 1.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
