@@ -189,6 +189,31 @@ def lr_find(
                f"{suggestion} (set optim.lr); plot {result.plot}")
 
 
+@app.command("find-batch-size")
+def find_batch_size_cmd(
+    recipe: RecipeArg,
+    memory_mb: Annotated[float, typer.Option("--memory-mb", min=1.0, help="Memory budget of one process, MiB.",
+                                             show_default=False)],
+    overrides: SetOpt = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1)] = 1024,
+):
+    """The largest data.batch_size whose training step fits a memory budget (CUDA: peak allocated; CPU: peak RSS)."""
+    from .config import load_recipe
+    from .finders import find_batch_size
+
+    try:
+        result = find_batch_size(load_recipe(recipe, overrides or []), memory_mb, max_batch)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    for b, mb in sorted(result.peak_mb.items()):
+        typer.echo(f"batch {b:>5}: " + ("out of memory" if mb is None else f"{mb:,.0f} MiB"))
+    if result.batch_size is None:
+        typer.echo(f"error: not even batch size 1 fits in {memory_mb:,.0f} MiB on {result.device}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"largest batch size within {memory_mb:,.0f} MiB on {result.device}: {result.batch_size} "
+               f"(set data.batch_size, with train.grad_accum for a larger effective batch)")
+
+
 @app.command()
 def models():
     """List the named model sizes a recipe's model.name can take."""

@@ -126,3 +126,95 @@ def plot(result: LRFindResult, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Batch size for a memory budget
+
+
+@dataclass
+class BatchSizeResult:
+    peak_mb: dict[int, float | None] = field(default_factory=dict)  # batch size -> peak memory (None: out of memory)
+    batch_size: int | None = None  # the largest tried batch size whose training step fits the budget
+    device: str = "cpu"
+
+
+def probe_step(recipe: Recipe, batch_size: int) -> float:
+    """Peak memory (MiB) of one training step (forward, backward, optimizer step) at `batch_size` on a fresh model:
+    CUDA's peak allocated memory, or on CPU this process's peak resident set size (call it in a fresh process)."""
+    import resource
+
+    from .data import build_data
+    from .optim import build_optimizer
+    from .trainer import build_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = build_data(recipe.data, tokenizer_dir=None)
+    if len(data.train) < batch_size:
+        raise RecipeError(f"batch-size probe: the train split has only {len(data.train)} examples (< {batch_size})")
+    if recipe.data.is_text:
+        from .data import collate_lm as collate
+    else:
+        from .arrays import collate_arrays as collate
+    batch = {k: v.to(device) for k, v in collate([data.train[i] for i in range(batch_size)]).items()}
+    model = build_model(recipe, data).to(device)
+    optimizer = build_optimizer(model, recipe.optim)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.train.mixed_precision or "no")
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def find_batch_size(recipe: Recipe, memory_mb: float, max_batch: int = 1024) -> BatchSizeResult:
+    """Double the batch size from 1 while one training step's peak memory stays within `memory_mb` (and below
+    `max_batch`), then bisect between the last size that fits and the first that does not. Each CPU trial runs in a
+    fresh process, so its peak resident memory is its own; a CUDA trial that runs out of memory counts as too big."""
+    result = BatchSizeResult(device="cuda" if torch.cuda.is_available() else "cpu")
+
+    def fits(b: int) -> bool:
+        result.peak_mb[b] = _trial(recipe, b)
+        return result.peak_mb[b] is not None and result.peak_mb[b] <= memory_mb
+
+    good, bad, b = 0, None, 1
+    while b <= max_batch:
+        if not fits(b):
+            bad = b
+            break
+        good, b = b, b * 2
+    if bad is not None:
+        while bad - good > 1 and good > 0:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if fits(mid) else (good, mid)
+    result.batch_size = good or None
+    return result
+
+
+def _trial(recipe: Recipe, batch_size: int) -> float | None:
+    if torch.cuda.is_available():
+        try:
+            return probe_step(recipe, batch_size)
+        except torch.cuda.OutOfMemoryError:
+            return None
+        finally:
+            torch.cuda.empty_cache()
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(recipe.to_yaml())
+    code = ("import sys; from s4accel.config import load_recipe; from s4accel.finders import probe_step; "
+            "print(probe_step(load_recipe(sys.argv[1]), int(sys.argv[2])))")
+    proc = subprocess.run([sys.executable, "-c", code, f.name, str(batch_size)], capture_output=True, text=True)
+    Path(f.name).unlink(missing_ok=True)
+    if proc.returncode != 0:
+        if "MemoryError" in proc.stderr or proc.returncode in (-9, 137):  # killed or refused for memory
+            return None
+        raise RecipeError(f"batch-size probe at {batch_size} failed: {proc.stderr.strip().splitlines()[-1]}")
+    return float(proc.stdout.strip().splitlines()[-1])

@@ -39,3 +39,28 @@ def test_bad_sweep_bounds_are_one_line():
     proc = run_cli("lr-find", "recipes/s4_tiny_debug.yaml", "--min-lr", "1", "--max-lr", "0.1")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: lr-find: need 0 < min_lr < max_lr, got 1.0, 0.1"
+
+
+@pytest.mark.slow
+def test_find_batch_size_doubles_within_the_budget_and_says_when_nothing_fits(tmp_path, text):
+    common = ["--set", "data.source=files", "--set", f"data.files=[{text}]", "--set", "data.seq_len=32"]
+    proc = run_cli("find-batch-size", "recipes/s4_tiny_debug.yaml", *common, "--memory-mb", "100000",
+                   "--max-batch", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == ["batch     1", "batch     2", "batch     4"]
+    assert lines[-1].startswith("largest batch size within 100,000 MiB on cpu: 4")
+
+    proc = run_cli("find-batch-size", "recipes/s4_tiny_debug.yaml", *common, "--memory-mb", "1")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: not even batch size 1 fits in 1 MiB on cpu"
+
+
+def test_bisection_returns_the_largest_size_that_fits(monkeypatch):
+    from s4accel import finders
+
+    peak = {b: 100 + 10 * b for b in range(1, 200)}  # a step's memory grows with the batch
+    monkeypatch.setattr(finders, "_trial", lambda recipe, b: peak[b])
+    result = finders.find_batch_size(recipe=None, memory_mb=100 + 10 * 37 + 5, max_batch=128)
+    assert result.batch_size == 37
+    assert list(result.peak_mb)[:7] == [1, 2, 4, 8, 16, 32, 64]  # doubled until 64 did not fit, then bisected
