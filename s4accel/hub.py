@@ -33,28 +33,21 @@ def model_dir_of(run_dir: Path, which: str) -> tuple[Path, dict]:
     """The directory of the `which` model of a run (`final`, `best`, `ema`) and its evaluation metrics."""
     from .model_card import read_metrics
 
-    records = read_metrics(run_dir)
-    evals = [r for r in records if any(k.startswith("eval/") for k in r)]
     if which == "best":
-        ranked = []
-        for path in sorted((run_dir / "best").glob("step_*")):
-            try:
-                ranked.append((json.loads((path / "metrics.json").read_text()), path))
-            except (OSError, ValueError):
-                continue
+        from .callbacks import KeepBest
+
+        best = _recipe(run_dir).get("checkpoint", {})
+        ranked = KeepBest(1, best.get("best_metric", "loss"), best.get("best_mode", "min")).ranked(run_dir)
         if not ranked:
             raise HubError(f"{run_dir}: no best model (train with checkpoint.keep_best >= 1)")
-        recipe = _recipe(run_dir)
-        metric = recipe.get("checkpoint", {}).get("best_metric", "loss")
-        sign = -1 if recipe.get("checkpoint", {}).get("best_mode", "min") == "max" else 1
-        metrics, path = min(ranked, key=lambda mp: sign * mp[0].get(metric.removeprefix("ema_"), float("inf")))
-        return path, metrics
+        path = ranked[0][1]
+        return path, json.loads((path / "metrics.json").read_text())
     path = run_dir / ("final_ema" if which == "ema" else "final")
     if not (path / "config.json").is_file():
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
         raise HubError(f"{run_dir}: no {path.name}/ model{hint}")
     prefix = "eval_ema/" if which == "ema" else "eval/"
-    last = next((r for r in reversed(evals) if any(k.startswith(prefix) for k in r)), {})
+    last = next((r for r in reversed(read_metrics(run_dir)) if any(k.startswith(prefix) for k in r)), {})
     metrics = {"step": last.get("step")} | {k.removeprefix(prefix): v for k, v in last.items() if k.startswith(prefix)}
     return path, metrics
 

@@ -134,6 +134,8 @@ def test_pushing_again_to_an_existing_repo_and_to_a_branch(run, hub):
     proc = run_cli("push", run, "--repo-id", "alice/again", "--ema", env=env)  # a second commit on main
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert hub.files("alice/again")["model.safetensors"] == (run / "final_ema" / "model.safetensors").read_bytes()
+    ema_eval = [r for r in read_metrics(run) if "eval_ema/loss" in r][-1]
+    assert json.loads(hub.files("alice/again")["metrics.json"])["eval"]["loss"] == ema_eval["eval_ema/loss"]
     torch.testing.assert_close(logits_from_hub(hub, "alice/again", "best-model"), local_logits(best_dir),
                                rtol=0, atol=0)
 
