@@ -44,7 +44,7 @@ GOALS = {"moe_over_dense_at_most": 1.3, "onehot_over_moe_at_least_at_E64": 2.0}
 
 def onehot_loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """Mixtral-style eager dispatch over `layer`'s router and weights: x (T, D) -> (T, D)."""
-    T, E, k = x.shape[0], layer.num_experts, layer.top_k
+    E, k = layer.num_experts, layer.top_k
     logits = layer.route(x)
     weights, experts = logits.softmax(-1).topk(k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)

@@ -247,6 +247,15 @@ def collate_lm(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
+def collate_fn(cfg: DataCfg):
+    """Examples -> a batch: packed text blocks (`collate_lm`) or labelled sequences (`collate_arrays`)."""
+    if cfg.is_text:
+        return collate_lm
+    from .arrays import collate_arrays
+
+    return collate_arrays
+
+
 def build_dataloaders(cfg: DataCfg, data, seed: int, eval_max_batches: int | None = None,
                       num_processes: int = 1):
     """Train loader (shuffled with a seeded generator, full batches only) and validation loader (in order; the first
@@ -261,10 +270,7 @@ def build_dataloaders(cfg: DataCfg, data, seed: int, eval_max_batches: int | Non
     if eval_max_batches is not None:  # cut the dataset, not the loop: a prepared loader must run to its end
         val = val.select(range(min(len(val), eval_max_batches * eval_bs * num_processes)))
     generator = torch.Generator().manual_seed(seed)
-    if cfg.is_text:
-        collate = collate_lm
-    else:
-        from .arrays import collate_arrays as collate
+    collate = collate_fn(cfg)
     train_dl = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
                           collate_fn=collate, num_workers=cfg.num_workers, generator=generator)
     val_dl = DataLoader(val, batch_size=eval_bs, shuffle=False, collate_fn=collate, num_workers=cfg.num_workers)

@@ -144,7 +144,7 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
     CUDA's peak allocated memory, or on CPU this process's peak resident set size (call it in a fresh process)."""
     import resource
 
-    from .data import build_data
+    from .data import build_data, collate_fn
     from .optim import build_optimizer
     from .trainer import build_model
 
@@ -152,11 +152,8 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
     data = build_data(recipe.data, tokenizer_dir=None)
     if len(data.train) < batch_size:
         raise RecipeError(f"batch-size probe: the train split has only {len(data.train)} examples (< {batch_size})")
-    if recipe.data.is_text:
-        from .data import collate_lm as collate
-    else:
-        from .arrays import collate_arrays as collate
-    batch = {k: v.to(device) for k, v in collate([data.train[i] for i in range(batch_size)]).items()}
+    examples = [data.train[i] for i in range(batch_size)]
+    batch = {k: v.to(device) for k, v in collate_fn(recipe.data)(examples).items()}
     model = build_model(recipe, data).to(device)
     optimizer = build_optimizer(model, recipe.optim)
     if device.type == "cuda":
