@@ -117,7 +117,7 @@ def setup(recipe):
     from accelerate.utils import set_seed
 
     from s4accel.data import build_text_data
-    from s4accel.trainer import build_model
+    from s4accel.tasks import build_model
 
     torch.set_num_threads(1)
     data = build_text_data(recipe.data)

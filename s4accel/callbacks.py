@@ -62,6 +62,10 @@ class RunContext:
     evaluate: Callable[[Any], dict | None]
     export: Callable[..., None]
     stop_reason: str | None = None
+    task: Any = None
+    """The run's `s4accel.tasks.Task`."""
+    optimizers: list = field(default_factory=list)
+    """Every `TrainOptimizer` (name, optimizer, scheduler); `optimizer`/`scheduler` are the first one's."""
 
     def log(self, values: dict) -> None:
         self.accelerator.log(values, step=self.state.step)

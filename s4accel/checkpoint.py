@@ -125,10 +125,26 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int, recip
         raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; the last complete checkpoint "
                               f"{good or '(none)'} is intact") from None
     if accelerator.is_main_process:
-        for old in complete_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(run_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints, and any incomplete one older than the newest
+    complete one (a save or a deletion that a crash cut short). Each goes by a rename first, so a kill during the
+    deletion leaves a `.del_*` directory (removed at the next prune), never a half-deleted `step_*`."""
+    root = run_dir / "checkpoints"
+    for trash in root.glob(".del_*"):
+        shutil.rmtree(trash, ignore_errors=True)
+    complete = complete_checkpoints(run_dir)
+    doomed = complete[:-keep_last]
+    if complete:
+        doomed += [p for p in sorted(root.glob("step_*")) if p < complete[-1] and p not in complete]
+    for old in doomed:
+        trash = old.with_name(f".del_{old.name}")
+        os.replace(old, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def check_pickles(path: Path) -> None:
@@ -215,7 +231,7 @@ def checkpoint_recipe(path: Path) -> dict:
 
 def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
     """`save_pretrained` (config, safetensors, generation config) + tokenizer + `extra_files` ({name: text}) into
-    `out_dir`, atomically. Call on every process: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
+    `out_dir`, atomically; a model without `save_pretrained` writes its state dict as `model.safetensors`. Call on every process: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
@@ -223,7 +239,15 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-            unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
+            if hasattr(unwrapped, "save_pretrained"):
+                unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
+            else:  # a plain nn.Module of a task of your own: its weights (load_state_dict(load_file(...)))
+                from safetensors.torch import save_file
+
+                tmp.mkdir(parents=True)
+                # clone: safetensors refuses tensors sharing storage (tied weights are stored twice)
+                save_file({k: v.detach().cpu().clone().contiguous() for k, v in state_dict.items()},
+                          tmp / "model.safetensors")
             if tokenizer is not None:  # array data has none
                 tokenizer.save_pretrained(tmp)
             for name, text in (extra_files or {}).items():

@@ -165,12 +165,13 @@ EVAL_METRICS = ("loss", "ppl", "bits_per_byte", "bits_per_char", "accuracy", "ms
 accuracy; regressors loss (= mse), mse, mae. `ema_<metric>` too when `train.ema` is set."""
 
 
-def _check_metric(metric: str) -> str:
+def _check_metric(metric: str, builtin: bool = True) -> None:
+    """Built-in tasks report EVAL_METRICS (and ema_ ones); a task of your own names its metrics itself (checked
+    against its `metric_names` when the task is loaded)."""
     allowed = [*EVAL_METRICS, *(f"ema_{m}" for m in EVAL_METRICS)]
-    if metric not in allowed:
+    if builtin and metric not in allowed:
         raise ValueError(f"unknown eval metric {metric!r}{_did_you_mean(metric, allowed)}; "
                          f"allowed: {', '.join(allowed)}")
-    return metric
 
 
 class EMACfg(_Section):
@@ -191,11 +192,6 @@ class EarlyStoppingCfg(_Section):
     min_delta: float = Field(0.0, ge=0)
     divergence_threshold: float | None = None
     """Stop at once when the metric is worse than this (above it for `min`, below for `max`) or not finite."""
-
-    @field_validator("metric")
-    @classmethod
-    def _known_metric(cls, metric):
-        return _check_metric(metric)
 
 
 class StateCfg(_Section):
@@ -254,11 +250,6 @@ class CheckpointCfg(_Section):
     best_metric: str = "loss"
     """Eval metric ranking the best models (see EVAL_METRICS)."""
     best_mode: Literal["min", "max"] = "min"
-
-    @field_validator("best_metric")
-    @classmethod
-    def _known_metric(cls, metric):
-        return _check_metric(metric)
 
 
 class CallbackCfg(_Section):
@@ -324,6 +315,32 @@ class HubCfg(_Section):
         return self
 
 
+BUILTIN_TASK_NAMES = ("causal_lm", "classification")
+
+
+class TaskCfg(_Section):
+    target: str | None = None
+    """What the run trains (s4accel/tasks.py): `causal_lm` or `classification` (the built-ins), or your own
+    `s4accel.tasks.Task` subclass as `package.module:Class` or `path/to/file.py:Class`. `null`: `causal_lm` for text
+    data, `classification` for array data."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the task's constructor."""
+
+    @field_validator("target")
+    @classmethod
+    def _name_or_import_path(cls, target):
+        if target is None or target in BUILTIN_TASK_NAMES:
+            return target
+        if not re.fullmatch(r"[^:\s]+:[A-Za-z_][\w.]*", target):
+            raise ValueError(f"expected {' or '.join(BUILTIN_TASK_NAMES)}, 'package.module:Class' or "
+                             f"'path/file.py:Class', got {target!r}{_did_you_mean(target, BUILTIN_TASK_NAMES)}")
+        return target
+
+    @property
+    def builtin(self) -> bool:
+        return self.target is None or self.target in BUILTIN_TASK_NAMES
+
+
 class SampleCfg(_Section):
     prompts: list[str] = Field(default_factory=list)
     """Prompts completed with `generate()` by the final model; written to `<run_dir>/samples.txt`."""
@@ -345,6 +362,7 @@ class Recipe(_Section):
     log: LogCfg = Field(default_factory=LogCfg)
     sample: SampleCfg = Field(default_factory=SampleCfg)
     hub: HubCfg = Field(default_factory=HubCfg)
+    task: TaskCfg = Field(default_factory=TaskCfg)
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
 
@@ -363,11 +381,24 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
-    def _ema_metrics_need_ema(self):
+    def _builtin_task_fits_data(self):
+        kind = "text" if self.data.is_text else "array"
+        wanted = {"causal_lm": "text", "classification": "array"}.get(self.task.target, kind)
+        if wanted != kind:
+            raise ValueError(f"task.target: {self.task.target!r} trains on {wanted} data, but data.source "
+                             f"{self.data.source!r} is {kind} data")
+        return self
+
+    @model_validator(mode="after")
+    def _known_metrics(self):
         used = {"checkpoint.best_metric": self.checkpoint.best_metric}
         if self.train.early_stopping is not None:
             used["train.early_stopping.metric"] = self.train.early_stopping.metric
         for key, metric in used.items():
+            try:
+                _check_metric(metric, builtin=self.task.builtin)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
             if metric.startswith("ema_") and self.train.ema is None:
                 raise ValueError(f"{key}: {metric!r} needs train.ema (the EMA weights are evaluated only then)")
         return self
@@ -492,7 +523,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
 RESUME_NEUTRAL = ("run.", "log.", "sample.", "checkpoint.", "callbacks", "train.eval_every", "train.eval_max_batches",
-                  "data.num_workers", "data.cache_dir", "data.eval_batch_size")
+                  "data.num_workers", "data.cache_dir", "data.eval_batch_size", "hub.")
 
 
 def training_fields(recipe_dict: dict) -> dict:

@@ -52,7 +52,7 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
 
     from .data import build_data, build_dataloaders
     from .optim import build_optimizer
-    from .trainer import build_model
+    from .tasks import build_model
 
     accelerator = Accelerator(cpu=not torch.accelerator.is_available(),
                               mixed_precision=recipe.train.mixed_precision)
@@ -146,7 +146,7 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
 
     from .data import build_data, collate_fn
     from .optim import build_optimizer
-    from .trainer import build_model
+    from .tasks import build_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = build_data(recipe.data, tokenizer_dir=None)

@@ -83,25 +83,25 @@ def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, tempe
 
 
 def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final") -> dict:
-    """The recipe's evaluation split and metrics (the loop's own, gathered across processes) on a saved model."""
+    """The recipe's evaluation split and metrics (its built-in task's, gathered across processes) on a saved model."""
     from accelerate import Accelerator
 
-    from .data import build_data, build_dataloaders, data_spec, token_byte_and_char_counts
-    from .trainer import evaluate, evaluate_classifier
+    from .data import data_spec
+    from .tasks import load_task
+    from .trainer import evaluate
 
-    model, tokenizer, model_dir = load_model(ref, which)
+    if not recipe.task.builtin:
+        raise ModelError(f"s4accel eval runs the built-in tasks; {recipe.task.target} is not one")
+    model, _, model_dir = load_model(ref, which)
     if recipe.data.is_text and recipe.data.tokenizer == "bpe" and not (model_dir / "tokenizer.json").is_file():
         raise ModelError(f"{model_dir}: the recipe uses a BPE tokenizer but the model has none saved")
-    data = build_data(recipe.data, tokenizer_dir=model_dir if recipe.data.is_text else None)
-    for key, value in data_spec(recipe.data, data).items():
+    task = load_task(recipe, **({"tokenizer_dir": model_dir} if recipe.data.is_text else {}))
+    task.accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    data = task.task_data = task.build_data()
+    for key, value in data_spec(recipe.data, task.data).items():
         if key in ("vocab_size", "d_input", "num_labels") and getattr(model.config, key, None) != value:
             raise ModelError(f"{model_dir}: the model has {key}={getattr(model.config, key, None)} but the recipe's "
                              f"data gives {value}: not the data this model was trained on")
-    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
-    _, val_dl = build_dataloaders(recipe.data, data, recipe.run.seed, recipe.train.eval_max_batches,
-                                  accelerator.num_processes)
-    model, val_dl = accelerator.prepare(model, val_dl)
-    if recipe.data.is_text:
-        token_bytes, token_chars = (t.to(accelerator.device) for t in token_byte_and_char_counts(data.tokenizer))
-        return evaluate(accelerator, model, val_dl, token_bytes, token_chars)
-    return evaluate_classifier(accelerator, model, val_dl)
+    _, val_dl = task.dataloaders(data)
+    model, val_dl = task.accelerator.prepare(model, val_dl)
+    return evaluate(task.accelerator, task, model, val_dl)

@@ -1,8 +1,8 @@
-"""`train(recipe)`: one Accelerator loop for causal language models.
+"""`train(recipe)`: one Accelerator loop for any task (s4accel/tasks.py).
 
-The model is known only through the transformers interface: `model(input_ids, labels, num_items_in_batch)` returns
-`.loss` (and `.logits`), `generate()` samples, `save_pretrained` exports. Traps this loop avoids are numbered as in
-shared NOTES.md (N1 = item 1, ...).
+The task builds data, model and optimizers and says what a training step and a validation batch compute; the built-in
+tasks know their models only through the transformers interface (`loss`, `aux_loss`, `logits`, `generate()`,
+`save_pretrained`). Traps this loop avoids are numbered as in shared NOTES.md (N1 = item 1, ...).
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, improved, load_callback
-from .checkpoint import (TrainState, check_pickles, checkpoint_recipe, checkpoint_step, export_pretrained,
-                         locate_checkpoint, prepare_run_dir, save_checkpoint, write_atomic)
-from .config import Recipe, build_model_config, flatten, load_recipe, recipe_diff, training_fields
-from .data import auto_model_class, build_dataloaders, build_data, data_spec, token_byte_and_char_counts
-from .errors import NonFiniteError, ResumeError
-from .optim import build_optimizer, build_scheduler
+from .checkpoint import (TrainState, check_pickles, checkpoint_recipe, checkpoint_step, locate_checkpoint,
+                         prepare_run_dir, save_checkpoint, write_atomic)
+from .config import Recipe, flatten, load_recipe, recipe_diff, training_fields
+from .errors import NonFiniteError, RecipeError, ResumeError
 from .preemption import StopSignals
-from .stateful import CarriedState, stream_loader
+from .tasks import Task, TrainOptimizer, count_items, load_task
 from .tracking import build_trackers
 
 
@@ -69,6 +67,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     cfg, run_dir, recipe_yaml = recipe.train, recipe.run.dir, recipe.to_yaml()
+    task = load_task(recipe)  # imported and constructed first: its errors are recipe errors, before any compute
     # 0. What to resume, and whether the recipe still matches it: decided before anything is built.
     ckpt, notes = locate_checkpoint(run_dir, resume) if resume else (None, [])
     if ckpt is not None and not force and (diff := recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())):
@@ -99,52 +98,39 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)  # user callbacks are imported here: their errors come before any compute
 
-    # 1. Data, model, optimizer. The main process tokenises (and trains a BPE) first; the others read its cache.
+    # 1. Data, model, optimizers. The main process tokenises (and trains a BPE) first; the others read its cache.
+    task.accelerator, task.run_dir = accelerator, run_dir
     with accelerator.main_process_first():
-        data = build_data(recipe.data, tokenizer_dir=run_dir / "tokenizer")
-    model = build_model(recipe, data)
-    optimizer = build_optimizer(model, recipe.optim)
-    scheduler = build_scheduler(optimizer, recipe.scheduler, recipe.warmup_steps, cfg.max_steps)  # not prepared (N3)
-    train_dl, val_dl = build_dataloaders(recipe.data, data, recipe.run.seed, cfg.eval_max_batches,
-                                         accelerator.num_processes)
-    carried = None
-    if cfg.state.mode == "none":
-        model, optimizer, train_dl, val_dl = accelerator.prepare(model, optimizer, train_dl, val_dl)
-    else:  # fixed rows per process, in text order: not a sharded loader, which would interleave the rows (N14)
-        train_dl = stream_loader(data.train, recipe.data.batch_size, accelerator.num_processes,
-                                 accelerator.process_index, recipe.data.num_workers)
-        model, optimizer, val_dl = accelerator.prepare(model, optimizer, val_dl)
-        carried = CarriedState(cfg.state, accelerator)
+        data = task.task_data = task.build_data()
+    model = task.build_model()
+    optimizers = check_optimizers(task.build_optimizers(model), task)  # schedulers are not prepared (N3)
+    train_dl, val_dl = task.dataloaders(data)
+    model, optimizers, train_dl, val_dl = prepare(accelerator, task, model, optimizers, train_dl, val_dl)
+    task.optimizers = {o.name: o for o in optimizers}
+    optimizer, scheduler = optimizers[0].optimizer, optimizers[0].scheduler  # what callbacks see as run.optimizer
     state = TrainState(recipe_hash=recipe_hash(recipe))
-    # Registration order is the checkpoint format: scheduler, loop counters, the carried state of stateful training,
-    # then stateful callbacks in list order.
-    accelerator.register_for_checkpointing(scheduler, state, *([carried] if carried else []), *callbacks.stateful())
+    # Registration order is the checkpoint format: schedulers, loop counters, the task's own state (the carried
+    # state of stateful training), then stateful callbacks in list order.
+    accelerator.register_for_checkpointing(*(o.scheduler for o in optimizers), state, *task.stateful(),
+                                           *callbacks.stateful())
     if ckpt is not None:
         check_pickles(ckpt)  # nothing but tensors and plain data gets unpickled
         accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
     signals = StopSignals()
-    if recipe.data.is_text:
-        token_bytes, token_chars = (t.to(accelerator.device) for t in token_byte_and_char_counts(data.tokenizer))
 
-        def eval_fn(m):  # gathered metrics of any model copy; None if a stop signal interrupted it
-            return evaluate(accelerator, m, val_dl, token_bytes, token_chars,
-                            abort=lambda: signals.received is not None)
-    else:
-        def eval_fn(m):
-            return evaluate_classifier(accelerator, m, val_dl, abort=lambda: signals.received is not None)
-
-    def export_fn(m, out_dir, extra_files=None):
-        export_pretrained(accelerator, m, data.tokenizer, out_dir, extra_files)
+    def eval_fn(m):  # gathered metrics of any model copy; None if a stop signal interrupted it
+        return evaluate(accelerator, task, m, val_dl, abort=lambda: signals.received is not None)
 
     run = RunContext(accelerator, model, optimizer, scheduler, state, recipe, run_dir, data.tokenizer, eval_fn,
-                     export_fn)
+                     task.export, task=task, optimizers=optimizers)
     callbacks.on_train_start(run)
     accelerator.init_trackers(recipe.run.name, config={**{k: "null" if v is None else v for k, v in
                                                           flatten(recipe.to_dict()).items()}, "run_id": state.run_id})
-    accelerator.print(f"{recipe.run.name}: {count_params(model):,} parameters, {data.n_train_tokens:,} train / "
-                      f"{data.n_val_tokens:,} val {'tokens' if recipe.data.is_text else 'time steps'}, "
-                      f"{accelerator.num_processes} process(es) on "
+    n_train, n_val = (len(split) if n is None else n for split, n in ((data.train, data.n_train),
+                                                                      (data.val, data.n_val)))
+    accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train:,} "
+                      f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
                       f"{accelerator.device}, mixed precision {accelerator.mixed_precision}")
 
     # 2. The loop: one iteration per optimizer step.
@@ -164,31 +150,37 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     with signals, unfreeze_gc_after():
         while state.step < cfg.max_steps and stop_reason is None:
             window = [next(batches) for _ in range(cfg.grad_accum)]
-            scalars = backward_window(accelerator, model, window, carried)
-            # The window's last micro-batch synchronised the gradients: everything below happens once per step (N1).
-            grad_norm = clip_gradients(accelerator, params, cfg)
+            if task.automatic_optimization:
+                scalars = backward_window(accelerator, model, window, task, state.step)
+                # The window's last micro-batch synchronised the gradients: all below happens once per step (N1).
+                scalars["grad_norm"] = clip_gradients(accelerator, params, cfg)
+                nonfinite = ~torch.isfinite(scalars["loss"] + scalars.get("aux_loss", 0) + scalars["grad_norm"])
+            else:  # the task stepped its optimizers itself, on the window's last micro-batch
+                scalars = manual_window(accelerator, model, window, task, state.step)
+                nonfinite = torch.tensor(task.nonfinite_steps > 0)
             # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
-            objective = scalars["loss"] + scalars.get("aux_loss", 0)
-            flags = agree(accelerator, ~torch.isfinite(objective + grad_norm),  # NaN or inf in either
-                          signal=signals.received is not None, stop=run.stop_reason is not None, save=save_clock.due())
+            flags = agree(accelerator, nonfinite, signal=signals.received is not None,
+                          stop=run.stop_reason is not None, save=save_clock.due())
             if flags.nonfinite:
-                skip_nonfinite_step(accelerator, optimizer, state, recipe, recipe_yaml)
+                skip_nonfinite_step(accelerator, optimizers, state, recipe, recipe_yaml)
                 continue
-            optimizer_step(accelerator, optimizer, scheduler, state)
+            if task.automatic_optimization:
+                for o in optimizers:
+                    optimizer_step(accelerator, o.optimizer, o.scheduler, state)
+            state.consecutive_nonfinite = 0
             state.step += 1
-            state.tokens_seen += sum(steps_in(b) for b in window) * accelerator.num_processes
-            meter.add(**scalars, grad_norm=grad_norm)
+            state.tokens_seen += sum(task.count_units(b) for b in window) * accelerator.num_processes
+            meter.add(**scalars)
             bar.update(1)
             callbacks.on_step_end(run)
             if state.step % recipe.log.log_every == 0 or state.step == cfg.max_steps:
-                logs = meter.flush(scheduler, optimizer)  # the loop's only host sync besides agree() (N11)
+                logs = meter.flush(optimizers)  # the loop's only host sync besides agree() (N11)
                 accelerator.log(logs, step=state.step)
                 callbacks.on_log(run, logs)
-                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", refresh=False)
+                bar.set_postfix({k[6:]: f"{v:.3f}" for k, v in logs.items() if k.endswith("loss")}, refresh=False)
             if (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == cfg.max_steps:
                 eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
-                if carried is not None:
-                    carried.reset()  # the streams' state restarts after an evaluation
+                task.on_validation_end()
                 flags = flags.merge(agree(accelerator, None, signal=signals.received is not None,
                                           stop=run.stop_reason is not None))
             if flags.signal or flags.stop:  # every process takes this branch at the same step
@@ -210,8 +202,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 
     # 3. Export: config + safetensors + generation config + tokenizer, loadable by from_pretrained.
     result.final_dir = run_dir / "final"
-    export_pretrained(accelerator, model, data.tokenizer, result.final_dir)
-    result.samples = write_samples(accelerator, model, data.tokenizer, recipe, run_dir)
+    task.export(model, result.final_dir)
+    task.on_train_end(model)  # the language model writes its samples
+    result.samples = getattr(task, "samples", [])
     callbacks.on_train_end(run)  # writes final_ema/ and the like before a push reads them
     accelerator.end_training()
     if recipe.hub.push_at_end and accelerator.is_main_process:  # everything is saved: a failed push loses nothing
@@ -273,10 +266,11 @@ def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False,
     return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
 
 
-def skip_nonfinite_step(accelerator, optimizer, state, recipe, recipe_yaml) -> None:
+def skip_nonfinite_step(accelerator, optimizers: list[TrainOptimizer], state, recipe, recipe_yaml) -> None:
     """Drop this step's update (the weights stay the last good ones), count it, and stop by policy."""
     cfg = recipe.train
-    optimizer.zero_grad(set_to_none=True)
+    for o in optimizers:
+        o.optimizer.zero_grad(set_to_none=True)
     state.nonfinite_skips += 1
     state.consecutive_nonfinite += 1
     accelerator.print(f"warning: non-finite loss or gradient norm at step {state.step + 1}; update skipped "
@@ -318,11 +312,37 @@ class Clock:
         return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
-def build_model(recipe: Recipe, data):
-    """A freshly initialised model from the registry size + overrides, fitted to the data: a causal LM sized to the
-    tokenizer (text), or a sequence classifier/regressor sized to the features and labels (arrays)."""
-    config = build_model_config(recipe.model, **data_spec(recipe.data, data))
-    return auto_model_class(recipe.data).from_config(config)
+def check_optimizers(optimizers, task: Task) -> list[TrainOptimizer]:
+    optimizers = list(optimizers)
+    names = [o.name for o in optimizers if isinstance(o, TrainOptimizer)]
+    if not optimizers or len(names) != len(optimizers) or len(set(names)) != len(names):
+        raise RecipeError(f"{type(task).__name__}.build_optimizers must return a non-empty list of "
+                          f"s4accel.tasks.TrainOptimizer with distinct names")
+    return optimizers
+
+
+def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], train_dl, val_dl):
+    """Everything through `accelerator.prepare` in one call (DeepSpeed and FSDP need model and optimizers together),
+    except: a stream loader of stateful training (fixed rows per process in text order; a sharded loader would
+    interleave them, N14), and under manual optimisation the DDP wrapper (`Task.step` averages gradients itself)."""
+    from accelerate.utils import DistributedType
+
+    shard_train = task.prepare_train_loader
+    objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train else []), val_dl]
+    if task.automatic_optimization:
+        model, *objs = accelerator.prepare(model, *objs)
+    else:
+        if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                DistributedType.MULTI_GPU):
+            raise RecipeError(f"{type(task).__name__} uses manual optimisation, which supports one process or DDP, "
+                              f"not {accelerator.distributed_type.value}")
+        model = accelerator.prepare_model(model, evaluation_mode=True)  # placed and autocast, not wrapped in DDP
+        objs = list(accelerator.prepare(*objs))
+    optimizers = [TrainOptimizer(o.name, prepared, o.scheduler) for o, prepared in zip(optimizers, objs)]
+    objs = objs[len(optimizers):]
+    if shard_train:
+        train_dl = objs.pop(0)
+    return model, optimizers, train_dl, objs[0]
 
 
 def count_params(model) -> int:
@@ -349,46 +369,62 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         state.batch_in_epoch = 0
 
 
-def backward_window(accelerator, model, window: list[dict], carried: CarriedState | None = None) -> dict:
-    """Forward and backward over the micro-batches of one optimizer step; returns this rank's share of the window's
-    training scalars (`loss`, and for mixture-of-experts models `aux_loss`, `expert_counts`, `dropped_counts`).
+def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0) -> dict:
+    """Forward and backward over the micro-batches of one optimizer step (automatic optimisation); returns this rank's
+    share of the window's training scalars (`loss`, and for mixture-of-experts models `aux_loss`, `expert_counts`,
+    `dropped_counts`). Without a task, `model(**batch)` is the step.
 
-    Token-normalised (N4): every micro-batch's loss is its summed token loss divided by the number of real target
-    tokens in the whole window on all ranks, so ragged micro-batches weigh by their tokens. Multiplying by
+    Item-normalised (N4): the task's loss is its micro-batch's mean over `count_items(batch)` (real target tokens for
+    a language model); weighting it by that count over the count of the whole window on all ranks makes the window's
+    gradient that of the mean over all its items, so ragged micro-batches weigh by their items. Multiplying by
     grad_accum x num_processes cancels backward's 1/grad_accum (N2) and DDP's mean over ranks. One collective.
-    A model's `aux_loss` (router losses, included in its `loss`) is its own micro-batch's mean, so it is taken out
-    of that scaling: backward's 1/grad_accum and DDP's mean make it the mean over the window's micro-batches.
-    With `carried` (stateful training), each micro-batch starts from the state the previous chunk left.
+    An `aux_loss` (router losses, included in the model's `loss`) is its own micro-batch's mean, so it is taken out
+    of that weighting: backward's 1/grad_accum and DDP's mean make it the mean over the window's micro-batches.
     """
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
-    n_items = None  # one micro-batch on one process: the model's own mean over real tokens is that already
+    count = task.count_items if task is not None else count_items
+    counts, n_items = None, None  # one micro-batch on one process: the task's own mean is the window's mean
     if ga > 1 or n_proc > 1:
-        n_items = sum(count_items(b) for b in window)
+        counts = [count(b) for b in window]
+        n_items = sum(counts)
         if n_proc > 1:
             n_items = accelerator.gather(n_items.reshape(1)).sum()
     totals: dict[str, torch.Tensor] = {}
-    for batch in window:
+    for i, batch in enumerate(window):
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
-            if carried is None:
-                out = model(**batch, num_items_in_batch=n_items)
-            else:
-                out = carried.forward(model, batch, num_items_in_batch=n_items)
-            aux = getattr(out, "aux_loss", None)
-            task = out.loss - aux if aux is not None else out.loss
-            objective = task * (ga * n_proc) if n_items is not None else task
+            out = task.training_step(model, batch, step) if task is not None else model(**batch)
+            loss, aux = (out, None) if isinstance(out, torch.Tensor) else (out["loss"], out.get("aux_loss"))
+            mean = loss - aux if aux is not None else loss
+            share = mean * (counts[i] / n_items) if n_items is not None else mean  # of the window's mean
+            objective = share * (ga * n_proc)
             accelerator.backward(objective + aux if aux is not None else objective)
-        parts = {"loss": task.detach()}
+        parts = {"loss": share.detach()}
         if aux is not None:
             for key in ("aux_loss", "balance_loss", "z_loss"):  # summed over the window and ranks: the mean
-                if getattr(out, key, None) is not None:
+                if out.get(key) is not None:
                     parts[key] = out[key].detach() / (ga * n_proc)
             for key in ("expert_counts", "dropped_counts"):
-                if getattr(out, key, None) is not None:
+                if out.get(key) is not None:
                     parts[key] = out[key]
         for k, v in parts.items():
             totals[k] = totals[k] + v if k in totals else v
     return totals
+
+
+def manual_window(accelerator, model, window: list[dict], task: Task, step: int) -> dict:
+    """Manual optimisation: the task's `training_step` runs on each micro-batch (its `step()` calls act on the last);
+    returns this rank's share of the mean of the scalars it returned, and the gradient norms of its steps."""
+    ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    task.window_scalars, task.nonfinite_steps = {}, 0
+    totals: dict[str, torch.Tensor] = {}
+    for batch in window:
+        with accelerator.accumulate(model):  # sets sync_gradients on the window's last micro-batch
+            out = task.training_step(model, batch, step) or {}
+        for k, v in out.items():
+            v = torch.as_tensor(v).detach().float() / (ga * n_proc)
+            totals[k] = totals[k] + v if k in totals else v
+    return {**totals, **task.window_scalars}
 
 
 def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None:
@@ -401,21 +437,6 @@ def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None
         scheduler.step()
     state.consecutive_nonfinite = 0
     optimizer.zero_grad(set_to_none=True)
-
-
-def count_items(batch) -> torch.Tensor:
-    """What the loss averages over: real target tokens of a language-model batch (labels are shifted inside the
-    model, so position 0 is never a target), or sequences of a classification batch (one label each)."""
-    labels = batch["labels"]
-    if labels.dim() == 1:
-        return torch.tensor(labels.shape[0], device=labels.device)
-    return (labels[:, 1:] != -100).sum()
-
-
-def steps_in(batch) -> int:
-    """Time steps a batch holds (tokens for text), for tokens/s."""
-    x = batch["input_ids"] if "input_ids" in batch else batch["input_values"]
-    return x.shape[0] * x.shape[1]
 
 
 def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
@@ -444,14 +465,15 @@ class Meter:
             v = v.detach() if k in ("expert_counts", "dropped_counts") else v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
 
-    def flush(self, scheduler, optimizer) -> dict:
+    def flush(self, optimizers: list[TrainOptimizer]) -> dict:
         state = self.state
         steps = state.step - self.steps_at_last
-        loss = self.accelerator.reduce(self.sums.pop("loss"), reduction="sum")  # each rank holds its share
-        logs = {"train/loss": loss.item() / steps, "train/grad_norm": self.sums.pop("grad_norm").item() / steps}
-        for key in ("aux_loss", "balance_loss", "z_loss"):  # router losses, mean per step over processes
-            if key in self.sums:
-                logs[f"train/{key}"] = self.accelerator.reduce(self.sums.pop(key), reduction="sum").item() / steps
+        logs = {}
+        for key in [k for k in self.sums if k not in ("expert_counts", "dropped_counts")]:
+            value = self.sums.pop(key)
+            if not key.startswith("grad_norm"):  # each rank holds its share of the mean; norms are the same on all
+                value = self.accelerator.reduce(value, reduction="sum")
+            logs[f"train/{key}"] = value.item() / steps
         if "expert_counts" in self.sums:  # (n_moe, E) routed pairs, summed over the interval and every process
             counts = self.accelerator.reduce(self.sums.pop("expert_counts"), reduction="sum")
             dropped = self.accelerator.reduce(self.sums.pop("dropped_counts"), reduction="sum")
@@ -464,8 +486,10 @@ class Meter:
         logs["train/epoch"] = state.epoch
         logs["train/nonfinite_skips"] = state.nonfinite_skips
         logs["train/scaler_skips"] = state.scaler_skips
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            logs[f"train/lr_{group.get('name', len(logs))}"] = lr
+        for o in optimizers:
+            prefix = "" if len(optimizers) == 1 else f"{o.name}_"
+            for i, (group, lr) in enumerate(zip(o.optimizer.param_groups, o.scheduler.get_last_lr())):
+                logs[f"train/lr_{prefix}{group.get('name', i)}"] = lr
         self.sums.clear()
         self.steps_at_last, self.time_at_last, self.tokens_at_last = state.step, now, state.tokens_seen
         return logs
@@ -511,10 +535,11 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -> list[float] | None:
-    """Sum `per_sample(model, batch) -> (B, k)` over the whole evaluation split on all processes (N5): the rows go
-    through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns None when `abort()` (a
-    stop signal) becomes true on any process, checked before each batch.
+def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -> tuple[dict, int] | None:
+    """Sum `per_sample(model, batch) -> {name: (B,) or (B, k)}` over the whole evaluation split on all processes (N5):
+    the rows go through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns the sums
+    (floats, or lists for (B, k) values) and the number of samples; None when `abort()` (a stop signal) becomes true on
+    any process, checked before each batch.
 
     The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
     how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
@@ -522,63 +547,34 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -
     with torch.random.fork_rng(devices=devices):
         was_training = model.training
         model.eval()
-        totals = None
+        totals, widths = None, None
         try:
             for batch in val_dl:
                 if agree(accelerator, None, signal=abort()).signal:
                     return None
                 with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets it too
-                    rows = accelerator.gather_for_metrics(per_sample(model, batch).double()).sum(0)
+                    values = per_sample(model, batch)
+                    cols = [v.reshape(v.shape[0], -1).double() for v in values.values()]
+                    cols.append(torch.ones_like(cols[0][:, :1]))  # counts the samples
+                    rows = accelerator.gather_for_metrics(torch.cat(cols, dim=1)).sum(0)
+                widths = widths or {k: c.shape[1] for k, c in zip(values, cols)}
                 totals = rows if totals is None else totals + rows
         finally:
             model.train(was_training)
-    return totals.tolist()
+    if totals is None:
+        raise ValueError("the validation loader yielded no batch")
+    parts = totals.tolist()
+    sums, i = {}, 0
+    for key, width in widths.items():
+        sums[key] = parts[i] if width == 1 and values[key].dim() == 1 else parts[i : i + width]
+        i += width
+    return sums, int(parts[-1])
 
 
-def evaluate(accelerator, model, val_dl, token_bytes, token_chars, abort=lambda: False) -> dict | None:
-    """Language model: loss (nats/token), perplexity, bits per byte and per character over every target token."""
-
-    def per_sample(model, batch):
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
-        targets = batch["labels"][:, 1:]  # (B, L-1)
-        mask = targets != -100
-        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
-                                                ignore_index=-100)
-        safe = targets.clamp(min=0)
-        return torch.stack([nll.sum(1), mask.sum(1), (token_bytes[safe] * mask).sum(1),
-                            (token_chars[safe] * mask).sum(1)], dim=1)  # (B, 4)
-
-    sums = gathered_sums(accelerator, model, val_dl, per_sample, abort)
-    if sums is None:
-        return None
-    nll, n_tokens, n_bytes, n_chars = sums
-    loss = nll / max(n_tokens, 1)
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1),
-            "bits_per_char": nll / math.log(2) / max(n_chars, 1)}
-
-
-def evaluate_classifier(accelerator, model, val_dl, abort=lambda: False) -> dict | None:
-    """Sequence classifier: loss and accuracy; regressor: loss (= mse), mse, mae; over every test sequence."""
-    regression = accelerator.unwrap_model(model).config.problem_type == "regression"
-
-    def per_sample(model, batch):
-        logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
-        labels = batch["labels"]
-        if regression:
-            err = logits[:, 0] - labels.float()
-            return torch.stack([err**2, err.abs(), torch.ones_like(err)], dim=1)
-        nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-        hit = (logits.argmax(-1) == labels).float()
-        return torch.stack([nll, hit, torch.ones_like(nll)], dim=1)
-
-    sums = gathered_sums(accelerator, model, val_dl, per_sample, abort)
-    if sums is None:
-        return None
-    if regression:
-        sq, ab, n = sums
-        return {"loss": sq / max(n, 1), "mse": sq / max(n, 1), "mae": ab / max(n, 1)}
-    nll, hits, n = sums
-    return {"loss": nll / max(n, 1), "accuracy": hits / max(n, 1)}
+def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False) -> dict | None:
+    """The task's metrics over the whole validation split, gathered over processes (None if a stop cut it short)."""
+    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort)
+    return None if out is None else task.compute_metrics(*out)
 
 
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:

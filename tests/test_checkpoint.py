@@ -78,6 +78,18 @@ def test_save_rotates_to_keep_last_and_never_rewrites_a_complete_checkpoint(tmp_
     assert (tmp_path / "checkpoints" / "step_00000003" / COMPLETE).stat().st_mtime_ns == before
 
 
+def test_a_deletion_cut_short_by_a_kill_is_finished_at_the_next_save(tmp_path):
+    """A kill while an old checkpoint was being deleted left it half there (found by the random-SIGKILL test); the
+    next save removes it, and a kill during a deletion now leaves only a `.del_*` directory, also removed later."""
+    acc = FakeAccelerator()
+    for step in (1, 2):
+        save_checkpoint(acc, tmp_path, step, keep_last=2, recipe_yaml="")
+    (tmp_path / "checkpoints" / "step_00000001" / "model.safetensors").unlink()  # rmtree interrupted
+    (tmp_path / "checkpoints" / ".del_step_00000000").mkdir()  # a rename done, its rmtree interrupted
+    save_checkpoint(acc, tmp_path, 3, keep_last=2, recipe_yaml="")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+
+
 def test_disk_full_during_a_save_keeps_the_last_good_checkpoint_and_says_so(tmp_path):
     save_checkpoint(FakeAccelerator(), tmp_path, 4, keep_last=2, recipe_yaml="")
     with pytest.raises(CheckpointError) as info:

@@ -125,19 +125,23 @@ def test_evaluation_leaves_the_training_rng_untouched():
     dropout uses, or how often a run evaluates would change its training, and a resumed run would drift."""
     from torch.utils.data import DataLoader
 
+    from s4accel.config import Recipe
     from s4accel.data import collate_lm
+    from s4accel.tasks import CausalLMTask
     from s4accel.trainer import evaluate
 
     accelerator = _fresh_accelerator(1)
+    task = CausalLMTask(Recipe())
+    task.accelerator = accelerator
     model = accelerator.prepare(S4ForCausalLM(S4Config(d_model=16, n_layer=1, d_state=8, vocab_size=40)))
     val = accelerator.prepare(DataLoader([{"input_ids": torch.randint(3, 40, (12,))} for _ in range(6)],
                                          batch_size=2, collate_fn=collate_lm))
-    counts = torch.ones(40, dtype=torch.long)
+    task.token_bytes = task.token_chars = torch.ones(40, dtype=torch.long)
     before = torch.get_rng_state()
-    metrics = evaluate(accelerator, model, val, counts, counts)
+    metrics = evaluate(accelerator, task, model, val)
     assert torch.equal(torch.get_rng_state(), before)
     assert metrics["loss"] > 0 and metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2))
-    assert evaluate(accelerator, model, val, counts, counts, abort=lambda: True) is None  # a stop signal cuts it short
+    assert evaluate(accelerator, task, model, val, abort=lambda: True) is None  # a stop signal cuts it short
     assert torch.equal(torch.get_rng_state(), before)
 
 

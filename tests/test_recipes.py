@@ -23,3 +23,15 @@ def test_recipe_loads_and_builds_its_model_config(path):
         model = auto_model_class(recipe.data).from_config(config)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert recipe.train.max_steps >= 1
+
+
+EXAMPLES = sorted((RECIPES.parent / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_recipe_loads_and_imports_its_task(path, monkeypatch):
+    from s4accel.tasks import Task, load_task
+
+    monkeypatch.chdir(RECIPES.parent)  # the examples name their task files relative to the repository root
+    task = load_task(load_recipe(path))
+    assert isinstance(task, Task) and type(task).__module__.startswith("s4accel_task_")

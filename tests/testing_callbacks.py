@@ -110,3 +110,20 @@ class FlakyTracker:
 
     def finish(self):
         pass
+
+
+class SameWeightsOnAllRanks(Callback):
+    """At the end of training, gathers every process's parameter checksum and writes them to `path` (main process):
+    a loop that forgot to average some gradients leaves the ranks' weights apart."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_train_end(self, run):
+        import torch
+
+        model = run.accelerator.unwrap_model(run.model)
+        flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+        sums = run.accelerator.gather(torch.stack([flat.sum(), flat.abs().sum()]).reshape(1, 2)).tolist()
+        if run.accelerator.is_main_process:
+            self.path.write_text(json.dumps(sums))

@@ -1,0 +1,430 @@
+"""Tasks: what a run computes (data, model, optimizers, one training step, one validation batch), apart from the loop
+that runs it (s4accel/trainer.py: devices, precision, accumulation, clipping, non-finite checks, logging, gathered
+evaluation, checkpoints, export, callbacks).
+
+    from s4accel.tasks import Task, TaskData
+
+    class MyTask(Task):
+        def build_data(self):                      # map-style datasets (torch or `datasets`) and how to batch them
+            return TaskData(train, val, collate_fn)
+        def build_model(self):                     # any nn.Module; a PreTrainedModel exports with save_pretrained
+            return MyModel()
+        def training_step(self, model, batch, step):
+            return loss                            # the mean over count_items(batch) (default: the batch's rows)
+        def validation_step(self, model, batch):
+            return {"sq_err": (pred - y) ** 2}     # per-sample values (B,); compute_metrics turns sums into metrics
+
+A recipe picks a task with `task: {target: causal_lm | classification | package.module:Class | path/file.py:Class,
+args: {...}}`; `args` go to the constructor. Without a target, text data trains `causal_lm` and array data
+`classification`, the two built-in tasks below.
+
+Automatic optimisation (the default): the loop backpropagates the returned loss, weighted so that a window of
+micro-batches (grad_accum, all processes) averages over all its items (N4), clips, checks for NaN/inf on every process
+together, steps every optimizer and its schedule.
+
+Manual optimisation (`automatic_optimization = False`, e.g. a GAN's two optimizers taking turns): `training_step` calls
+`self.backward(loss, "name")` and `self.step("name")` and returns the scalars to log. `backward` puts gradients into
+that optimizer's parameters only, scaled for accumulation and fp16; `step` acts on a window's last micro-batch only:
+it averages the gradients across processes, clips them, skips the update if they are not finite, then steps the
+optimizer and its schedule. The model is not wrapped in DDP in this mode (several backward passes per step through one
+DDP wrapper do not work); `step` does the averaging instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import RecipeError
+
+
+@dataclass
+class TaskData:
+    train: Any
+    """Map-style training dataset: a `torch.utils.data.Dataset` or a `datasets.Dataset`."""
+    val: Any
+    """Map-style validation dataset (evaluated whole, gathered over processes)."""
+    collate_fn: Callable | None = None
+    """Examples -> a batch (a dict of tensors); None: torch's default collation."""
+    tokenizer: Any = None
+    """Saved with the model when set."""
+    unit: str = "samples"
+    """What `Task.count_units` counts, for the startup line (tokens, time steps, samples)."""
+    n_train: int | None = None
+    """Units in the training split (None: `len(train)`)."""
+    n_val: int | None = None
+
+
+@dataclass
+class TrainOptimizer:
+    """One optimizer, the schedule that steps with it, and its name (used by `Task.step` and in the logs)."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+class Task:
+    """Subclass and override `build_data`, `build_model`, `training_step`, `validation_step` (see the module docs)."""
+
+    automatic_optimization: bool = True
+    """False: `training_step` calls `self.backward` and `self.step` itself."""
+    prepare_train_loader: bool = True
+    """False: the loop does not shard the training loader across processes (the task feeds each process its own)."""
+    metric_names: tuple[str, ...] = ()
+    """Names `compute_metrics` returns; when given, recipe keys naming a metric (checkpoint.best_metric,
+    train.early_stopping.metric) are checked against them before training starts."""
+
+    def __init__(self, recipe, **args):
+        if args:
+            raise TypeError(f"unexpected argument(s) {', '.join(args)}")
+        self.recipe = recipe
+        self.accelerator = None  # set by the loop before build_data
+        self.run_dir: Path | None = None
+        self.optimizers: dict[str, TrainOptimizer] = {}  # filled by the loop after prepare()
+        self.window_scalars: dict[str, torch.Tensor] = {}  # manual optimisation: grad norms of this window's steps
+        self.nonfinite_steps = 0  # manual optimisation: updates skipped for NaN/inf gradients in this window
+
+    # ---- what a task defines -----------------------------------------------------------------------------------------
+
+    def build_data(self) -> TaskData:
+        raise NotImplementedError(f"{type(self).__name__}.build_data")
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError(f"{type(self).__name__}.build_model")
+
+    def build_optimizers(self, model: torch.nn.Module) -> list[TrainOptimizer]:
+        """Default: one AdamW over the recipe's parameter groups (`optim`), with the recipe's schedule."""
+        from .optim import build_optimizer
+
+        optimizer = build_optimizer(model, self.recipe.optim)
+        return [TrainOptimizer("main", optimizer, self.schedule(optimizer))]
+
+    def schedule(self, optimizer):
+        """The recipe's schedule (`scheduler`, warmup, `train.max_steps`) for an optimizer of your own."""
+        from .optim import build_scheduler
+
+        r = self.recipe
+        return build_scheduler(optimizer, r.scheduler, r.warmup_steps, r.train.max_steps)
+
+    def dataloaders(self, data: TaskData):
+        """(train, validation) loaders: shuffled full batches of `data.batch_size` with a seeded generator, and the
+        validation split in order, cut to `train.eval_max_batches` per process."""
+        from .data import build_dataloaders
+
+        r = self.recipe
+        from torch.utils.data import default_collate
+
+        return build_dataloaders(r.data, data, r.run.seed, r.train.eval_max_batches, self.accelerator.num_processes,
+                                 collate=data.collate_fn or default_collate)
+
+    def training_step(self, model, batch: dict, step: int):
+        """Automatic: the loss (a 0-d tensor, mean over `count_items(batch)`), or a model output / dict with `loss`
+        (and `aux_loss`, a term the loop averages over micro-batches instead of items). Manual: a dict of scalars."""
+        raise NotImplementedError(f"{type(self).__name__}.training_step")
+
+    def validation_step(self, model, batch: dict) -> dict[str, torch.Tensor]:
+        """Per-sample values, each (B,) or (B, k); the loop sums each over the validation split on all processes."""
+        raise NotImplementedError(f"{type(self).__name__}.validation_step")
+
+    def compute_metrics(self, sums: dict[str, Any], count: int) -> dict[str, float]:
+        """Metrics from the summed per-sample values and the number of samples. Default: each value's mean."""
+        return {k: (v / max(count, 1) if isinstance(v, float) else [x / max(count, 1) for x in v])
+                for k, v in sums.items()}
+
+    def count_items(self, batch: dict) -> torch.Tensor:
+        """What `training_step`'s loss averages over (default: the batch's rows), to weigh ragged micro-batches."""
+        return torch.tensor(_rows(batch), device=self.accelerator.device if self.accelerator else None)
+
+    def count_units(self, batch: dict) -> int:
+        """Units a batch holds, for the throughput log (`train/tokens_per_s`): rows by default."""
+        return _rows(batch)
+
+    def export(self, model, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
+        """Write the model as a loadable directory (call on every process)."""
+        from .checkpoint import export_pretrained
+
+        export_pretrained(self.accelerator, model, self.tokenizer, out_dir, extra_files)
+
+    def stateful(self) -> list:
+        """Objects with `state_dict`/`load_state_dict` the checkpoints must carry besides model and optimizers."""
+        return []
+
+    def on_validation_end(self) -> None: ...
+
+    def on_train_end(self, model) -> None:
+        """After the final export, on every process."""
+
+    @property
+    def tokenizer(self):
+        """The tokenizer of the data `build_data` returned (set by the loop as `task_data`), if any."""
+        data = getattr(self, "task_data", None)
+        return data.tokenizer if data is not None else None
+
+    # ---- helpers for manual optimisation ---------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, optimizer: str) -> None:
+        """Backpropagate `loss` into the gradients of `optimizer`'s parameters only (others stay as they are), scaled
+        by 1/grad_accum and by fp16's loss scale."""
+        self._require_manual("backward")
+        params = self._params(optimizer)
+        self.accelerator.backward(loss, inputs=params)
+
+    def step(self, optimizer: str) -> torch.Tensor | None:
+        """On the window's last micro-batch: average `optimizer`'s gradients over processes, clip them
+        (`train.clip_grad_norm`/`clip_grad_value`), then step it and its schedule, or skip the update when they are
+        not finite; clear them. Returns the gradient norm before clipping (None on the other micro-batches)."""
+        self._require_manual("step")
+        acc, spec = self.accelerator, self._spec(optimizer)
+        if not acc.sync_gradients:
+            return None
+        params = self._params(optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
+        if acc.num_processes > 1 and grads:  # one all-reduce for the lot
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = acc.reduce(flat, reduction="mean")
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+        if acc.scaler is not None:  # this optimizer's gradients only: the other one may not be stepped yet
+            acc.scaler.unscale_(spec.optimizer.optimizer)
+        cfg = self.recipe.train
+        if cfg.clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(params, cfg.clip_grad_value)
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
+        self.window_scalars[f"grad_norm_{optimizer}"] = norm.detach()
+        if torch.isfinite(norm):  # the same on every process: the gradients were averaged first
+            spec.optimizer.step()
+            if not acc.optimizer_step_was_skipped:
+                spec.scheduler.step()
+        else:
+            self.nonfinite_steps += 1
+        spec.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _spec(self, optimizer: str) -> TrainOptimizer:
+        if optimizer not in self.optimizers:
+            raise KeyError(f"no optimizer named {optimizer!r}; this task has {', '.join(self.optimizers)}")
+        return self.optimizers[optimizer]
+
+    def _params(self, optimizer: str) -> list[torch.nn.Parameter]:
+        return [p for g in self._spec(optimizer).optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def _require_manual(self, what: str) -> None:
+        if self.automatic_optimization:
+            raise RuntimeError(f"Task.{what} is for manual optimisation: set automatic_optimization = False")
+
+
+def _rows(batch: dict) -> int:
+    return next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The built-in tasks
+
+
+class CausalLMTask(Task):
+    """Next-token prediction on text (`data.source: shakespeare | files`) with an S4 or MoE causal LM. The loss is the
+    mean over real target tokens; stateful training (`train.state`) carries the recurrent state across chunks."""
+
+    metric_names = ("loss", "ppl", "bits_per_byte", "bits_per_char")
+
+    def __init__(self, recipe, tokenizer_dir: Path | None = None):
+        super().__init__(recipe)
+        self.tokenizer_dir = tokenizer_dir  # a trained BPE is saved here (or read from here when present)
+        self.carried = None
+
+    def build_data(self) -> TaskData:
+        from .data import build_data, collate_lm, token_byte_and_char_counts
+
+        tok_dir = self.tokenizer_dir or (self.run_dir / "tokenizer" if self.run_dir else None)
+        self.data = build_data(self.recipe.data, tokenizer_dir=tok_dir)
+        counts = token_byte_and_char_counts(self.data.tokenizer)
+        self.token_bytes, self.token_chars = (t.to(self.accelerator.device) for t in counts)
+        return TaskData(self.data.train, self.data.val, collate_lm, self.data.tokenizer, "tokens",
+                        self.data.n_train_tokens, self.data.n_val_tokens)
+
+    def build_model(self):
+        return build_model(self.recipe, self.data)
+
+    def dataloaders(self, data: TaskData):
+        train_dl, val_dl = super().dataloaders(data)
+        if self.recipe.train.state.mode != "none":  # fixed rows per process in text order, not a sharded loader (N14)
+            from .stateful import CarriedState, stream_loader
+
+            acc, d = self.accelerator, self.recipe.data
+            train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers)
+            self.prepare_train_loader = False
+            self.carried = CarriedState(self.recipe.train.state, acc)
+        return train_dl, val_dl
+
+    def training_step(self, model, batch, step):
+        return model(**batch) if self.carried is None else self.carried.forward(model, batch)
+
+    def count_items(self, batch):
+        return count_items(batch)
+
+    def count_units(self, batch):
+        return batch["input_ids"].numel()
+
+    def validation_step(self, model, batch):
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
+        targets = batch["labels"][:, 1:]  # (B, L-1)
+        mask = targets != -100
+        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
+                                                ignore_index=-100)
+        safe = targets.clamp(min=0)
+        return {"nll": nll.sum(1), "tokens": mask.sum(1), "bytes": (self.token_bytes[safe] * mask).sum(1),
+                "chars": (self.token_chars[safe] * mask).sum(1)}
+
+    def compute_metrics(self, sums, count):
+        nll = sums["nll"]
+        loss = nll / max(sums["tokens"], 1)
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
+                "bits_per_byte": nll / math.log(2) / max(sums["bytes"], 1),
+                "bits_per_char": nll / math.log(2) / max(sums["chars"], 1)}
+
+    def stateful(self):
+        return [self.carried] if self.carried is not None else []
+
+    def on_validation_end(self):
+        if self.carried is not None:
+            self.carried.reset()  # the streams' state restarts after an evaluation
+
+    def on_train_end(self, model):
+        from .trainer import write_samples
+
+        self.samples = write_samples(self.accelerator, model, self.data.tokenizer, self.recipe, self.run_dir)
+
+
+class SequenceClassificationTask(Task):
+    """One label per sequence (`data.source: digits | ucr | arrays`): cross-entropy and accuracy, or for regression
+    (`data.task: regression`) the mean squared error, with mse and mae."""
+
+    metric_names = ("loss", "accuracy", "mse", "mae")
+
+    def build_data(self) -> TaskData:
+        from .arrays import build_array_data, collate_arrays
+
+        self.data = build_array_data(self.recipe.data)
+        return TaskData(self.data.train, self.data.val, collate_arrays, None, "time steps",
+                        self.data.n_train_tokens, self.data.n_val_tokens)
+
+    def build_model(self):
+        return build_model(self.recipe, self.data)
+
+    def training_step(self, model, batch, step):
+        return model(**batch)
+
+    def count_units(self, batch):
+        return batch["input_values"].shape[0] * batch["input_values"].shape[1]
+
+    def validation_step(self, model, batch):
+        logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
+        labels = batch["labels"]
+        if self.accelerator.unwrap_model(model).config.problem_type == "regression":
+            err = logits[:, 0] - labels.float()
+            return {"sq_err": err**2, "abs_err": err.abs()}
+        return {"nll": torch.nn.functional.cross_entropy(logits, labels, reduction="none"),
+                "hit": (logits.argmax(-1) == labels).float()}
+
+    def compute_metrics(self, sums, count):
+        n = max(count, 1)
+        if "sq_err" in sums:
+            return {"loss": sums["sq_err"] / n, "mse": sums["sq_err"] / n, "mae": sums["abs_err"] / n}
+        return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n}
+
+
+BUILTIN_TASKS = {"causal_lm": CausalLMTask, "classification": SequenceClassificationTask}
+
+
+def build_model(recipe, data):
+    """A freshly initialised model from the registry size + overrides, fitted to the data: a causal LM sized to the
+    tokenizer (text), or a sequence classifier/regressor sized to the features and labels (arrays)."""
+    from .config import build_model_config
+    from .data import auto_model_class, data_spec
+
+    config = build_model_config(recipe.model, **data_spec(recipe.data, data))
+    return auto_model_class(recipe.data).from_config(config)
+
+
+def count_items(batch) -> torch.Tensor:
+    """What the built-in losses average over: real target tokens of a language-model batch (labels are shifted inside
+    the model, so position 0 is never a target), or sequences of a classification batch (one label each)."""
+    labels = batch["labels"]
+    if labels.dim() == 1:
+        return torch.tensor(labels.shape[0], device=labels.device)
+    return (labels[:, 1:] != -100).sum()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Choosing a task
+
+
+def task_class(recipe) -> type[Task]:
+    """The recipe's task class: a built-in by name, `package.module:Class`, or `path/to/file.py:Class`; without a
+    target, chosen by the data (text -> causal_lm, arrays -> classification). Errors name `task.target`."""
+    target = recipe.task.target or ("causal_lm" if recipe.data.is_text else "classification")
+    if target in BUILTIN_TASKS:
+        return BUILTIN_TASKS[target]
+    module_name, _, attr = target.partition(":")
+    try:
+        if module_name.endswith(".py"):
+            module = _module_from_file(Path(module_name))
+        else:
+            module = importlib.import_module(module_name)
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as e:
+        raise RecipeError(f"task.target: cannot import {target!r} ({type(e).__name__}: {e})") from None
+    if not (inspect.isclass(obj) and issubclass(obj, Task)):
+        raise RecipeError(f"task.target: {target} is not a task (subclass s4accel.tasks.Task)")
+    return obj
+
+
+def load_task(recipe, **extra) -> Task:
+    """Import and construct the recipe's task with `task.args` (built before any compute: errors are recipe errors).
+    Metric names the recipe uses are checked against the task's `metric_names`."""
+    cls = task_class(recipe)
+    try:
+        task = cls(recipe, **recipe.task.args, **extra)
+    except TypeError as e:
+        raise RecipeError(f"task.args: {cls.__name__} does not take these arguments ({e})") from None
+    if task.metric_names:
+        used = {"checkpoint.best_metric": recipe.checkpoint.best_metric} if recipe.checkpoint.keep_best else {}
+        if recipe.train.early_stopping is not None:
+            used["train.early_stopping.metric"] = recipe.train.early_stopping.metric
+        allowed = [*task.metric_names, *(f"ema_{m}" for m in task.metric_names)]
+        for key, metric in used.items():
+            if metric not in allowed:
+                raise RecipeError(f"{key}: {cls.__name__} reports no metric {metric!r}; it reports "
+                                  f"{', '.join(task.metric_names)}")
+    return task
+
+
+def _module_from_file(path: Path):
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    name = f"s4accel_task_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look classes up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
