@@ -13,6 +13,7 @@ call `run.request_stop(reason)`: the loop agrees on it across processes, saves a
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -20,6 +21,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import RecipeError
 
@@ -164,48 +168,102 @@ class EarlyStopping(Callback):
 
 
 class EMA(Callback):
-    """Exponential moving average of the weights (`torch.optim.swa_utils.AveragedModel`): updated every `every`
-    optimizer steps from `start_step` on, evaluated beside the raw weights (`ema_*` metrics, logged as
-    `eval_ema/*`), saved in every checkpoint, and exported to `<run_dir>/final_ema` as its own `from_pretrained`
-    directory."""
+    """Exponential moving average of the weights: updated every `every` optimizer steps from `start_step` on,
+    evaluated beside the raw weights (`ema_*` metrics, logged as `eval_ema/*`), saved in every checkpoint, and
+    exported to `<run_dir>/final_ema` as its own `from_pretrained` directory.
+
+    The average is a shadow of each process's own parameter tensors (under FSDP its shards, so it is sharded too),
+    updated as `ema = lerp(ema, weights, 1 - decay)` (the first update copies). To evaluate or export it, the shadow
+    is swapped into the live model and back, bit for bit. Its state dict holds the full tensors
+    (`module.<name>`, `n_averaged`: the layout of `torch.optim.swa_utils.AveragedModel`)."""
 
     def __init__(self, decay: float = 0.999, start_step: int = 0, every: int = 1):
         self.decay, self.start_step, self.every = decay, start_step, every
-        self.averaged = None  # the model copy exists from on_train_start on
-        self._loaded: dict | None = None  # a checkpoint's EMA state, loaded before the copy existed
+        self.params: dict = {}  # name -> the live parameter (a DTensor under FSDP), from on_train_start on
+        self.shadow: list = []  # this process's part of each averaged parameter, in the order of `params`
+        self.n_averaged = 0
+        self._loaded: dict | None = None  # a checkpoint's EMA state, loaded before the shadow existed
 
     def on_train_start(self, run):
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-        self.averaged = AveragedModel(run.accelerator.unwrap_model(run.model),
-                                      multi_avg_fn=get_ema_multi_avg_fn(self.decay))
-        self.averaged.requires_grad_(False)
+        # plain names (torch.compile inserts `_orig_mod.`): the state dict is the same compiled or not
+        model = run.accelerator.unwrap_model(run.model)
+        self.params = {name.replace("_orig_mod.", ""): p for name, p in model.named_parameters()}
+        self.shadow = [local(p).clone() for p in self.params.values()]
         if self._loaded is not None:
-            self.averaged.load_state_dict(self._loaded)
+            self.load_state_dict(self._loaded)
 
     def on_step_end(self, run):
         step = run.state.step
         if step >= self.start_step and (step - self.start_step) % self.every == 0:
-            self.averaged.update_parameters(run.accelerator.unwrap_model(run.model))
+            with torch.no_grad():
+                live = [local(p) for p in self.params.values()]
+                if self.n_averaged == 0:
+                    torch._foreach_copy_(self.shadow, live)
+                else:
+                    torch._foreach_lerp_(self.shadow, live, 1 - self.decay)
+            self.n_averaged += 1
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Inside, the live model holds the averaged weights; after, its own again (even after an error)."""
+        def swap():
+            with torch.no_grad():
+                for p, s in zip(self.params.values(), self.shadow):
+                    mine = local(p).clone()
+                    local(p).copy_(s)
+                    s.copy_(mine)
+
+        swap()
+        try:
+            yield
+        finally:
+            swap()
 
     def on_eval_end(self, run, metrics):
-        if int(self.averaged.n_averaged) == 0:
+        if self.n_averaged == 0:
             return  # nothing averaged yet (before start_step)
-        ema_metrics = run.evaluate(self.averaged.module)
+        with self.swapped_in():
+            ema_metrics = run.evaluate(run.model)
         if ema_metrics is not None:  # logged with the raw metrics, as eval_ema/*
             metrics.update({f"ema_{k}": v for k, v in ema_metrics.items()})
 
     def on_train_end(self, run):
-        if int(self.averaged.n_averaged) > 0:
-            run.export(self.averaged.module, run.run_dir / "final_ema")
+        if self.n_averaged > 0:
+            with self.swapped_in():
+                run.export(run.model, run.run_dir / "final_ema")
 
     def state_dict(self) -> dict:
-        return self.averaged.state_dict()
+        """Full tensors (gathered from the shards under FSDP: call it on every process)."""
+        full = {f"module.{name}": whole(p, s) for (name, p), s in zip(self.params.items(), self.shadow)}
+        return {**full, "n_averaged": torch.tensor(self.n_averaged)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._loaded = state
-        if self.averaged is not None:
-            self.averaged.load_state_dict(state)
+        if not self.params:
+            self._loaded = state
+            return
+        with torch.no_grad():
+            for (name, p), s in zip(self.params.items(), self.shadow):
+                s.copy_(part(p, state[f"module.{name}"].to(s.device)))
+        self.n_averaged = int(state["n_averaged"])
+        self._loaded = None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter, sharing its storage: the local shard of a DTensor, or the tensor."""
+    t = t.detach()
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(p: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """The full tensor of which `mine` is this process's part, laid out as `p` (a collective for a DTensor)."""
+    if not isinstance(p, DTensor):
+        return mine.clone()
+    return DTensor.from_local(mine, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+
+
+def part(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This process's part of `full`, laid out as the parameter `p`."""
+    return distribute_tensor(full, p.device_mesh, p.placements).to_local() if isinstance(p, DTensor) else full
 
 
 class KeepBest(Callback):
@@ -234,8 +292,8 @@ class KeepBest(Callback):
             return
         target = run.run_dir / "best" / f"step_{run.state.step:08d}"
         # collective (every process calls it); metrics.json is written inside the atomic export
-        model = self.ema.averaged.module if self.metric.startswith("ema_") else run.model
-        run.export(model, target, {"metrics.json": json.dumps({"step": run.state.step, **metrics})})
+        with self.ema.swapped_in() if self.metric.startswith("ema_") else contextlib.nullcontext():
+            run.export(run.model, target, {"metrics.json": json.dumps({"step": run.state.step, **metrics})})
         if run.accelerator.is_main_process:
             for _, old in self.ranked(run.run_dir)[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from .errors import CheckpointError, ResumeError, RunDirError
@@ -229,17 +230,40 @@ def checkpoint_recipe(path: Path) -> dict:
 # Models
 
 
+def own_class(model, state_dict: dict, device=None) -> tuple:
+    """FSDP2 shards a model in place by swapping its class for a generated `FSDP<Name>` subclass; `save_pretrained`
+    would name that class and copy torch's FSDP files as the Hub repo's remote code, and one process cannot run it
+    alone. Returns an instance of the model's own class holding the gathered weights, and its state dict, in which
+    tied weights (gathered as separate copies) are one tensor again. Without `device` the instance is built empty on
+    the meta device and given the tensors (enough to save it); with one, it is a whole model there (to run it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model, state_dict
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device(device or "meta"):
+        plain = cls(model.config)
+    plain.load_state_dict(state_dict, assign=device is None)
+    plain.tie_weights()
+    if getattr(model, "generation_config", None) is not None:
+        plain.generation_config = model.generation_config
+    return plain, plain.state_dict()
+
+
 def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
     """`save_pretrained` (config, safetensors, generation config) + tokenizer + `extra_files` ({name: text}) into
-    `out_dir`, atomically; a model without `save_pretrained` writes its state dict as `model.safetensors`. Call on every process: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
+    `out_dir`, atomically; a model without `save_pretrained` writes its state dict as `model.safetensors`. Call on
+    every process: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    # torch.compile (whole-model or Accelerate's regional) names parameters `..._orig_mod.x`: export the plain names.
+    state_dict = {k.replace("_orig_mod.", ""): v for k, v in accelerator.get_state_dict(model).items()}
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
             if hasattr(unwrapped, "save_pretrained"):
+                unwrapped, state_dict = own_class(unwrapped, state_dict)
                 unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
             else:  # a plain nn.Module of a task of your own: its weights (load_state_dict(load_file(...)))
                 from safetensors.torch import save_file

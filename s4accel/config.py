@@ -137,6 +137,9 @@ class OptimCfg(_Section):
     """Learning rate of the SSM parameters named in `ssm_params` (the reference uses min(1e-3, lr))."""
     ssm_params: list[str] = Field(default_factory=lambda: ["log_dt", "log_A_real", "A_imag", "P", "B"])
     """Parameter names (last dotted component) that form the SSM group: own lr, no weight decay."""
+    fused: bool | None = None
+    """AdamW's fused kernel (one kernel for all parameters): `null` uses it where the device has one (CUDA, CPU), else
+    the multi-tensor (`foreach`) implementation; `false` forces `foreach`."""
 
 
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "inverse_sqrt",
@@ -230,6 +233,18 @@ class TrainCfg(_Section):
     """Stop when an eval metric stops improving (`null`: off)."""
     state: StateCfg = Field(default_factory=StateCfg)
     """Stateful training over long streams (`mode: none` by default)."""
+    compile: bool = False
+    """`torch.compile` the model (inductor) through Accelerate's dynamo plugin, block by block: Accelerate's regional
+    compilation compiles each distinct repeated block once. Checkpoints and exports keep plain parameter names."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """`torch.compile`'s mode, with `compile: true`."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input in the forward pass and recompute the block in the backward pass (S4 and MoE
+    blocks): activation memory of one block instead of all, for about one more forward pass of compute. The gradients
+    are the same; needs a model with `activation_checkpointing_enable()` (every s4accel model)."""
+    tf32: bool = False
+    """On CUDA: float32 matmuls and convolutions in TF32 (`torch.set_float32_matmul_precision("high")`, Ampere or
+    newer), faster at ~1e-3 relative precision. Nothing changes on CPU."""
 
     @model_validator(mode="after")
     def _one_clip(self):
@@ -523,7 +538,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
 RESUME_NEUTRAL = ("run.", "log.", "sample.", "checkpoint.", "callbacks", "train.eval_every", "train.eval_max_batches",
-                  "data.num_workers", "data.cache_dir", "data.eval_batch_size", "hub.")
+                  "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
+                  "hub.")
 
 
 def training_fields(recipe_dict: dict) -> dict:

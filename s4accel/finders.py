@@ -60,7 +60,7 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
     with accelerator.main_process_first():
         data = build_data(recipe.data, tokenizer_dir=None)
     model = build_model(recipe, data)
-    optimizer = build_optimizer(model, recipe.optim)
+    optimizer = build_optimizer(model, recipe.optim, accelerator.device.type)
     train_dl, _ = build_dataloaders(recipe.data, data, recipe.run.seed, 1, accelerator.num_processes)
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
     ratios = [group["lr"] / recipe.optim.lr for group in optimizer.param_groups]
@@ -155,7 +155,11 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
     examples = [data.train[i] for i in range(batch_size)]
     batch = {k: v.to(device) for k, v in collate_fn(recipe.data)(examples).items()}
     model = build_model(recipe, data).to(device)
-    optimizer = build_optimizer(model, recipe.optim)
+    if recipe.train.activation_checkpointing:  # the memory the real run will need
+        from .trainer import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    optimizer = build_optimizer(model, recipe.optim, device.type)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.train.mixed_precision or "no")

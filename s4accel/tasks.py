@@ -103,10 +103,12 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__}.build_model")
 
     def build_optimizers(self, model: torch.nn.Module) -> list[TrainOptimizer]:
-        """Default: one AdamW over the recipe's parameter groups (`optim`), with the recipe's schedule."""
+        """Default: one AdamW over the recipe's parameter groups (`optim`, fused where the device has the kernel),
+        with the recipe's schedule."""
         from .optim import build_optimizer
 
-        optimizer = build_optimizer(model, self.recipe.optim)
+        device = self.accelerator.device.type if self.accelerator is not None else "cpu"
+        optimizer = build_optimizer(model, self.recipe.optim, device)
         return [TrainOptimizer("main", optimizer, self.schedule(optimizer))]
 
     def schedule(self, optimizer):

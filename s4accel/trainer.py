@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import resource
 import time
 import warnings
@@ -22,13 +23,15 @@ from typing import NamedTuple
 
 import psutil
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin, set_seed
 from tqdm.auto import tqdm
 
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, improved, load_callback
 from .checkpoint import (TrainState, check_pickles, checkpoint_recipe, checkpoint_step, locate_checkpoint,
-                         prepare_run_dir, save_checkpoint, write_atomic)
+                         own_class, prepare_run_dir, save_checkpoint, write_atomic)
 from .config import Recipe, flatten, load_recipe, recipe_diff, training_fields
 from .errors import NonFiniteError, RecipeError, ResumeError
 from .preemption import StopSignals
@@ -73,6 +76,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     if ckpt is not None and not force and (diff := recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())):
         raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
                           + "\n".join(f"  {line}" for line in diff))
+    if cfg.tf32 and torch.cuda.is_available():  # before any CUDA work; Ampere and newer
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
     accelerator = Accelerator(
         # Without any accelerator, processes started by `accelerate launch --multi_gpu` (torchrun) must be told they
         # are CPU processes, or each runs alone; with cpu=True they form a gloo group (DistributedType.MULTI_CPU).
@@ -87,9 +93,16 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                                 backoff_s=recipe.log.tracker_backoff_s) or None,
         project_dir=str(run_dir),
         step_scheduler_with_optimizer=False,
+        # torch.compile in prepare(), after DDP wrapping; each distinct repeated block compiled once (regional).
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode, use_regional_compilation=True)
+        if cfg.compile else None,  # None: from the accelerate config / launch flags
     )
     for note in notes:
         accelerator.print(f"warning: {note}")
+    for kind in ("FSDP", "DEEPSPEED"):  # Accelerate 1.15 selects them only on GPUs; on CPU processes it runs DDP
+        if os.environ.get(f"ACCELERATE_USE_{kind}", "").lower() == "true" and accelerator.distributed_type != kind:
+            accelerator.print(f"warning: the accelerate config asks for {kind}, but Accelerate runs "
+                              f"{accelerator.distributed_type.value} here (it uses {kind} only on GPUs)")
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         warnings.warn("fp16 mixed precision has no effect on CPU (Accelerate runs float32 there, without a "
                       "GradScaler); use train.mixed_precision=bf16 for half precision on CPU", stacklevel=2)
@@ -103,6 +116,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     with accelerator.main_process_first():
         data = task.task_data = task.build_data()
     model = task.build_model()
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
     optimizers = check_optimizers(task.build_optimizers(model), task)  # schedulers are not prepared (N3)
     train_dl, val_dl = task.dataloaders(data)
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, model, optimizers, train_dl, val_dl)
@@ -131,7 +146,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                                                                       (data.val, data.n_val)))
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train:,} "
                       f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device}, mixed precision {accelerator.mixed_precision}")
+                      f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
+                      f"{accelerator.mixed_precision}")
 
     # 2. The loop: one iteration per optimizer step.
     batches = batch_stream(accelerator, train_dl, state)
@@ -153,8 +169,11 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
             if task.automatic_optimization:
                 scalars = backward_window(accelerator, model, window, task, state.step)
                 # The window's last micro-batch synchronised the gradients: all below happens once per step (N1).
-                scalars["grad_norm"] = clip_gradients(accelerator, params, cfg)
-                nonfinite = ~torch.isfinite(scalars["loss"] + scalars.get("aux_loss", 0) + scalars["grad_norm"])
+                norm = clip_gradients(accelerator, params, cfg)
+                if norm is not None:  # None under DeepSpeed, which clips inside its engine and keeps the norm
+                    scalars["grad_norm"] = norm
+                objective = scalars["loss"] + scalars.get("aux_loss", 0)
+                nonfinite = ~torch.isfinite(objective + scalars.get("grad_norm", 0))
             else:  # the task stepped its optimizers itself, on the window's last micro-batch
                 scalars = manual_window(accelerator, model, window, task, state.step)
                 nonfinite = torch.tensor(task.nonfinite_steps > 0)
@@ -312,6 +331,18 @@ class Clock:
         return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Each block recomputes its activations in the backward pass (transformers' `activation_checkpointing_enable`,
+    non-reentrant `torch.utils.checkpoint`, which replays dropout's and the router jitter's RNG: same gradients)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    try:
+        if enable is None:
+            raise ValueError(f"{type(model).__name__} has no activation_checkpointing_enable()")
+        enable()
+    except ValueError as e:
+        raise RecipeError(f"train.activation_checkpointing: {e}") from None
+
+
 def check_optimizers(optimizers, task: Task) -> list[TrainOptimizer]:
     optimizers = list(optimizers)
     names = [o.name for o in optimizers if isinstance(o, TrainOptimizer)]
@@ -443,9 +474,11 @@ def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
     """Clip by value or by norm; return the global gradient norm (before norm clipping) for logging."""
     if cfg.clip_grad_value is not None:
         accelerator.clip_grad_value_(params, cfg.clip_grad_value)  # also unscales fp16 gradients
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    # An infinite max norm only measures; clip_grad_norm_ unscales fp16 gradients once per step either way (N1).
-    return accelerator.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    else:  # an infinite max norm only measures; clip_grad_norm_ unscales fp16 gradients once per step either way (N1)
+        norm = accelerator.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
+    # Under FSDP2 the gradients are sharded DTensors and so is their norm: the full value, the same on every process.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class Meter:
@@ -578,11 +611,17 @@ def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False) -> dic
 
 
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:
-    """Complete the recipe's prompts with `generate()` on the main process; write them to `samples.txt`."""
+    """Complete the recipe's prompts with `generate()` on the main process; write them to `samples.txt`. Call on
+    every process: a model sharded by FSDP is gathered into a whole copy for the main process first."""
     cfg = recipe.sample
-    if not cfg.prompts or not accelerator.is_main_process:
+    if not cfg.prompts:
         return []
     lm = accelerator.unwrap_model(model)
+    if isinstance(lm, FSDPModule):
+        full = accelerator.get_state_dict(model)  # collective; the full tensors land on the main process
+        lm = own_class(lm, full, device=accelerator.device)[0] if accelerator.is_main_process else None
+    if not accelerator.is_main_process:
+        return []
     lm.eval()
     torch.manual_seed(cfg.seed)
     samples = []

@@ -117,7 +117,7 @@ def test_cli_recipe_error_is_one_line_exit_2_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {TINY}: optim.lrr: unknown key (did you mean 'lr'?); allowed: lr, weight_decay, betas, eps, "
-        "ssm_lr, ssm_params"]
+        "ssm_lr, ssm_params, fused"]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not run_dir.exists()  # nothing is created before the recipe validates
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 
 from .configuration_moe import MoEConfig
@@ -58,7 +59,7 @@ class MoEAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, L, D))
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(GradientCheckpointingLayer):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.rms_norm_eps)
@@ -117,7 +118,7 @@ class MoEPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["MoEBlock"]
     _supports_sdpa = True
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
 
 from .configuration_s4 import S4Config
@@ -453,7 +454,7 @@ class _BatchNormChannels(nn.BatchNorm1d):
         return super().forward(x.transpose(1, 2)).transpose(1, 2)  # (B, L, H) -> (B, H, L) and back
 
 
-class S4Block(nn.Module):
+class S4Block(GradientCheckpointingLayer):
     """Residual block. Pre-norm: `x + dropout(S4Layer(norm(x)))`; post-norm: `norm(x + dropout(S4Layer(x)))`. With
     `ffn` set, a second residual sub-block of the same form around a SwiGLU MLP or an `MoELayer` follows.
     forward/step return (x, SSM state, MoE aux dict or None)."""
@@ -588,7 +589,7 @@ class S4PreTrainedModel(PreTrainedModel):
     base_model_prefix = "backbone"
     main_input_name = "input_ids"
     _no_split_modules = ["S4Block"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -791,6 +792,8 @@ class S4ForSequenceClassification(S4PreTrainedModel):
 
     def __init__(self, config: S4Config):
         super().__init__(config)
+        if config.d_input is not None:
+            self.main_input_name = "input_values"  # real-valued sequences, no token embedding
         self.num_labels = config.num_labels
         self.backbone = S4Model(config)
         self.score = nn.Linear(config.d_model, config.num_labels)

@@ -1,0 +1,138 @@
+"""What the recipe's speed and memory switches buy on the S4 language model. Prints one JSON object.
+
+    python bench/speed_switches.py [--size s4-small] [--batch 16] [--seq-len 256] [--rounds 3] [--steps 8]
+
+Variants (each a `train.*` switch of a recipe, applied the way the loop applies it):
+    eager       the model as built, fused AdamW
+    ckpt        `train.activation_checkpointing: true` (each block recomputed in the backward pass)
+    compile     `train.compile: true` (Accelerate's dynamo plugin, inductor, regional compilation)
+
+Measured per variant, each in a fresh process (so its peak memory is its own), one forward + backward + AdamW step
+per training step on random byte-level tokens (B x L; timing and memory do not depend on the token values):
+    step_s           median seconds of `--steps` steps after the warm-up steps (compile's first step compiles)
+    first_step_s     the first step, i.e. compilation for `compile`
+    saved_mb         bytes autograd keeps for the backward pass during one forward (the activation memory), counted
+                     with `torch.autograd.graph.saved_tensors_hooks`: exact, and the same on every machine
+    peak_mb          CUDA: `max_memory_allocated`; CPU: the process's peak resident set (includes Python, torch and,
+                     for compile, the compiler)
+These machines are noisy, so the variants run in `--rounds` rounds, one process each per round in a rotating
+order; the report gives each variant's median over rounds and the ratios to eager of the medians and of each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("eager", "ckpt", "compile")
+
+
+def worker(args) -> dict:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import TorchDynamoPlugin
+
+    from s4accel.config import ModelCfg, OptimCfg, build_model_config
+    from s4accel.optim import build_optimizer
+    from s4accel.trainer import enable_activation_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.variant == "compile" else None
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), dynamo_plugin=dynamo)
+    torch.manual_seed(0)
+    config = build_model_config(ModelCfg(name=args.size), vocab_size=259, pad_token_id=0, eos_token_id=1)
+    model = AutoModelForCausalLM.from_config(config)
+    if args.variant == "ckpt":
+        enable_activation_checkpointing(model)
+    optimizer = build_optimizer(model, OptimCfg(), accelerator.device.type)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    ids = torch.randint(3, 259, (args.batch, args.seq_len), device=accelerator.device)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    if accelerator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"step_s": statistics.median(times[args.warmup:]), "first_step_s": times[0], "saved_mb": saved / 2**20,
+            "peak_mb": peak, "device": accelerator.device.type}
+
+
+def run_variant(variant: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", variant, "--size", args.size, "--batch", str(args.batch),
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{variant} worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="s4-small")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        args.variant = args.worker
+        print(json.dumps(worker(args)))
+        return
+    if "eager" not in args.variants:
+        args.variants = ["eager", *args.variants]
+    rounds = []
+    for r in range(args.rounds):
+        order = args.variants[r % len(args.variants):] + args.variants[: r % len(args.variants)]
+        rounds.append({v: run_variant(v, args) for v in order})
+    metrics = ("step_s", "first_step_s", "saved_mb", "peak_mb")
+    median = {v: {m: statistics.median(rd[v][m] for rd in rounds) for m in metrics} for v in args.variants}
+    over_eager = {
+        v: {m: {"of_medians": median[v][m] / median["eager"][m],
+                "paired_median": statistics.median(rd[v][m] / rd["eager"][m] for rd in rounds)}
+            for m in ("step_s", "saved_mb", "peak_mb")}
+        for v in args.variants if v != "eager"}
+    print(json.dumps({
+        "config": {k: getattr(args, k) for k in ("size", "batch", "seq_len", "rounds", "steps", "warmup", "threads")},
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg(),
+                    "device": rounds[0]["eager"]["device"]},
+        "median": median, "over_eager": over_eager, "rounds": rounds}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

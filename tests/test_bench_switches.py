@@ -1,0 +1,20 @@
+"""bench/speed_switches.py runs at a tiny size and prints the JSON it promises (the harness, not the speed)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_speed_switches_bench_prints_medians_and_ratios_to_eager():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_switches.py"), "--size", "s4-tiny", "--batch",
+                           "2", "--seq-len", "32", "--rounds", "2", "--steps", "2", "--warmup", "1",
+                           "--variants", "eager", "ckpt"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert set(out["median"]) == {"eager", "ckpt"} and len(out["rounds"]) == 2
+    assert all(out["median"][v]["step_s"] > 0 for v in ("eager", "ckpt"))
+    # activation checkpointing keeps fewer saved tensors: an exact count, not a timing
+    assert out["over_eager"]["ckpt"]["saved_mb"]["of_medians"] < 0.5

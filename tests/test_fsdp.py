@@ -1,0 +1,89 @@
+"""FSDP2 through Accelerate, on 2 CPU processes (gloo): sharded training checkpoints that resume bit-exactly, a
+gathered export that `from_pretrained` loads (with the model's own remote code), a sharded EMA, samples, and the
+same model as a DDP run. tests/scripts/fsdp_on_cpu.py explains how the FSDP path runs without GPUs."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, final_weights, short_epochs
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = REPO / "accelerate_configs"
+
+
+def launch(config, script, text, out, *extra, resume=False):
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+            "--num_processes", "2", "--mixed_precision", "no", *script, "train", str(TINY)]
+    # MoE feed-forward (expert weights sharded too), dropout, grad_accum 2, EMA, a kept best model ranked by EMA loss
+    for item in short_epochs(text, out, "train.max_steps=16", "checkpoint.every_steps=8", "checkpoint.keep_last=4",
+                             "model.overrides={dropout: 0.1, ffn: moe, num_experts: 4, num_experts_per_tok: 2}",
+                             "checkpoint.keep_best=1", "checkpoint.best_metric=ema_loss",
+                             "sample.prompts=['ROMEO.']", "sample.max_new_tokens=16", *extra):
+        args += ["--set", item]
+    if resume:
+        args.append("--resume")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+FSDP_ON_CPU = [str(REPO / "tests" / "scripts" / "fsdp_on_cpu.py")]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, text):
+    """One FSDP run of 16 steps, shared by the tests below: (its text, its run directory, its output)."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    return text, out, launch("fsdp.yaml", FSDP_ON_CPU, text, out)
+
+
+def test_fsdp_run_writes_sharded_checkpoints_and_a_whole_model_of_its_own_class(fsdp_run):
+    from transformers import AutoModelForCausalLM
+
+    _, out, proc = fsdp_run
+    assert "2 process(es) on cpu:0 (FSDP)" in proc.stdout and "done: 16 steps" in proc.stdout
+    ckpt = out / "checkpoints" / "step_00000008"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # each process wrote its own shard
+        assert sorted(p.name for p in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"], part
+    for name in ("final", "final_ema", *(f"best/{p.name}" for p in (out / "best").iterdir())):
+        files = sorted(p.name for p in (out / name).iterdir())
+        assert "modeling_s4.py" in files and not [f for f in files if "fsdp" in f], (name, files)
+        model = AutoModelForCausalLM.from_pretrained(out / name, trust_remote_code=True)
+        assert type(model).__name__ == "S4ForCausalLM"
+        assert model.lm_head.weight is model.backbone.embeddings.weight  # tied, stored once
+        saved = final_weights(out, name)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items() if k in saved)
+    assert (out / "samples.txt").read_text().count("ROMEO.") == 1
+    ema, raw = final_weights(out, "final_ema"), final_weights(out, "final")
+    assert any(not torch.equal(ema[k], raw[k]) for k in raw)  # the EMA is an average, not a copy of the weights
+
+
+def test_fsdp_run_resumed_from_its_sharded_checkpoint_ends_bit_identical(fsdp_run):
+    text, out, _ = fsdp_run
+    again = out.parent / "again"
+    shutil.copytree(out / "checkpoints" / "step_00000008", again / "checkpoints" / "step_00000008")
+    shutil.copy(out / "recipe.yaml", again / "recipe.yaml")
+    proc = launch("fsdp.yaml", FSDP_ON_CPU, text, again, resume=True)
+    assert "resumed from" in proc.stdout and "(FSDP)" in proc.stdout
+    for name in ("final", "final_ema"):
+        ref, got = final_weights(out, name), final_weights(again, name)
+        assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), name
+
+
+def test_fsdp_trains_the_same_model_as_ddp(fsdp_run):
+    text, out, _ = fsdp_run
+    ddp = out.parent / "ddp"
+    proc = launch("cpu_2proc.yaml", ["-m", "s4accel"], text, ddp)
+    assert "(MULTI_CPU)" in proc.stdout
+    for name in ("final", "final_ema"):
+        ref, got = final_weights(ddp, name), final_weights(out, name)
+        assert ref.keys() == got.keys(), name
+        for k in ref:  # the sums of the gradient reduction differ in order only
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")

@@ -1,0 +1,56 @@
+"""Speed and memory switches of a recipe: activation checkpointing, torch.compile, fused AdamW (TF32 needs CUDA)."""
+
+import pytest
+import torch
+
+from conftest import TINY, final_weights, train_in_process
+
+
+def tiny(out, text, *extra):
+    return [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
+            "model.overrides={dropout: 0.1}", "train.max_steps=6", "train.eval_every=0", "log.progress_bar=false",
+            "checkpoint.every_steps=0", "sample.prompts=[]", *extra]
+
+
+def test_activation_checkpointing_trains_the_same_model_bit_for_bit(tmp_path, text):
+    plain = train_in_process(TINY, tiny(tmp_path / "plain", text))
+    ckpt = train_in_process(TINY, tiny(tmp_path / "ac", text, "train.activation_checkpointing=true"))
+    a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "ac")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ckpt.eval_metrics == plain.eval_metrics
+
+
+def test_activation_checkpointing_on_a_model_without_it_is_a_recipe_error(tmp_path):
+    from conftest import REPO
+    from s4accel.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="train.activation_checkpointing: DiabetesMLP has no "
+                                          "activation_checkpointing_enable"):
+        train_in_process(REPO / "examples" / "diabetes.yaml",
+                         [f"run.out_dir={tmp_path}", "train.activation_checkpointing=true",
+                          f"task.target={REPO / 'examples' / 'diabetes_regression.py'}:DiabetesRegression"])
+
+
+def test_adamw_is_fused_where_the_device_has_the_kernel_unless_turned_off():
+    from s4accel.config import OptimCfg
+    from s4accel.optim import build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    assert build_optimizer(model, OptimCfg(), "cpu").defaults["fused"] is True
+    off = build_optimizer(model, OptimCfg(fused=False), "cpu").defaults
+    assert not off["fused"] and off["foreach"] is True
+
+
+@pytest.mark.slow
+def test_compiled_run_matches_eager_and_exports_plain_parameter_names(tmp_path, text):
+    """Accelerate's regional compilation names parameters `layers.0._orig_mod.norm.weight`; the export must not."""
+    from transformers import AutoModelForCausalLM
+
+    eager = train_in_process(TINY, tiny(tmp_path / "eager", text, "model.overrides={dropout: 0.0}"))
+    compiled = train_in_process(TINY, tiny(tmp_path / "compiled", text, "model.overrides={dropout: 0.0}",
+                                           "train.compile=true"))
+    a, b = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
+    assert a.keys() == b.keys() and not any("_orig_mod" in k for k in b)
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+    assert compiled.eval_metrics["loss"] == pytest.approx(eager.eval_metrics["loss"], rel=1e-4)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "compiled" / "final")  # loads without missing keys
