@@ -257,7 +257,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def whole(p: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     """The full tensor of which `mine` is this process's part, laid out as `p` (a collective for a DTensor)."""
     if not isinstance(p, DTensor):
-        return mine.clone()
+        return mine  # saved right away; no copy needed
     return DTensor.from_local(mine, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
 
 
