@@ -7,7 +7,7 @@ only `transformers` and `huggingface_hub` (a dependency of transformers).
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-MOE_DISPATCHES = ("auto", "grouped_mm", "loop")
+MOE_DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
 
 
 def check_moe_fields(config) -> None:
@@ -54,7 +54,8 @@ class MoEConfig(PreTrainedConfig):
             no limit.
         num_shared_experts (`int`): Always-on experts (one SwiGLU of width `num_shared_experts * d_ffn`) added to
             every token's output.
-        moe_dispatch (`str`): `"auto"` (grouped matmul where it runs, else a loop), `"grouped_mm"` or `"loop"`.
+        moe_dispatch (`str`): `"auto"` (grouped matmul on CUDA in bf16, else `"fused"`), `"grouped_mm"`, `"fused"` or
+            `"loop"` (the plain-autograd reference).
         rope_theta (`float`): Base of the rotary embedding frequencies.
         max_position_embeddings (`int`): Longest sequence the model is meant for (informational; rotary embeddings
             extrapolate).

@@ -8,12 +8,18 @@ routed to `k` experts (`num_experts_per_tok`). Per token `x`:
     y = sum_j w_j SwiGLU_{e_j}(x)  [+ SwiGLU_shared(x)]
     SwiGLU_e(x) = down_proj[e] (silu(gate) * up),  (gate, up) = gate_up_proj[e] x
 
-Dispatch sorts the `T k` (token, expert) pairs by expert so that each expert runs one matmul on a contiguous slice:
-`torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA in bf16, where it is one fused kernel;
-it also runs on CPU in float32/bf16/fp16), or a loop over the slices (the default elsewhere: on CPU it is faster).
-The experts' weights are 3-D parameters (`gate_up_proj (E, 2F, D)`, `down_proj (E, D, F)`,
-the layout of transformers' MoE models), so every expert's weights take part in each step's graph even when it
-receives no token: DDP never waits for an unused parameter.
+Dispatch sorts the `T k` (token, expert) pairs by expert so that each expert runs one matmul on a contiguous slice.
+Three ways to run the experts over those slices (`moe_dispatch`), all giving the same values and gradients:
+
+- `grouped_mm`: `torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA in bf16, where it is one
+  fused kernel);
+- `fused` (the default elsewhere): the pairs go through in windows of a few thousand rows; per window one matmul per
+  expert slice into a window-sized buffer, with the gather, activation, routing weight and scatter-add on rows that
+  are still in cache, and a hand-written backward (`SwiGLUExpertsFunction`) that writes each expert's weight gradient
+  in place instead of stacking E of them. It keeps a third of the activations the other two keep for backward, and
+  on 2 CPU cores it is as fast or faster (bench/moe.py);
+- `loop`: the same per-slice matmuls under plain autograd, the slow obviously-correct reference the others are
+  tested against.
 
 With `capacity_factor` set, an expert takes at most `ceil(capacity_factor T k / E)` pairs; first choices are served
 before second choices, each in token order. A dropped pair contributes nothing; a token whose pairs are all dropped
@@ -28,7 +34,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-DISPATCHES = ("auto", "grouped_mm", "loop")
+DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
+_CHUNK_BYTES = 4 * 2**20  # size of the `fused` path's largest per-chunk buffer: in cache, and well under glibc's
+# mmap threshold, so the buffers are recycled between steps instead of being page-faulted in again (s4accel.allocator)
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
@@ -58,7 +66,7 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
 
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
     """Where `grouped_mm` is one fused kernel: CUDA, bf16, compute capability >= 8. On CPU it runs a matmul per group
-    anyway, and measured slower than the slice loop (bench/moe.py: 104 vs 90 ms at E=8, 259 vs 206 ms at E=64)."""
+    anyway, under autograd's bookkeeping; `fused` is as fast there and keeps a third of the activations."""
     return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
@@ -76,8 +84,121 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def _chunks(sizes: list[int], rows: int) -> list[tuple[int, int, list[int], list[int]]]:
+    """Cut the P pairs, sorted by expert with `sizes[e]` pairs for expert `e`, into windows of `rows` rows (the last
+    may be shorter). Returns [(start, end, experts, counts)]: the experts whose slices meet `start:end`, in order, and
+    how many of its rows each has there. An expert's slice may run over several windows; idle experts never appear."""
+    out, experts, counts, start, filled = [], [], [], 0, 0
+    for e, n in enumerate(sizes):
+        while n > 0:
+            take = min(n, rows - filled)
+            experts.append(e)
+            counts.append(take)
+            n, filled = n - take, filled + take
+            if filled == rows:
+                out.append((start, start + rows, experts, counts))
+                start, filled, experts, counts = start + rows, 0, [], []
+    if experts:
+        out.append((start, start + filled, experts, counts))
+    return out
+
+
+class SwiGLUExpertsFunction(torch.autograd.Function):
+    """`out[t] = sum_p w_p SwiGLU_{e_p}(x[t])` over the pairs `p` of token `t`, pairs sorted by expert.
+
+    forward(x (T, D), gate_up (E, 2F, D), down (E, D, F), token (P,), weight (P,), sizes [E ints]) -> (T, D), all
+    floating tensors of one dtype. The pairs are processed in windows of a few thousand rows (`_chunks`,
+    `_CHUNK_BYTES`): per window, gather the inputs, one matmul per expert slice written into the window's buffer,
+    activation and routing weight, one matmul per slice, scatter-add. Every buffer is window-sized, so it is in cache
+    while used and is recycled by the allocator from one step to the next, whatever the batch size. Saved for
+    backward, per window: the pre-activations (n, 2F) and `silu(gate)` (n, F); the inputs are gathered again and
+    `silu(gate) * up` recomputed, cheaper than storing them. The backward writes each expert's weight gradient in
+    place (accumulating where its slice spans windows). Autocast is off inside: the caller casts.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, token, weight, sizes):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            D, Fh = x.shape[1], down.shape[-1]
+            chunks = _chunks(sizes, max(1, _CHUNK_BYTES // (2 * Fh * x.element_size())))
+            R = max((end - start for start, end, _, _ in chunks), default=0)
+            x_buf, a_buf, y_buf = x.new_empty(R, D), x.new_empty(R, Fh), x.new_empty(R, D)  # scratch, every window
+            gate_up_t, down_t = gate_up.transpose(1, 2).unbind(0), down.transpose(1, 2).unbind(0)  # (D, 2F), (F, D)
+            out, saved = torch.zeros_like(x), []
+            for start, end, experts, n_e in chunks:
+                n, tok = end - start, token[start:end]
+                xc = torch.index_select(x, 0, tok, out=x_buf[:n])
+                h = x.new_empty(n, 2 * Fh)  # (gate | up) pre-activations, saved
+                for xe, he, e in zip(xc.split(n_e), h.split(n_e), experts):
+                    torch.mm(xe, gate_up_t[e], out=he)
+                sg = F.silu(h[:, :Fh])  # saved
+                aw = torch.mul(sg, h[:, Fh:], out=a_buf[:n]).mul_(weight[start:end, None])  # w (silu(gate) * up)
+                y = y_buf[:n]
+                for ae, ye, e in zip(aw.split(n_e), y.split(n_e), experts):
+                    torch.mm(ae, down_t[e], out=ye)
+                out.index_add_(0, tok, y)
+                saved += [h, sg]
+        ctx.save_for_backward(x, gate_up, down, token, weight, *saved)
+        ctx.chunks, ctx.idle = chunks, [e for e, n in enumerate(sizes) if n == 0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, gate_up, down, token, weight, *saved = ctx.saved_tensors
+        Fh, chunks = down.shape[-1], ctx.chunks
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            grad_x = torch.zeros_like(x)
+            grad_gate_up, grad_down = torch.empty_like(gate_up), torch.empty_like(down)  # every block written below
+            grad_weight = torch.empty_like(weight)
+            R = max((end - start for start, end, _, _ in chunks), default=0)
+            gy_buf, x_buf, gx_buf = (x.new_empty(R, x.shape[1]) for _ in range(3))
+            ga_buf, act_buf, gh_buf = x.new_empty(R, Fh), x.new_empty(R, Fh), x.new_empty(R, 2 * Fh)
+            gate_ups, downs = gate_up.unbind(0), down.unbind(0)  # (2F, D), (D, F)
+            grad_gate_ups, grad_downs = grad_gate_up.unbind(0), grad_down.unbind(0)
+            written = set()  # experts whose weight gradient holds a first window's part
+
+            def weight_grad(e, out, a, b):  # out = a @ b, or out += a @ b where an earlier window started it
+                if e in written:
+                    out.addmm_(a, b)
+                else:
+                    torch.mm(a, b, out=out)
+
+            for i, (start, end, experts, n_e) in enumerate(chunks):
+                n, tok, w = end - start, token[start:end], weight[start:end, None]
+                h, sg = saved[2 * i], saved[2 * i + 1]
+                gate, up = h[:, :Fh], h[:, Fh:]
+                gy = torch.index_select(grad_out, 0, tok, out=gy_buf[:n])  # (n, D)
+                gys, ga = gy.split(n_e), ga_buf[:n]  # ga: gradient of w * act
+                for gye, gae, e in zip(gys, ga.split(n_e), experts):
+                    torch.mm(gye, downs[e], out=gae)
+                act = torch.mul(sg, up, out=act_buf[:n])
+                grad_weight[start:end] = torch.linalg.vecdot(ga, act)
+                aw = act.mul_(w)
+                for gye, awe, e in zip(gys, aw.split(n_e), experts):
+                    weight_grad(e, grad_downs[e], gye.t(), awe)  # (D, F)
+                ga.mul_(w)  # now the gradient of act
+                gh = gh_buf[:n]
+                torch.mul(ga, sg, out=gh[:, Fh:])
+                torch.ops.aten.silu_backward.grad_input(ga.mul_(up), gate, grad_input=gh[:, :Fh])
+                xc, gx = torch.index_select(x, 0, tok, out=x_buf[:n]), gx_buf[:n]
+                for ghe, xe, gxe, e in zip(gh.split(n_e), xc.split(n_e), gx.split(n_e), experts):
+                    weight_grad(e, grad_gate_ups[e], ghe.t(), xe)  # (2F, D)
+                    torch.mm(ghe, gate_ups[e], out=gxe)
+                grad_x.index_add_(0, tok, gx)
+                written.update(experts)
+            for e in ctx.idle:  # experts without pairs: zero gradient, as autograd gives
+                grad_gate_up[e].zero_()
+                grad_down[e].zero_()
+        return grad_x, grad_gate_up, grad_down, None, grad_weight, None
+
+
 class MoEExperts(nn.Module):
-    """E SwiGLU experts stored as 3-D weights. forward(x (P, D) sorted by expert, counts (E,)) -> (P, D)."""
+    """E SwiGLU experts stored as 3-D weights.
+
+    forward(x (T, D), token (P,), weight (P,), counts (E,)) -> (T, D): `out[t] = sum_p weight_p SwiGLU_{e_p}(x[t])`
+    over the pairs `p` with `token_p = t`, where the P pairs are sorted by expert and `counts[e]` of them go to
+    expert `e`. Tokens without a pair get zero.
+    """
 
     def __init__(self, num_experts: int, d_model: int, d_ffn: int, dispatch: str = "auto"):
         super().__init__()
@@ -87,26 +208,31 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * d_ffn, d_model))  # (E, 2F, D)
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, d_ffn))  # (E, D, F)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
         if torch.is_autocast_enabled(x.device.type):  # grouped_mm and the 3-D weights are not autocast by torch
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        gate_up, down = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
-        if x.shape[0] == 0:  # no token at all (all padding): the weights still join the graph, with zero gradient
-            return x + 0 * (gate_up.sum() + down.sum())
+        gate_up, down, weight = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype), weight.to(x.dtype)
+        if token.shape[0] == 0:  # no pair at all (all padding): the weights still join the graph, with zero gradient
+            return x.new_zeros(x.shape) + 0 * (gate_up.sum() + down.sum())
         dispatch = self.dispatch
         if dispatch == "auto":
-            dispatch = "grouped_mm" if _grouped_mm_pays(x) else "loop"
+            dispatch = "grouped_mm" if _grouped_mm_pays(x) else "fused"
+        if dispatch == "fused":
+            return SwiGLUExpertsFunction.apply(x, gate_up, down, token, weight, counts.tolist())  # one host sync
+        xs = x.index_select(0, token)  # (P, D), sorted by expert
         if dispatch == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's slice
-            h = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs)  # (P, 2F)
+            h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (P, 2F)
             gate, up = h.chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (P, D)
-        out = []
-        # unbind, not gate_up[e]: the backward of E separate index ops would build E full-size (E, 2F, D) gradients
-        for xe, w1, w2 in zip(x.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):  # one host sync
-            gate, up = F.linear(xe, w1).chunk(2, dim=-1)
-            out.append(F.linear(F.silu(gate) * up, w2))
-        return torch.cat(out)
+            y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (P, D)
+        else:
+            out = []
+            # unbind, not gate_up[e]: the backward of E separate index ops would build E full-size (E, 2F, D) gradients
+            for xe, w1, w2 in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):  # one host sync
+                gate, up = F.linear(xe, w1).chunk(2, dim=-1)
+                out.append(F.linear(F.silu(gate) * up, w2))
+            y = torch.cat(out)
+        return x.new_zeros(x.shape).index_add_(0, token, y * weight[:, None])
 
 
 class MoELayer(nn.Module):
@@ -170,10 +296,7 @@ class MoELayer(nn.Module):
             dropped = (~fits).sum()
             order, sorted_expert = order[fits], sorted_expert[fits]
         kept_counts = torch.bincount(sorted_expert, minlength=E)
-        token = pair_token[order]
-        y = self.experts(flat.index_select(0, token), kept_counts)  # (P, D), in the autocast dtype if any
-        y = y * pair_weight[order, None].to(y.dtype)
-        out = y.new_zeros(T, shape[-1]).index_add_(0, token, y)
+        out = self.experts(flat, pair_token[order], pair_weight[order], kept_counts)  # (T, D), autocast dtype if any
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         aux = {"router_logits": logits, "balance_loss": load_balancing_loss(probs, experts, E, valid),

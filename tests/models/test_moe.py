@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from s4accel.models import moe
 from s4accel.models.configuration_moe import MoEConfig
 from s4accel.models.moe import MoELayer, SwiGLUMLP, load_balancing_loss, router_z_loss
 
@@ -54,21 +55,66 @@ def test_identical_experts_equal_the_dense_mlp_for_any_router_when_renormalised(
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
 @pytest.mark.parametrize("shared", [0, 1])
-def test_every_dispatch_path_gives_the_same_outputs_and_gradients(capacity_factor, shared):
-    results = []
+@pytest.mark.parametrize("chunk_rows", [1, 10, 2048])  # fused windows: a row each, experts split over windows, one
+def test_every_dispatch_path_gives_the_same_outputs_and_gradients(capacity_factor, shared, chunk_rows, monkeypatch):
+    monkeypatch.setattr(moe, "_CHUNK_BYTES", chunk_rows * 2 * 24 * 4)  # rows of (gate | up), d_ffn 24, float32
+    results = {}
     x0 = torch.randn(4, 8, 16)
-    for dispatch in ("grouped_mm", "loop"):
+    for dispatch in ("loop", "grouped_mm", "fused"):  # loop: the plain-autograd reference
         m = layer(capacity_factor=capacity_factor, num_shared_experts=shared, moe_dispatch=dispatch)
         x = x0.clone().requires_grad_()
         y, aux = m(x)
         (y * torch.linspace(-1, 1, 16)).sum().backward()
-        results.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}, aux))
-    (y0, gx0, gp0, a0), (y1, gx1, gp1, a1) = results
-    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
-    for name in gp0:
-        torch.testing.assert_close(gp1[name], gp0[name], rtol=1e-5, atol=1e-6)
-    assert torch.equal(a0["expert_counts"], a1["expert_counts"])
+        results[dispatch] = (y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}, aux)
+    y0, gx0, gp0, a0 = results["loop"]
+    for dispatch in ("grouped_mm", "fused"):
+        y1, gx1, gp1, a1 = results[dispatch]
+        torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+        for name in gp0:
+            torch.testing.assert_close(gp1[name], gp0[name], rtol=1e-5, atol=1e-6)
+        assert torch.equal(a0["expert_counts"], a1["expert_counts"])
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 2048])
+def test_fused_experts_backward_passes_gradcheck(chunk_rows, monkeypatch):
+    """The hand-written backward against finite differences in float64: idle experts, experts split over windows."""
+    T, D, Fh, E = 6, 5, 3, 4
+    monkeypatch.setattr(moe, "_CHUNK_BYTES", chunk_rows * 2 * Fh * 8)  # float64
+    torch.manual_seed(0)
+    sizes = [4, 0, 5, 3]  # expert 1 gets no pair
+    token = torch.cat([torch.randperm(T)[:n] for n in sizes])
+    args = [torch.randn(T, D), torch.randn(E, 2 * Fh, D), torch.randn(E, D, Fh), token, torch.rand(len(token)), sizes]
+    args = [a.double().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    assert torch.autograd.gradcheck(moe.SwiGLUExpertsFunction.apply, args)
+    args[0].grad = None
+    moe.SwiGLUExpertsFunction.apply(*args).sum().backward()
+    assert args[1].grad[1].abs().sum() == 0 and args[2].grad[1].abs().sum() == 0
+
+
+def test_fused_dispatch_under_bfloat16_autocast_is_as_accurate_as_the_loop():
+    """Both bf16 paths land as close to the float32 result; the fused one keeps fp32 master gradients."""
+    x0 = torch.randn(2, 12, 16)
+    results = {}
+    for dispatch, bf16 in (("loop", False), ("loop", True), ("fused", True)):
+        m = layer(moe_dispatch=dispatch)
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y, _ = m(x)
+        y.float().sum().backward()
+        assert y.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert m.experts.gate_up_proj.grad.dtype == torch.float32
+        results[dispatch, bf16] = (y.float(), x.grad, m.experts.gate_up_proj.grad, m.router.weight.grad)
+    reference = results["loop", False]
+    for a, b, ref in zip(results["fused", True], results["loop", True], reference):
+        err_fused, err_loop = ((a - ref).norm() / ref.norm()).item(), ((b - ref).norm() / ref.norm()).item()
+        assert err_fused < 0.02 and err_fused < 2 * err_loop + 1e-3
+
+
+def test_fused_windows_cover_every_pair_once_and_split_long_expert_slices():
+    assert moe._chunks([3, 0, 5, 2], 4) == [(0, 4, [0, 2], [3, 1]), (4, 8, [2], [4]), (8, 10, [3], [2])]
+    assert moe._chunks([3, 0, 5, 2], 100) == [(0, 10, [0, 2, 3], [3, 5, 2])]
+    assert moe._chunks([0, 0], 4) == []
 
 
 def test_the_sorted_dispatch_equals_a_plain_per_token_sum():
@@ -172,7 +218,7 @@ def test_shared_experts_are_added_for_every_token():
 
 def test_an_expert_without_tokens_still_gets_a_zero_gradient():
     """Every expert weight takes part in the graph, so DDP never waits for an unused parameter (NOTES 15)."""
-    for dispatch in ("grouped_mm", "loop"):
+    for dispatch in ("grouped_mm", "fused", "loop"):
         m = layer(num_experts=4, num_experts_per_tok=1, moe_dispatch=dispatch)
         with torch.no_grad():
             m.router.weight.zero_()
