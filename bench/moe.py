@@ -2,22 +2,31 @@
 per-expert one-hot loop of transformers' eager Mixtral. Prints one JSON object.
 
     python bench/moe.py [--tokens 4096] [--d-model 256] [--d-ffn 256] [--configs 8:2 64:4] [--repeats 7]
+                        [--allocator train|glibc]
 
 For each `E:k` (experts : experts per token), forward + backward (the loss is a fixed random projection of the
 output; the input requires grad, as inside a network), float32, `--threads` intra-op threads:
 
     moe          `s4accel.models.moe.MoELayer` (router in fp32, top-k, sorted dispatch, `moe_dispatch="auto"`: on CPU
-                 one matmul per expert slice), including its balance and z-loss
+                 the `fused` experts function), including its balance and z-loss
     moe_grouped  the same layer with `moe_dispatch="grouped_mm"` (`torch.nn.functional.grouped_mm`, the default on
                  CUDA in bf16)
+    moe_loop     the same layer with `moe_dispatch="loop"`: one `F.linear` pair per expert slice, plain autograd
     dense        a SwiGLU MLP of width k x d_ffn: the same active parameters per token, no routing
     onehot_loop  the same router and 3-D weights dispatched as transformers' eager Mixtral does: a one-hot
                  (E, k, T) mask, then for every expert that got tokens `torch.where` on its mask, gather, expert,
                  `index_add_`
+    matmuls_only not a layer: the six matmuls per expert slice of one forward + backward (two forward, the input
+                 gradient and the weight gradient of each) on the slices this router gives, into preallocated
+                 buffers, with nothing else. The floor of any one-matmul-per-slice dispatch on this machine
 
 Timing is paired, as in bench/s4_layer.py: one pass of each model per round in a rotating order, after a warm-up
 pass each; medians over rounds and the median of the per-round ratios. Goals (issue 5): moe / dense <= 1.3, and
 onehot_loop / moe >= 2 at E = 64.
+
+`--allocator train` (the default) first applies `s4accel.allocator.keep_freed_memory()`, as `s4accel train` does, so
+the figures are those of a training run; `glibc` leaves the C allocator at its defaults (each large temporary is
+mmapped and page-faulted in again on every pass, which costs the dense MLP's few big buffers most).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from s4_layer import paired_rounds, ratio_summary, timed  # noqa: E402
 
+from s4accel.allocator import keep_freed_memory  # noqa: E402
 from s4accel.models.configuration_moe import MoEConfig  # noqa: E402
 from s4accel.models.moe import MoELayer, SwiGLUMLP  # noqa: E402
 
@@ -59,6 +69,32 @@ def onehot_loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def expert_matmuls(layer: MoELayer, x: torch.Tensor):
+    """The per-slice matmuls alone of `layer`'s forward + backward on `x`: a closure. Weight gradients are allocated
+    fresh each pass, as a backward does; every other buffer is reused."""
+    E, k = layer.num_experts, layer.top_k
+    with torch.no_grad():
+        sizes = torch.bincount(layer.route(x).topk(k, dim=-1).indices.reshape(-1), minlength=E).tolist()
+    w1, w2 = layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach()  # (E, 2F, D), (E, D, F)
+    P, D, Fh = sum(sizes), x.shape[1], w2.shape[-1]
+    xs, gy, a, gh = torch.randn(P, D), torch.randn(P, D), torch.randn(P, Fh), torch.randn(P, 2 * Fh)
+    h, y, ga, gx = torch.empty(P, 2 * Fh), torch.empty(P, D), torch.empty(P, Fh), torch.empty(P, D)
+    slices = [(e, slice(end - n, end)) for e, (n, end) in enumerate(zip(sizes, torch.tensor(sizes).cumsum(0).tolist()))
+              if n]
+
+    def run():
+        g1, g2 = torch.empty_like(w1), torch.empty_like(w2)
+        for e, s in slices:
+            torch.mm(xs[s], w1[e].t(), out=h[s])
+            torch.mm(a[s], w2[e].t(), out=y[s])
+        for e, s in slices:
+            torch.mm(gy[s], w2[e], out=ga[s])
+            torch.mm(gy[s].t(), a[s], out=g2[e])
+            torch.mm(gh[s].t(), xs[s], out=g1[e])
+            torch.mm(gh[s], w1[e], out=gx[s])
+    return run
+
+
 def build(args, E: int, k: int) -> dict:
     """name -> one-pass closure (forward + backward), all on the same input values."""
     T, D, Fh = args.tokens, args.d_model, args.d_ffn
@@ -67,8 +103,10 @@ def build(args, E: int, k: int) -> dict:
     moe = MoELayer(config, D)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    grouped = MoELayer(MoEConfig(**{**config.to_diff_dict(), "moe_dispatch": "grouped_mm"}), D)
-    grouped.load_state_dict(moe.state_dict())
+    variants = {}
+    for dispatch in ("grouped_mm", "loop"):
+        variants[dispatch] = MoELayer(MoEConfig(**{**config.to_diff_dict(), "moe_dispatch": dispatch}), D)
+        variants[dispatch].load_state_dict(moe.state_dict())
     dense = SwiGLUMLP(D, k * Fh)
     x0 = torch.randn(T, D)
     g = torch.randn(T, D)
@@ -90,8 +128,11 @@ def build(args, E: int, k: int) -> dict:
             return y + 0 * (aux["balance_loss"] + aux["z_loss"])  # the losses' backward is part of the layer's cost
         return forward
 
+    grouped, loop = variants["grouped_mm"], variants["loop"]
     return {"moe": pass_of(moe, moe_with_losses(moe)), "moe_grouped": pass_of(grouped, moe_with_losses(grouped)),
-            "dense": pass_of(dense, dense), "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x))}
+            "moe_loop": pass_of(loop, moe_with_losses(loop)), "dense": pass_of(dense, dense),
+            "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),
+            "matmuls_only": expert_matmuls(moe, x0)}
 
 
 def main(argv=None):
@@ -102,10 +143,14 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", default=["8:2", "64:4"], help="E:k pairs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--allocator", choices=["train", "glibc"], default="train",
+                    help="train: keep freed memory as `s4accel train` does; glibc: the C allocator's defaults")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    kept = keep_freed_memory() if args.allocator == "train" else False
     out = {"config": {"tokens": args.tokens, "d_model": args.d_model, "d_ffn": args.d_ffn, "dtype": "float32",
-                      "threads": args.threads, "repeats": args.repeats,
+                      "threads": args.threads, "repeats": args.repeats, "allocator": args.allocator,
+                      "keep_freed_memory_applied": kept,
                       "grouped_mm": hasattr(F, "grouped_mm")},
            "machine": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                        "loadavg_start": list(os.getloadavg())},
@@ -119,7 +164,9 @@ def main(argv=None):
         entry = {"seconds_median": {n: statistics.median(t) for n, t in times.items()},
                  "moe_over_dense": ratio_summary(times, "moe", "dense"),
                  "onehot_loop_over_moe": ratio_summary(times, "onehot_loop", "moe"),
-                 "moe_grouped_over_moe": ratio_summary(times, "moe_grouped", "moe")}
+                 "moe_grouped_over_moe": ratio_summary(times, "moe_grouped", "moe"),
+                 "moe_loop_over_moe": ratio_summary(times, "moe_loop", "moe"),
+                 "matmuls_only_over_dense": ratio_summary(times, "matmuls_only", "dense")}
         out["results"][f"E{E}_k{k}"] = entry
         print(f"E={E} k={k}: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in entry["seconds_median"].items()),
               file=sys.stderr)

@@ -33,7 +33,8 @@ def test_moe_bench_prints_timings_and_ratios_as_json():
     out = json.loads(proc.stdout)
     assert set(out["results"]) == {"E4_k2", "E8_k1"}
     for entry in out["results"].values():
-        assert set(entry["seconds_median"]) == {"moe", "moe_grouped", "dense", "onehot_loop"}
+        assert set(entry["seconds_median"]) == {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop",
+                                                 "matmuls_only"}
         assert all(t > 0 for t in entry["seconds_median"].values())
         assert entry["moe_over_dense"]["paired_median"] > 0
         assert entry["onehot_loop_over_moe"]["paired_median"] > 0
