@@ -2,10 +2,11 @@
 per-expert one-hot loop of transformers' eager Mixtral. Prints one JSON object.
 
     python bench/moe.py [--tokens 4096] [--d-model 256] [--d-ffn 256] [--configs 8:2 64:4] [--repeats 7]
-                        [--allocator train|glibc]
+                        [--allocator train|glibc] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 For each `E:k` (experts : experts per token), forward + backward (the loss is a fixed random projection of the
-output; the input requires grad, as inside a network), float32, `--threads` intra-op threads:
+output; the input requires grad, as inside a network), in float32 or under bf16 autocast (`--dtype`), on `--device`
+(CUDA passes end with a synchronize), `--threads` intra-op threads:
 
     moe          `s4accel.models.moe.MoELayer` (router in fp32, top-k, sorted dispatch, `moe_dispatch="auto"`: on CPU
                  the `fused` experts function), including its balance and z-loss
@@ -21,8 +22,9 @@ output; the input requires grad, as inside a network), float32, `--threads` intr
                  buffers, with nothing else. The floor of any one-matmul-per-slice dispatch on this machine
 
 Timing is paired, as in bench/s4_layer.py: one pass of each model per round in a rotating order, after a warm-up
-pass each; medians over rounds and the median of the per-round ratios. Goals (issue 5): moe / dense <= 1.3, and
-onehot_loop / moe >= 2 at E = 64.
+pass each; medians over rounds and the median of the per-round ratios. A variant that fails on this device or dtype
+(e.g. `grouped_mm` where torch has no kernel for it) is reported under `unavailable` and left out. Goals (issue 5):
+moe / dense <= 1.3, and onehot_loop / moe >= 2 at E = 64.
 
 `--allocator train` (the default) first applies `s4accel.allocator.keep_freed_memory()`, as `s4accel train` does, so
 the figures are those of a training run; `glibc` leaves the C allocator at its defaults (each large temporary is
@@ -69,16 +71,22 @@ def onehot_loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expert_matmuls(layer: MoELayer, x: torch.Tensor):
-    """The per-slice matmuls alone of `layer`'s forward + backward on `x`: a closure. Weight gradients are allocated
-    fresh each pass, as a backward does; every other buffer is reused."""
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def expert_matmuls(layer: MoELayer, x: torch.Tensor, dtype: torch.dtype):
+    """The per-slice matmuls alone of `layer`'s forward + backward on `x`, in `dtype`: a closure. Weight gradients
+    are allocated fresh each pass, as a backward does; every other buffer is reused."""
     E, k = layer.num_experts, layer.top_k
     with torch.no_grad():
         sizes = torch.bincount(layer.route(x).topk(k, dim=-1).indices.reshape(-1), minlength=E).tolist()
-    w1, w2 = layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach()  # (E, 2F, D), (E, D, F)
+    w1, w2 = (w.detach().to(dtype) for w in (layer.experts.gate_up_proj, layer.experts.down_proj))  # (E,2F,D),(E,D,F)
     P, D, Fh = sum(sizes), x.shape[1], w2.shape[-1]
-    xs, gy, a, gh = torch.randn(P, D), torch.randn(P, D), torch.randn(P, Fh), torch.randn(P, 2 * Fh)
-    h, y, ga, gx = torch.empty(P, 2 * Fh), torch.empty(P, D), torch.empty(P, Fh), torch.empty(P, D)
+    new = dict(device=x.device, dtype=dtype)
+    xs, gy, a, gh = (torch.randn(P, n, **new) for n in (D, D, Fh, 2 * Fh))
+    h, y, ga, gx = (torch.empty(P, n, **new) for n in (2 * Fh, D, Fh, D))
     slices = [(e, slice(end - n, end)) for e, (n, end) in enumerate(zip(sizes, torch.tensor(sizes).cumsum(0).tolist()))
               if n]
 
@@ -92,6 +100,7 @@ def expert_matmuls(layer: MoELayer, x: torch.Tensor):
             torch.mm(gy[s].t(), a[s], out=g2[e])
             torch.mm(gh[s].t(), xs[s], out=g1[e])
             torch.mm(gh[s], w1[e], out=gx[s])
+        synchronize(x.device)
     return run
 
 
@@ -99,6 +108,7 @@ def build(args, E: int, k: int) -> dict:
     """name -> one-pass closure (forward + backward), all on the same input values."""
     T, D, Fh = args.tokens, args.d_model, args.d_ffn
     config = MoEConfig(d_model=D, d_ffn=Fh, num_experts=E, num_experts_per_tok=k, n_head=4)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     moe = MoELayer(config, D)
     for p in moe.parameters():
@@ -108,8 +118,10 @@ def build(args, E: int, k: int) -> dict:
         variants[dispatch] = MoELayer(MoEConfig(**{**config.to_diff_dict(), "moe_dispatch": dispatch}), D)
         variants[dispatch].load_state_dict(moe.state_dict())
     dense = SwiGLUMLP(D, k * Fh)
-    x0 = torch.randn(T, D)
-    g = torch.randn(T, D)
+    for module in (moe, dense, *variants.values()):
+        module.to(device)  # float32 master weights; bf16 runs under autocast, as training does
+    x0 = torch.randn(T, D, device=device)
+    g = torch.randn(T, D, device=device)
 
     def pass_of(module, forward):
         x = x0.clone().requires_grad_()
@@ -118,8 +130,10 @@ def build(args, E: int, k: int) -> dict:
             for p in module.parameters():
                 p.grad = None
             x.grad = None
-            y = forward(x)
-            (y * g).sum().backward()
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                y = forward(x)
+            (y.float() * g).sum().backward()
+            synchronize(device)
         return run
 
     def moe_with_losses(layer):
@@ -132,7 +146,7 @@ def build(args, E: int, k: int) -> dict:
     return {"moe": pass_of(moe, moe_with_losses(moe)), "moe_grouped": pass_of(grouped, moe_with_losses(grouped)),
             "moe_loop": pass_of(loop, moe_with_losses(loop)), "dense": pass_of(dense, dense),
             "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),
-            "matmuls_only": expert_matmuls(moe, x0)}
+            "matmuls_only": expert_matmuls(moe, x0, dtype)}
 
 
 def main(argv=None):
@@ -145,23 +159,33 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--allocator", choices=["train", "glibc"], default="train",
                     help="train: keep freed memory as `s4accel train` does; glibc: the C allocator's defaults")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: the passes run under autocast with float32 weights")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     kept = keep_freed_memory() if args.allocator == "train" else False
-    out = {"config": {"tokens": args.tokens, "d_model": args.d_model, "d_ffn": args.d_ffn, "dtype": "float32",
+    device = torch.device(args.device)
+    out = {"config": {"tokens": args.tokens, "d_model": args.d_model, "d_ffn": args.d_ffn, "dtype": args.dtype,
+                      "device": args.device,
                       "threads": args.threads, "repeats": args.repeats, "allocator": args.allocator,
                       "keep_freed_memory_applied": kept,
                       "grouped_mm": hasattr(F, "grouped_mm")},
            "machine": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                       "loadavg_start": list(os.getloadavg())},
+                       "loadavg_start": list(os.getloadavg()),
+                       "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
            "goals": GOALS, "results": {}}
     for spec in args.configs:
         E, k = map(int, spec.split(":"))
-        fns = build(args, E, k)
-        for fn in fns.values():
-            timed(fn)  # warm-up
+        fns, unavailable = build(args, E, k), {}
+        for name, fn in list(fns.items()):
+            try:
+                timed(fn)  # warm-up
+            except (RuntimeError, NotImplementedError) as e:  # no kernel for this variant here
+                unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                del fns[name]
         times = paired_rounds(fns, {name: args.repeats for name in fns})
-        entry = {"seconds_median": {n: statistics.median(t) for n, t in times.items()},
+        entry = {"seconds_median": {n: statistics.median(t) for n, t in times.items()}, "unavailable": unavailable,
                  "moe_over_dense": ratio_summary(times, "moe", "dense"),
                  "onehot_loop_over_moe": ratio_summary(times, "onehot_loop", "moe"),
                  "moe_grouped_over_moe": ratio_summary(times, "moe_grouped", "moe"),

@@ -25,16 +25,57 @@ def test_onehot_loop_baseline_computes_the_same_layer():
     torch.testing.assert_close(onehot_loop_forward(layer, x), layer(x)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_moe_bench_prints_timings_and_ratios_as_json():
+def run_bench(*args):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "moe.py"), "--tokens", "64", "--d-model", "16",
-                           "--d-ffn", "8", "--configs", "4:2", "8:1", "--repeats", "2", "--threads", "1"],
+                           "--d-ffn", "8", "--repeats", "2", "--threads", "1", *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_moe_bench_prints_timings_and_ratios_as_json():
+    out = run_bench("--configs", "4:2", "8:1")
     assert set(out["results"]) == {"E4_k2", "E8_k1"}
     for entry in out["results"].values():
+        assert entry["unavailable"] == {}
         assert set(entry["seconds_median"]) == {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop",
                                                  "matmuls_only"}
         assert all(t > 0 for t in entry["seconds_median"].values())
         assert entry["moe_over_dense"]["paired_median"] > 0
         assert entry["onehot_loop_over_moe"]["paired_median"] > 0
+
+
+def test_moe_bench_runs_under_bf16_autocast_and_says_what_it_left_out():
+    out = run_bench("--configs", "4:2", "--dtype", "bfloat16", "--allocator", "glibc")
+    assert out["config"]["dtype"] == "bfloat16" and out["config"]["device"] == "cpu"
+    entry = out["results"]["E4_k2"]
+    assert {"moe", "dense", "onehot_loop", "matmuls_only"} <= set(entry["seconds_median"])
+    assert set(entry["seconds_median"]) | set(entry["unavailable"]) == {"moe", "moe_grouped", "moe_loop", "dense",
+                                                                         "onehot_loop", "matmuls_only"}
+    assert entry["moe_over_dense"]["paired_median"] > 0
+
+
+def test_a_variant_without_a_kernel_here_is_reported_and_left_out(monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    import moe as bench_moe
+
+    real_build = bench_moe.build
+
+    def build(args, E, k):
+        fns = real_build(args, E, k)
+
+        def no_kernel():
+            raise NotImplementedError("grouped_mm: no kernel for this dtype\nmore detail")
+        return {**fns, "moe_grouped": no_kernel}
+
+    monkeypatch.setattr(bench_moe, "build", build)
+    threads = torch.get_num_threads()
+    try:
+        bench_moe.main(["--tokens", "32", "--d-model", "8", "--d-ffn", "4", "--configs", "4:2", "--repeats", "1",
+                        "--threads", str(threads), "--allocator", "glibc"])
+    finally:
+        torch.set_num_threads(threads)  # main() sets it for the whole process
+    entry = json.loads(capsys.readouterr().out)["results"]["E4_k2"]
+    assert entry["unavailable"] == {"moe_grouped": "NotImplementedError: grouped_mm: no kernel for this dtype"}
+    assert "moe_grouped" not in entry["seconds_median"] and entry["moe_grouped_over_moe"] is None
+    assert entry["moe_over_dense"]["paired_median"] > 0
