@@ -19,7 +19,18 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
                  `index_add_`
     matmuls_only not a layer: the six matmuls per expert slice of one forward + backward (two forward, the input
                  gradient and the weight gradient of each) on the slices this router gives, into preallocated
-                 buffers, with nothing else. The floor of any one-matmul-per-slice dispatch on this machine
+                 buffers, with nothing else: the matmul part of the floor below
+    routing_only the same `MoELayer` with its experts replaced by a stub that costs nothing: router, softmax, top-k,
+                 pair sort, counts, balance and z losses, and their backward, exactly as the layer runs them
+    dense_matmuls_only  the dense MLP's six matmuls alone, likewise
+    harness      the timing harness alone on a layer that does nothing: the loss projection of a (T, D) output and
+                 its backward, which every layer's pass above includes (not the `*matmuls_only` rows)
+
+`floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
+the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),
+with the gathers, scatter-adds and routing weights counted as free and the harness counted once. No dispatch that
+runs one matmul per expert slice and eager PyTorch elementwise ops can beat it on this machine; above 1.3 the
+moe / dense goal is out of reach for all of them.
 
 Timing is paired, as in bench/s4_layer.py: one pass of each model per round in a rotating order, after a warm-up
 pass each; medians over rounds and the median of the per-round ratios. A variant that fails on this device or dtype
@@ -34,6 +45,7 @@ mmapped and page-faulted in again on every pass, which costs the dense MLP's few
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -104,6 +116,34 @@ def expert_matmuls(layer: MoELayer, x: torch.Tensor, dtype: torch.dtype):
     return run
 
 
+def dense_matmuls(dense: SwiGLUMLP, x: torch.Tensor, dtype: torch.dtype):
+    """The dense MLP's six matmuls alone (forward + backward) on `x`, in `dtype`: a closure, buffers as in
+    `expert_matmuls`."""
+    w1, w2 = (w.detach().to(dtype) for w in (dense.gate_up_proj.weight, dense.down_proj.weight))  # (2H, D), (D, H)
+    T, D, H = x.shape[0], x.shape[1], w2.shape[1]
+    new = dict(device=x.device, dtype=dtype)
+    xs, gy, a, gh = (torch.randn(T, n, **new) for n in (D, D, H, 2 * H))
+    h, y, ga, gx = (torch.empty(T, n, **new) for n in (2 * H, D, H, D))
+
+    def run():
+        g1, g2 = torch.empty_like(w1), torch.empty_like(w2)
+        torch.mm(xs, w1.t(), out=h)
+        torch.mm(a, w2.t(), out=y)
+        torch.mm(gy, w2, out=ga)
+        torch.mm(gy.t(), a, out=g2)
+        torch.mm(gh.t(), xs, out=g1)
+        torch.mm(gh, w1, out=gx)
+        synchronize(x.device)
+    return run
+
+
+class NoExperts(torch.nn.Module):
+    """Stands in for `MoEExperts` in `routing_only`: no work, but the routing weights get a gradient."""
+
+    def forward(self, x, token, weight, counts):
+        return weight.sum().expand_as(x)
+
+
 def build(args, E: int, k: int) -> dict:
     """name -> one-pass closure (forward + backward), all on the same input values."""
     T, D, Fh = args.tokens, args.d_model, args.d_ffn
@@ -143,10 +183,23 @@ def build(args, E: int, k: int) -> dict:
         return forward
 
     grouped, loop = variants["grouped_mm"], variants["loop"]
+    routing = copy.deepcopy(moe)
+    routing.experts = NoExperts()
     return {"moe": pass_of(moe, moe_with_losses(moe)), "moe_grouped": pass_of(grouped, moe_with_losses(grouped)),
             "moe_loop": pass_of(loop, moe_with_losses(loop)), "dense": pass_of(dense, dense),
             "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),
-            "matmuls_only": expert_matmuls(moe, x0, dtype)}
+            "matmuls_only": expert_matmuls(moe, x0, dtype), "routing_only": pass_of(routing, moe_with_losses(routing)),
+            "dense_matmuls_only": dense_matmuls(dense, x0, dtype),
+            "harness": pass_of(torch.nn.Module(), lambda x: x + 0)}
+
+
+def floor_over_dense(medians: dict) -> float | None:
+    """(matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense: see the module docstring."""
+    parts = ("matmuls_only", "routing_only", "harness", "dense", "dense_matmuls_only")
+    if not all(p in medians for p in parts):
+        return None
+    m = medians
+    return (m["matmuls_only"] + m["routing_only"] - m["harness"] + m["dense"] - m["dense_matmuls_only"]) / m["dense"]
 
 
 def main(argv=None):
@@ -191,6 +244,7 @@ def main(argv=None):
                  "moe_grouped_over_moe": ratio_summary(times, "moe_grouped", "moe"),
                  "moe_loop_over_moe": ratio_summary(times, "moe_loop", "moe"),
                  "matmuls_only_over_dense": ratio_summary(times, "matmuls_only", "dense")}
+        entry["floor_over_dense"] = floor_over_dense(entry["seconds_median"])
         out["results"][f"E{E}_k{k}"] = entry
         print(f"E={E} k={k}: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in entry["seconds_median"].items()),
               file=sys.stderr)

@@ -5,9 +5,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO
+
+VARIANTS = {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop", "matmuls_only", "routing_only",
+            "dense_matmuls_only", "harness"}
 
 
 def test_onehot_loop_baseline_computes_the_same_layer():
@@ -25,6 +29,22 @@ def test_onehot_loop_baseline_computes_the_same_layer():
     torch.testing.assert_close(onehot_loop_forward(layer, x), layer(x)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_routing_only_runs_the_layers_routing_and_its_backward_without_the_experts():
+    sys.path.insert(0, str(REPO / "bench"))
+    from moe import NoExperts
+
+    from s4accel.models.configuration_moe import MoEConfig
+    from s4accel.models.moe import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(d_model=16, d_ffn=24, n_head=2, num_experts=8, num_experts_per_tok=2), 16)
+    layer.experts = NoExperts()
+    y, aux = layer(torch.randn(2, 5, 16))
+    (y.sum() + aux["balance_loss"] + aux["z_loss"]).backward()
+    assert y.shape == (2, 5, 16) and layer.router.weight.grad.abs().sum() > 0
+    assert aux["expert_counts"].sum() == 2 * 5 * 2
+
+
 def run_bench(*args):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "moe.py"), "--tokens", "64", "--d-model", "16",
                            "--d-ffn", "8", "--repeats", "2", "--threads", "1", *args],
@@ -38,9 +58,11 @@ def test_moe_bench_prints_timings_and_ratios_as_json():
     assert set(out["results"]) == {"E4_k2", "E8_k1"}
     for entry in out["results"].values():
         assert entry["unavailable"] == {}
-        assert set(entry["seconds_median"]) == {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop",
-                                                 "matmuls_only"}
+        assert set(entry["seconds_median"]) == VARIANTS
         assert all(t > 0 for t in entry["seconds_median"].values())
+        m = entry["seconds_median"]
+        assert entry["floor_over_dense"] == pytest.approx(
+            (m["matmuls_only"] + m["routing_only"] - m["harness"] + m["dense"] - m["dense_matmuls_only"]) / m["dense"])
         assert entry["moe_over_dense"]["paired_median"] > 0
         assert entry["onehot_loop_over_moe"]["paired_median"] > 0
 
@@ -50,8 +72,7 @@ def test_moe_bench_runs_under_bf16_autocast_and_says_what_it_left_out():
     assert out["config"]["dtype"] == "bfloat16" and out["config"]["device"] == "cpu"
     entry = out["results"]["E4_k2"]
     assert {"moe", "dense", "onehot_loop", "matmuls_only"} <= set(entry["seconds_median"])
-    assert set(entry["seconds_median"]) | set(entry["unavailable"]) == {"moe", "moe_grouped", "moe_loop", "dense",
-                                                                         "onehot_loop", "matmuls_only"}
+    assert set(entry["seconds_median"]) | set(entry["unavailable"]) == VARIANTS
     assert entry["moe_over_dense"]["paired_median"] > 0
 
 

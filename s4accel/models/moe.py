@@ -17,7 +17,7 @@ Three ways to run the experts over those slices (`moe_dispatch`), all giving the
   expert slice into a window-sized buffer, with the gather, activation, routing weight and scatter-add on rows that
   are still in cache, and a hand-written backward (`SwiGLUExpertsFunction`) that writes each expert's weight gradient
   in place instead of stacking E of them. It keeps a third of the activations the other two keep for backward, and
-  on 2 CPU cores it is as fast or faster (bench/moe.py);
+  on 2 CPU cores it is within a few percent of their speed (bench/moe.py);
 - `loop`: the same per-slice matmuls under plain autograd, the slow obviously-correct reference the others are
   tested against.
 
@@ -66,7 +66,8 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
 
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
     """Where `grouped_mm` is one fused kernel: CUDA, bf16, compute capability >= 8. On CPU it runs a matmul per group
-    anyway, under autograd's bookkeeping; `fused` is as fast there and keeps a third of the activations."""
+    anyway, under autograd's bookkeeping; `fused` is within a few percent of it there and keeps a third of the
+    activations."""
     return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
