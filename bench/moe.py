@@ -88,15 +88,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def expert_matmuls(layer: MoELayer, x: torch.Tensor, dtype: torch.dtype):
-    """The per-slice matmuls alone of `layer`'s forward + backward on `x`, in `dtype`: a closure. Weight gradients
-    are allocated fresh each pass, as a backward does; every other buffer is reused."""
-    E, k = layer.num_experts, layer.top_k
-    with torch.no_grad():
-        sizes = torch.bincount(layer.route(x).topk(k, dim=-1).indices.reshape(-1), minlength=E).tolist()
-    w1, w2 = (w.detach().to(dtype) for w in (layer.experts.gate_up_proj, layer.experts.down_proj))  # (E,2F,D),(E,D,F)
-    P, D, Fh = sum(sizes), x.shape[1], w2.shape[-1]
-    new = dict(device=x.device, dtype=dtype)
+def slice_matmuls(w1: torch.Tensor, w2: torch.Tensor, sizes: list[int], dtype: torch.dtype):
+    """The six matmuls alone of a SwiGLU forward + backward per slice (`sizes[e]` rows through `w1[e] (2F, D)`,
+    `w2[e] (D, F)`), in `dtype`: a closure. Weight gradients are allocated fresh each pass, as a backward does; every
+    other buffer is reused."""
+    w1, w2 = w1.detach().to(dtype), w2.detach().to(dtype)
+    P, D, Fh = sum(sizes), w1.shape[-1], w2.shape[-1]
+    new = dict(device=w1.device, dtype=dtype)
     xs, gy, a, gh = (torch.randn(P, n, **new) for n in (D, D, Fh, 2 * Fh))
     h, y, ga, gx = (torch.empty(P, n, **new) for n in (2 * Fh, D, Fh, D))
     slices = [(e, slice(end - n, end)) for e, (n, end) in enumerate(zip(sizes, torch.tensor(sizes).cumsum(0).tolist()))
@@ -112,29 +110,21 @@ def expert_matmuls(layer: MoELayer, x: torch.Tensor, dtype: torch.dtype):
             torch.mm(gy[s].t(), a[s], out=g2[e])
             torch.mm(gh[s].t(), xs[s], out=g1[e])
             torch.mm(gh[s], w1[e], out=gx[s])
-        synchronize(x.device)
+        synchronize(w1.device)
     return run
+
+
+def expert_matmuls(layer: MoELayer, x: torch.Tensor, dtype: torch.dtype):
+    """`slice_matmuls` over `layer`'s experts (E, 2F, D), (E, D, F) on the slices its router gives `x`."""
+    with torch.no_grad():
+        experts = layer.route(x).topk(layer.top_k, dim=-1).indices.reshape(-1)
+        sizes = torch.bincount(experts, minlength=layer.num_experts).tolist()
+    return slice_matmuls(layer.experts.gate_up_proj, layer.experts.down_proj, sizes, dtype)
 
 
 def dense_matmuls(dense: SwiGLUMLP, x: torch.Tensor, dtype: torch.dtype):
-    """The dense MLP's six matmuls alone (forward + backward) on `x`, in `dtype`: a closure, buffers as in
-    `expert_matmuls`."""
-    w1, w2 = (w.detach().to(dtype) for w in (dense.gate_up_proj.weight, dense.down_proj.weight))  # (2H, D), (D, H)
-    T, D, H = x.shape[0], x.shape[1], w2.shape[1]
-    new = dict(device=x.device, dtype=dtype)
-    xs, gy, a, gh = (torch.randn(T, n, **new) for n in (D, D, H, 2 * H))
-    h, y, ga, gx = (torch.empty(T, n, **new) for n in (2 * H, D, H, D))
-
-    def run():
-        g1, g2 = torch.empty_like(w1), torch.empty_like(w2)
-        torch.mm(xs, w1.t(), out=h)
-        torch.mm(a, w2.t(), out=y)
-        torch.mm(gy, w2, out=ga)
-        torch.mm(gy.t(), a, out=g2)
-        torch.mm(gh.t(), xs, out=g1)
-        torch.mm(gh, w1, out=gx)
-        synchronize(x.device)
-    return run
+    """`slice_matmuls` of the dense MLP: one slice of all of `x`'s rows through its (2H, D), (D, H) weights."""
+    return slice_matmuls(dense.gate_up_proj.weight[None], dense.down_proj.weight[None], [x.shape[0]], dtype)
 
 
 class NoExperts(torch.nn.Module):
@@ -198,8 +188,8 @@ def floor_over_dense(medians: dict) -> float | None:
     parts = ("matmuls_only", "routing_only", "harness", "dense", "dense_matmuls_only")
     if not all(p in medians for p in parts):
         return None
-    m = medians
-    return (m["matmuls_only"] + m["routing_only"] - m["harness"] + m["dense"] - m["dense_matmuls_only"]) / m["dense"]
+    return (medians["matmuls_only"] + medians["routing_only"] - medians["harness"] + medians["dense"]
+            - medians["dense_matmuls_only"]) / medians["dense"]
 
 
 def main(argv=None):
