@@ -13,12 +13,13 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import RecipeError
 from .sizes import MODEL_SIZES, config_fields
@@ -28,7 +29,31 @@ TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and an infinite lr or weight decay only shows up
+    # later as NaN weights.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value, info: ValidationInfo):
+        """pydantic's lax mode reads `true` as 1 for an int or float field (`max_steps: true` would train one step);
+        a boolean is accepted only where the field's type admits one."""
+        if isinstance(value, bool):
+            types = _leaf_types(cls.model_fields[info.field_name].annotation)
+            if bool not in types and types & {int, float}:
+                kind = "integer" if int in types else "number"
+                raise ValueError(f"Input should be a valid {kind}, not a boolean")
+        return value
+
+
+def _leaf_types(annotation) -> set:
+    """The plain types an annotation is made of: `int | None` -> {int, NoneType}."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _leaf_types(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*map(_leaf_types, args))
+    return {annotation}
 
 
 class RunCfg(_Section):
@@ -36,10 +61,26 @@ class RunCfg(_Section):
     """Run name, used for the default output directory and the tracker project."""
     out_dir: str | None = None
     """Run directory; defaults to `runs/<name>`."""
-    seed: int = 0
-    """Seeds Python, NumPy and torch on every process (Accelerate's `set_seed`)."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds Python, NumPy and torch on every process (Accelerate's `set_seed`; NumPy takes 0 <= seed < 2^32)."""
     overwrite: bool = False
-    """Allow training into a run directory that already holds a finished model (`final/`)."""
+    """Replace an earlier run in the run directory. Its outputs are moved aside only once the new run has passed every
+    check (data, model, optimizer), and deleted once the new run has started."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name):
+        if not name or name in (".", "..") or re.search(r"[/\\]", name):
+            raise ValueError(f"must be a plain name (no '/', no '..'): it names the directory runs/<name>; got "
+                             f"{name!r} (set run.out_dir for a directory elsewhere)")
+        return name
+
+    @field_validator("out_dir")
+    @classmethod
+    def _not_empty(cls, out_dir):
+        if out_dir is not None and not out_dir.strip():
+            raise ValueError("must not be empty (null: runs/<name>)")
+        return out_dir
 
     @property
     def dir(self) -> Path:
@@ -131,7 +172,8 @@ class OptimCfg(_Section):
     """Peak learning rate (after warmup) of all parameters but the SSM ones."""
     weight_decay: float = Field(0.01, ge=0)
     """AdamW decoupled weight decay; only on matrices (ndim >= 2), never on biases, norms or SSM parameters."""
-    betas: tuple[float, float] = (0.9, 0.98)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.98)
+    """AdamW's (beta1, beta2), each in [0, 1)."""
     eps: float = Field(1e-8, gt=0)
     ssm_lr: float = Field(1e-3, gt=0)
     """Learning rate of the SSM parameters named in `ssm_params` (the reference uses min(1e-3, lr))."""
@@ -303,6 +345,18 @@ class LogCfg(_Section):
             if ":" not in name and name not in TRACKERS:
                 raise ValueError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}, or module:Class")
         return names
+
+    @field_validator("tracker_kwargs")
+    @classmethod
+    def _kwargs_of_used_trackers(cls, kwargs, info: ValidationInfo):
+        """Arguments for a tracker the run does not use are a typo: without this check they are silently dropped.
+        (The arguments themselves are checked against the tracker's constructor when training starts.)"""
+        used = info.data.get("log_with", [])
+        for name in kwargs:
+            if name not in used:
+                raise ValueError(f"{name!r} is not a tracker of log.log_with ({', '.join(used) or 'none'})"
+                                 f"{_did_you_mean(name, used)}")
+        return kwargs
     log_every: int = Field(10, ge=1)
     """Log training scalars every N optimizer steps (the only host sync in the loop)."""
     progress_bar: bool = True
@@ -405,6 +459,14 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.warmup_steps > self.train.max_steps:
+            key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
+            raise ValueError(f"{key}: {self.warmup_steps} warmup steps are more than train.max_steps="
+                             f"{self.train.max_steps}")
+        return self
+
+    @model_validator(mode="after")
     def _known_metrics(self):
         used = {"checkpoint.best_metric": self.checkpoint.best_metric}
         if self.train.early_stopping is not None:
@@ -433,6 +495,38 @@ class Recipe(_Section):
 # Loading and error messages
 
 
+MAX_RECIPE_VALUES = 100_000
+"""A recipe holds a few hundred values; YAML aliases can make a few lines stand for billions (an "alias bomb"), which
+validate quickly but take minutes and gigabytes to write back out."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so a second
+    `train:` section would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _count_values(tree, limit: int) -> int:
+    """Values in a loaded YAML tree, counting every use of an alias, stopping past `limit`."""
+    count, stack = 0, [tree]
+    while stack and count <= limit:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply `section.key=value` overrides (values parsed as YAML), validate.
 
@@ -440,18 +534,24 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_RecipeLoader)
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe file not found") from None
+    except IsADirectoryError:
+        raise RecipeError(f"{path}: is a directory, not a recipe file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read recipe ({e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
-    raw = {} if raw is None else raw
+    if raw is None or raw == {}:
+        raise RecipeError(f"{path}: the recipe is empty (a recipe names at least its data and model; see recipes/)")
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections (run, model, data, ...)")
+    if _count_values(raw, MAX_RECIPE_VALUES) > MAX_RECIPE_VALUES:
+        raise RecipeError(f"{path}: the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases "
+                          f"repeating aliases?); refusing to load it")
     for item in overrides:
         _apply_override(raw, item)
     return validate_recipe(raw, source=str(path))
@@ -537,7 +637,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
-RESUME_NEUTRAL = ("run.", "log.", "sample.", "checkpoint.", "callbacks", "train.eval_every", "train.eval_max_batches",
+RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks", "train.eval_every", "train.eval_max_batches",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
                   "hub.")
 

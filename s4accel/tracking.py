@@ -163,6 +163,34 @@ def tracker_class(name: str) -> type[GeneralTracker]:
     return obj
 
 
+def check_tracker_kwargs(log_cfg) -> None:
+    """`log.tracker_kwargs` checked against each tracker's constructor before training starts: a misspelt argument
+    would otherwise only disable the tracker (with a warning) once the run is under way. Trackers that pass their
+    arguments on (`**kwargs`, e.g. to `wandb.init`) are checked by their own package when they start."""
+    import inspect
+
+    from .errors import RecipeError
+
+    own = {"tensorboard": FastTensorBoardTracker, "jsonl": JSONLTracker}
+    for name, kwargs in log_cfg.tracker_kwargs.items():
+        try:
+            cls = own.get(name) or tracker_class(name)
+        except (ImportError, AttributeError, KeyError):
+            continue  # reported by the tracker's guard when it starts, without stopping training
+        params = inspect.signature(cls.__init__).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            continue
+        allowed = [p for p in params if p not in ("self", "run_name", "logging_dir", "resume_step")]
+        for key in kwargs:
+            if key not in allowed:
+                import difflib
+
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise RecipeError(f"log.tracker_kwargs.{name}: unknown argument {key!r}{hint}; "
+                                  f"{name} takes {', '.join(allowed) or 'no arguments'}")
+
+
 def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: int | None = None,
                    kwargs: dict[str, dict] | None = None, retries: int = 3,
                    backoff_s: float = 0.5) -> list[GeneralTracker]:
