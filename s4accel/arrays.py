@@ -112,19 +112,81 @@ def read_ucr(name: str):
     return x_tr, y_tr, x_te, y_te, classes
 
 
-def _read_array_file(path: Path):
-    if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as z:  # never unpickle user files
-            if "x" not in z or "y" not in z:
-                raise DataError(f"data.files: {path} needs arrays 'x' and 'y' (has: {', '.join(z.files)})")
-            arrays = [z["x"], z["y"], z.get("x_test"), z.get("y_test")]
-    elif path.suffix == ".csv":
+def _read_csv(path: Path) -> np.ndarray:
+    """Rows `label, v_1, ..., v_L` of numbers; anything else is a `DataError` naming the line."""
+    try:
         table = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
-        arrays = [table[:, 1:], table[:, 0], None, None]
-    else:
-        raise DataError(f"data.files: {path}: expected a .npz or .csv file")
-    x = np.asarray(arrays[0], dtype=np.float32)
-    return (x if x.ndim == 3 else x[:, :, None]), arrays[1], *arrays[2:]
+    except ValueError:
+        table = None
+    if table is None:  # find the first bad line, to say what is wrong with it
+        import csv
+
+        with open(path, newline="") as f:
+            rows = [(i, row) for i, row in enumerate(csv.reader(f), 1) if row]
+        width = len(rows[0][1]) if rows else 0
+        for i, row in rows:
+            if len(row) != width:
+                raise DataError(f"data.files: {path}: line {i} has {len(row)} columns, line {rows[0][0]} has {width}")
+            try:
+                [float(v) for v in row]
+            except ValueError:
+                header = i == rows[0][0] and len(rows) > 1 and _numbers(rows[1][1])
+                hint = "; a header row? remove it" if header else \
+                    "; labels and values must be numbers (label, v_1, ..., v_L)"
+                raise DataError(f"data.files: {path}: line {i} is not numbers ({','.join(row)!r}){hint}") from None
+        raise DataError(f"data.files: {path}: cannot be read as comma-separated numbers")
+    if table.shape[1] < 2:
+        raise DataError(f"data.files: {path}: needs a label and at least one value per line; line 1 has "
+                        f"{table.shape[1]} column")
+    return table
+
+
+def _numbers(row: list[str]) -> bool:
+    try:
+        [float(v) for v in row]
+        return True
+    except ValueError:
+        return False
+
+
+def _read_npz(path: Path) -> list:
+    """x, y, x_test, y_test (None where absent), never unpickling (an object array is refused)."""
+    with np.load(path, allow_pickle=False) as z:  # never unpickle user files
+        if "x" not in z or "y" not in z:
+            raise DataError(f"data.files: {path} needs arrays 'x' and 'y' (has: {', '.join(z.files)})")
+        arrays = []
+        for key in ("x", "y", "x_test", "y_test"):
+            try:
+                arrays.append(z[key] if key in z else None)
+            except ValueError:  # "Object arrays cannot be loaded when allow_pickle=False"
+                raise DataError(f"data.files: {path}: array {key!r} holds Python objects; s4accel never unpickles "
+                                f"data files (save numbers: x float, y int or float)") from None
+    if (arrays[2] is None) != (arrays[3] is None):
+        raise DataError(f"data.files: {path}: {'x_test needs y_test' if arrays[3] is None else 'y_test needs x_test'}")
+    return arrays
+
+
+def _check_xy(x: np.ndarray, y: np.ndarray, where: str, suffix: str = "") -> np.ndarray:
+    """x as float32 (n, L, d), after checking shapes, dtypes and values; `suffix` names the test arrays."""
+    x, y = np.asarray(x), np.asarray(y)
+    name_x, name_y = f"x{suffix}", f"y{suffix}"
+    if x.dtype.kind == "c":
+        raise DataError(f"{where}: {name_x} must hold real numbers; got {x.dtype}")
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{where}: {name_x} must hold numbers; got {x.dtype.str.lstrip('|=')}")
+    if x.ndim not in (2, 3):
+        raise DataError(f"{where}: {name_x} must be (n, L) or (n, L, d); got shape {x.shape}")
+    if y.ndim != 1:
+        raise DataError(f"{where}: {name_y} must be one label per sequence (n,); got shape {y.shape}")
+    if len(x) != len(y):
+        raise DataError(f"{where}: {name_x} has {len(x)} sequences but {name_y} has {len(y)} labels")
+    bad = int((~np.isfinite(x)).sum()) if x.dtype.kind == "f" else 0
+    if bad:
+        raise DataError(f"{where}: {name_x} holds {bad} NaN or infinite value(s); fill or drop them first")
+    if y.dtype.kind == "f" and (bad := int((~np.isfinite(y)).sum())):
+        raise DataError(f"{where}: {name_y} holds {bad} NaN or infinite label(s)")
+    x = x.astype(np.float32)
+    return x if x.ndim == 3 else x[:, :, None]
 
 
 def read_arrays(files: list[str], task: str):
@@ -134,20 +196,45 @@ def read_arrays(files: list[str], task: str):
             raise DataError(f"data.files: no such file: {p}")
     if len(paths) > 2:
         raise DataError("data.files: give one file (train, with a held-out fraction) or two (train, test)")
-    x_tr, y_tr, x_te, y_te = _read_array_file(paths[0])
+    arrays = []
+    for path in paths:
+        if path.suffix == ".npz":
+            arrays.append(_read_npz(path))
+        elif path.suffix == ".csv":
+            table = _read_csv(path)
+            arrays.append([table[:, 1:], table[:, 0], None, None])
+        else:
+            raise DataError(f"data.files: {path}: expected a .npz or .csv file")
+    x_tr, y_tr, x_te, y_te = arrays[0]
+    x_tr = _check_xy(x_tr, y_tr, f"data.files: {paths[0]}")
     if len(paths) == 2:
-        x_te, y_te, *_ = _read_array_file(paths[1])
-    if x_te is not None:
-        x_te = np.asarray(x_te, dtype=np.float32)
-        x_te = x_te if x_te.ndim == 3 else x_te[:, :, None]
+        x_te, y_te = arrays[1][:2]
+        x_te = _check_xy(x_te, y_te, f"data.files: {paths[1]}")
+    elif x_te is not None:
+        x_te = _check_xy(x_te, y_te, f"data.files: {paths[0]}", "_test")
     classes = None
     if task == "classification":
         labels = np.concatenate([y_tr, y_te]) if y_te is not None else y_tr
-        classes = [str(c) for c in np.unique(labels)]
+        classes = [_label_name(c) for c in np.unique(labels)]
+        if len(classes) < 2:
+            raise DataError(f"data.files: {paths[0]}: only one class ({classes[0]!r}) in the labels: a classifier "
+                            f"needs at least two (real-valued targets: set data.task: regression)")
         index = {c: i for i, c in enumerate(classes)}
-        y_tr = np.array([index[str(v)] for v in y_tr], dtype=np.int64)
-        y_te = None if y_te is None else np.array([index[str(v)] for v in y_te], dtype=np.int64)
+        y_tr = np.array([index[_label_name(v)] for v in y_tr], dtype=np.int64)
+        y_te = None if y_te is None else np.array([index[_label_name(v)] for v in y_te], dtype=np.int64)
+    else:
+        for y, f in ((y_tr, paths[0]), (y_te, paths[-1])):
+            if y is not None and np.asarray(y).dtype.kind not in "biuf":
+                raise DataError(f"data.files: {f}: data.task regression needs numeric targets; got "
+                                f"{np.asarray(y).dtype.str.lstrip('|=')}")
     return x_tr, y_tr, x_te, y_te, classes
+
+
+def _label_name(value) -> str:
+    """A class label as text: 1.0 (a float read from a csv) is the class '1', like the integer 1."""
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return str(int(value))
+    return str(value)
 
 
 # --------------------------------------------------------------------------------------------------------------------

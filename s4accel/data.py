@@ -62,29 +62,60 @@ def _user_files(patterns: list[str]) -> list[str]:
     return files
 
 
+def _load_files(builder: str, files: list[str], cfg: DataCfg, **kwargs):
+    """`datasets.load_dataset(builder, data_files=files)`; a file the builder cannot read is one `DataError` naming
+    the file (datasets only says "An error occurred while generating the dataset")."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    def load(data_files):
+        return datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=cfg.cache_dir, **kwargs)
+
+    try:
+        return load(files)
+    except DatasetGenerationError:
+        for f in files:  # find the culprit, to name it
+            try:
+                load([f])
+            except DatasetGenerationError as e:
+                cause = e.__cause__
+                if isinstance(cause, UnicodeDecodeError):
+                    raise DataError(f"data.files: {f} is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at "
+                                    f"position {cause.start})") from None
+                detail = str(cause or e).strip().splitlines()[0]
+                raise DataError(f"data.files: {f}: not valid JSON Lines (one JSON object per line): {detail}"
+                                if builder == "json" else f"data.files: {f}: cannot be read ({detail})") from None
+        raise
+
+
 def load_documents(cfg: DataCfg):
     """A `datasets.Dataset` with one `text` row per document."""
     import datasets
 
     if cfg.source == "shakespeare":
         files = [str(f) for f in shakespeare_files()]
-        ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                   cache_dir=cfg.cache_dir)
+        ds = _load_files("text", files, cfg, sample_by="document")
         ds = ds.map(lambda b: {"text": [clean_play(t) for t in b["text"]]}, batched=True, desc="cleaning plays")
     else:
         files = _user_files(cfg.files)
         parts = []
         txt = [f for f in files if f.endswith(".txt")]
         if txt:
-            parts.append(datasets.load_dataset("text", data_files=txt, sample_by="document", split="train",
-                                               cache_dir=cfg.cache_dir))
+            parts.append(_load_files("text", txt, cfg, sample_by="document"))
         js = [f for f in files if not f.endswith(".txt")]
         if js:
-            part = datasets.load_dataset("json", data_files=js, split="train", cache_dir=cfg.cache_dir)
+            part = _load_files("json", js, cfg)
             if cfg.text_field not in part.column_names:
                 raise DataError(f"data.text_field: no field {cfg.text_field!r} in {js[0]} "
                                 f"(fields: {', '.join(part.column_names)})")
-            parts.append(part.select_columns([cfg.text_field]).rename_column(cfg.text_field, "text"))
+            dtype = part.features[cfg.text_field]
+            if getattr(dtype, "dtype", None) not in ("string", "large_string"):
+                raise DataError(f"data.text_field: field {cfg.text_field!r} of {js[0]} holds "
+                                f"{getattr(dtype, 'dtype', type(dtype).__name__)}, not text")
+            part = part.select_columns([cfg.text_field])
+            if cfg.text_field != "text":
+                part = part.rename_column(cfg.text_field, "text")
+            parts.append(part)
         ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     ds = ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True, desc="dropping empty docs")
     if len(ds) == 0:
