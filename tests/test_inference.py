@@ -84,7 +84,7 @@ def test_remote_code_is_never_run(tmp_path):
     proc = run_cli("generate", tmp_path, "--prompt", "x")
     assert proc.returncode == 2, proc.stderr
     assert "remote code ran" not in proc.stdout + proc.stderr
-    assert proc.stderr.startswith(f"error: {tmp_path}: not a model s4accel knows")
+    assert proc.stderr.startswith(f"error: {tmp_path}: not an s4accel model (model_type 'evil'")
 
 
 @pytest.mark.parametrize("ref, message", [
