@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -59,16 +60,27 @@ def _recipe(run_dir: Path) -> dict:
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
+def _regular(path: Path, run_dir: Path) -> bool:
+    """A regular file inside the run directory: a symbolic link (to a token file, say) is never uploaded, nor read."""
+    if path.is_symlink():
+        print(f"warning: skipping {path.name}: a symbolic link ({path}); push uploads only regular files inside the "
+              f"run directory", file=sys.stderr)
+        return False
+    return path.is_file() and path.resolve().is_relative_to(run_dir.resolve())
+
+
 def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     """Everything to upload, laid out as the repository: model files, README.md (card), recipe.yaml, metrics.json,
-    training_curve.png, runs/ (TensorBoard event files)."""
+    training_curve.png, runs/ (TensorBoard event files). Only regular files inside the run directory are read."""
     from .model_card import model_card, read_metrics, render_training_curve
 
     model_dir, metrics = model_dir_of(run_dir, which)
-    for f in model_dir.iterdir():
-        if f.is_file() and f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json":
+    if model_dir.is_symlink() or not model_dir.resolve().is_relative_to(run_dir.resolve()):
+        raise HubError(f"{model_dir}: a symbolic link out of the run directory; push uploads only what is inside it")
+    for f in sorted(model_dir.iterdir()):
+        if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
-    recipe_yaml = (run_dir / "recipe.yaml").read_text() if (run_dir / "recipe.yaml").is_file() else ""
+    recipe_yaml = (run_dir / "recipe.yaml").read_text() if _regular(run_dir / "recipe.yaml", run_dir) else ""
     (out / "recipe.yaml").write_text(recipe_yaml)
     records = read_metrics(run_dir)
     (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
@@ -77,12 +89,14 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     has_curve = render_training_curve(records, out / "training_curve.png")
     tb = run_dir / "tensorboard"
     if tb.is_dir():
-        for f in tb.rglob("events.out.tfevents.*"):
+        for f in sorted(tb.rglob("events.out.tfevents.*")):
+            if not _regular(f, run_dir):
+                continue
             target = out / "runs" / f.relative_to(tb)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, target)
-    config = json.loads((model_dir / "config.json").read_text())
-    n_params = _count_params(model_dir / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    n_params = _count_params(out / "model.safetensors")  # the staged copy: a regular file, or none
     (out / "README.md").write_text(model_card(repo_id, config, _recipe(run_dir), recipe_yaml, metrics, which,
                                               n_params, has_curve))
     return out

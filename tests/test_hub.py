@@ -173,3 +173,23 @@ def test_recipe_can_push_at_the_end_of_training(tmp_path, hub, text):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "model.safetensors" in hub.files("bob/auto")
     assert hub.files("bob/auto")["model.safetensors"] == (out / "final" / "model.safetensors").read_bytes()
+
+
+def test_push_uploads_only_regular_files_inside_the_run_and_says_which_links_it_skipped(run, hub, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    secret = tmp_path / "token.txt"
+    secret.write_text("hf_this_must_never_leave_the_machine")
+    (copy / "final" / "notes.txt").symlink_to(secret)
+    (copy / "final" / "generation_config.json").unlink()
+    (copy / "final" / "generation_config.json").symlink_to(secret)
+    (copy / "tensorboard" / "events.out.tfevents.0.evil").symlink_to(secret)
+    proc = run_cli("push", copy, "--repo-id", "alice/links", env=hub_env(hub.url))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = hub.files("alice/links")
+    assert not any(b"hf_this_must_never_leave" in data for data in files.values())
+    assert "notes.txt" not in files and "generation_config.json" not in files
+    for name in ("notes.txt", "generation_config.json", "events.out.tfevents.0.evil"):
+        assert f"skipping {name}: a symbolic link" in proc.stderr, proc.stderr
