@@ -17,6 +17,7 @@ of the checkpoint (gathered from all processes), so a resumed run continues exac
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 
 import torch
@@ -57,7 +58,10 @@ def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_work
         batch["chunk_index"] = torch.tensor(int(examples[0]["__index__"]) % chunk_of)
         return batch
 
-    return DataLoader(_WithIndex(data), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
+    # A generator of its own: without one, every new iterator (each epoch, and the first after a resume) draws its
+    # workers' base seed from the global RNG, which shifts the dropout masks of a resumed run.
+    return DataLoader(_WithIndex(data), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                      generator=torch.Generator().manual_seed(0))
 
 
 class _WithIndex(torch.utils.data.Dataset):
@@ -102,6 +106,17 @@ class CarriedState:
             self.cache = out.cache_params.detach()  # gradients stop at the chunk boundary
             self.chunks += 1
         return out
+
+    def snapshot(self):
+        """What `forward` changes, to go back to it (a window cut short by a stop signal). The model's forward sets
+        new attributes on the cache it is given (its `states` list), never changes the tensors: a shallow copy keeps
+        the state as it is now."""
+        return copy.copy(self.cache), self.chunks, list(self.context)
+
+    def restore(self, snap) -> None:
+        self.cache, self.chunks, context = snap
+        self.context.clear()
+        self.context.extend(context)
 
     # Checkpointing: every process calls state_dict (Accelerate's save_state), the main process writes it.
     def state_dict(self) -> dict:
