@@ -4,19 +4,24 @@ or directory that looks complete, and the last complete checkpoint always surviv
 Layout:
     run_dir/recipe.yaml                  the resolved recipe
     run_dir/checkpoints/step_00001000/   accelerator.save_state + TrainState + recipe.yaml, and last a COMPLETE
-                                         manifest (step, every file and its size)
+                                         manifest (step, every file with its size and SHA-256)
     run_dir/best/step_00000800/          the best models by an eval metric (checkpoint.keep_best)
     run_dir/final/                       save_pretrained: config, safetensors weights, generation config, tokenizer
 
 A checkpoint is written into `.tmp_step_*`, which is renamed into place only once every process has written its part
-and the manifest is on disk. A complete checkpoint is never overwritten, so no moment exists without one.
+and the manifest is on disk. A complete checkpoint is never overwritten, so no moment exists without one. A resume
+verifies every file against the manifest; a checkpoint that fails is moved aside (`step_N.invalid-<time>`), kept for
+inspection, so that the run can pass its step again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +29,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from .errors import CheckpointError, ResumeError, RunDirError
+from .errors import CheckpointError, ResumeError
+from .run_dir import write_atomic
 
 COMPLETE = "COMPLETE"
 
@@ -60,38 +66,6 @@ class TrainState:
             setattr(self, k, v)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer")
-
-
-def prepare_run_dir(run_dir: Path, recipe_yaml: str, overwrite: bool, resuming: bool, is_main: bool) -> None:
-    """Create the run directory and write the resolved recipe. A directory holding an earlier run's outputs is
-    refused unless resuming it, or `overwrite`, which deletes those outputs first (so two runs' metrics never mix)."""
-    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-    if found and not (overwrite or resuming):
-        raise RunDirError(f"{run_dir} already holds a run ({', '.join(found)}); resume it with --resume, choose "
-                          f"another run.out_dir, or set run.overwrite=true to replace it")
-    if not is_main:
-        return
-    try:
-        if not resuming:
-            for name in found:
-                path = run_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "recipe.yaml", recipe_yaml)
-    except OSError as e:
-        raise RunDirError(f"cannot write to run directory {run_dir}: {e.strerror or e}") from None
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Training checkpoints
 
@@ -103,32 +77,80 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int, recipe_yaml: str) -> Path:
     """`accelerator.save_state` into a temporary directory, a manifest, then a rename into place; then checkpoints
     beyond the newest `keep_last` complete ones are deleted. Call on every process. A complete checkpoint of the same
-    step is kept as it is (the state at an optimizer step does not depend on when it is saved)."""
+    step is kept as it is (the state at an optimizer step does not depend on when it is saved); an invalid one in the
+    way is moved aside."""
     final = checkpoint_dir(run_dir, step)
     if checkpoint_problem(final) is None:
         return final
     tmp = final.with_name(f".tmp_{final.name}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash during an earlier save
+        if final.exists():
+            move_aside(final)
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))  # every process: its RNG states; main: model, optimizer, scheduler, ...
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_atomic(tmp / "recipe.yaml", recipe_yaml)
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            write_atomic(tmp / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
+            write_atomic(tmp / COMPLETE, json.dumps({"step": step, "files": _manifest(tmp)}, indent=1))
             os.replace(tmp, final)
-    except OSError as e:
+    except Exception as e:
+        # A full disk reaches us as OSError, or as torch's RuntimeError ("PytorchStreamWriter failed writing file")
+        # or safetensors' SafetensorError from inside save_state.
+        if not is_write_error(e):
+            raise
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         good = latest_complete(run_dir)
-        raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; the last complete checkpoint "
-                              f"{good or '(none)'} is intact") from None
+        raise CheckpointError(f"could not write checkpoint {final}: {write_error_text(e)}; the last complete "
+                              f"checkpoint {good or '(none)'} is intact") from None
     if accelerator.is_main_process:
         prune_checkpoints(run_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def is_write_error(e: BaseException) -> bool:
+    """An error of writing files (disk full, quota, permissions), however the library that wrote reports it."""
+    text = str(e)
+    torch_writer = ("inline_container", "PytorchStreamWriter", "file write failed", "No space", "File too large")
+    return isinstance(e, OSError) or type(e).__name__ == "SafetensorError" or (
+        isinstance(e, RuntimeError) and any(marker in text for marker in torch_writer))
+
+
+def write_error_text(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "inline_container" in first:  # torch's zip writer says only "unexpected pos N vs M": a short write
+        return f"a write was cut short (disk full?): {first}"
+    return first
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(directory: Path) -> dict:
+    """{relative path: {size, sha256}} of every file, read back right after writing (from the page cache)."""
+    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def move_aside(path: Path) -> Path:
+    """Rename an invalid checkpoint to `step_N.invalid-<time>`: kept for inspection, out of the way of the run."""
+    target = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        n += 1
+    os.replace(path, target)
+    return target
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
@@ -141,7 +163,7 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     complete = complete_checkpoints(run_dir)
     doomed = complete[:-keep_last]
     if complete:
-        doomed += [p for p in sorted(root.glob("step_*")) if p < complete[-1] and p not in complete]
+        doomed += [p for p in step_dirs(run_dir) if p < complete[-1] and p not in complete]
     for old in doomed:
         trash = old.with_name(f".del_{old.name}")
         os.replace(old, trash)
@@ -149,47 +171,90 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
 
 
 def check_pickles(path: Path) -> None:
-    """Refuse a checkpoint whose saved objects are more than tensors and plain data, before anything unpickles them.
+    """Refuse a checkpoint whose pickled files are more than tensors and plain data, before Accelerate reads them.
 
     Accelerate reads the states of registered objects (`custom_checkpoint_*.pkl`: the scheduler, the loop's counters,
-    the carried state, stateful callbacks) with `weights_only=False`, i.e. a full unpickler that can run code. Ours
+    the carried state, stateful callbacks) with `weights_only=False`, i.e. a full unpickler that can run code: ours
     hold only tensors, numbers, strings, lists and dicts, so each must first load with `weights_only=True`, whose
-    unpickler admits nothing else; a file that does not is refused (model weights are safetensors, and the optimizer
-    and RNG states Accelerate already reads with `weights_only=True`)."""
+    unpickler admits nothing else. The optimizer, scheduler, sampler and RNG states Accelerate reads with
+    `weights_only=True` itself, but its error would be a traceback, and an RNG file that fails to load it skips with
+    no more than a log line (the run would go on with other random numbers): each is loaded here first (memory-mapped,
+    so a large optimizer state costs no memory), and a file that does not load is one `ResumeError` naming it."""
     import pickle
 
-    import torch
+    from accelerate.utils import load
 
-    for f in sorted(path.glob("custom_checkpoint_*.pkl")):
+    for f in sorted(path.iterdir()):
+        if f.suffix not in (".pkl", ".bin") or not f.is_file():
+            continue
         try:
-            torch.load(f, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ResumeError(f"{f} holds more than tensors and plain data; refusing to unpickle it ({first})") \
-                from None
+            if f.name.startswith("custom_checkpoint_"):
+                torch.load(f, map_location="cpu", weights_only=True)
+            else:
+                obj = load(f, map_location="cpu", mmap=True)
+                if f.name.startswith("random_states_") and not {"random_state", "numpy_random_seed",
+                                                                "torch_manual_seed"} <= set(obj):
+                    raise ValueError("not the random states Accelerate saves")
+        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError, KeyError,
+                OSError) as e:
+            first = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip().splitlines()[0]) if str(e).strip() else \
+                type(e).__name__
+            raise ResumeError(f"{f}: holds more than tensors and plain data (or is damaged); refusing to unpickle it "
+                              f"({first[:200]})") from None
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint, or None if it is: its manifest lists every file with its size."""
+STEP_DIR = re.compile(r"step_(\d{8})")
+REQUIRED = ("recipe.yaml", "random_states_0.pkl")
+"""Files every checkpoint has (besides model and optimizer states, whose names depend on the distributed setup)."""
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """The `step_XXXXXXXX` directories of a run, oldest first (not temporary, deleted or moved-aside ones)."""
+    root = run_dir / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if STEP_DIR.fullmatch(p.name)) if root.is_dir() else []
+
+
+def checkpoint_problem(path: Path, verify: bool = False) -> str | None:
+    """Why `path` is not a complete checkpoint, or None if it is: its manifest names its own step and lists every
+    file with its size (and SHA-256); `verify` also re-hashes every file (a resume does; rotation only checks sizes)."""
     try:
         manifest = json.loads((path / COMPLETE).read_text())
     except FileNotFoundError:
         return "no such checkpoint" if not path.exists() else f"no {COMPLETE} marker (the save did not finish)"
     except (OSError, ValueError):
         return f"unreadable {COMPLETE} marker"
-    for name, size in manifest.get("files", {}).items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not isinstance(manifest.get("step"), int):
+        return f"malformed {COMPLETE} marker"
+    named = STEP_DIR.fullmatch(path.name)
+    if named and int(named[1]) != manifest["step"]:
+        return f"its {COMPLETE} marker says step {manifest['step']}, its name step {int(named[1])}"
+    missing = [f for f in REQUIRED if f not in files]
+    if not any(f.startswith(("model", "pytorch_model")) for f in files):
+        missing.append("the model's weights")
+    if not any(f.startswith("optimizer") or "optim_states" in f for f in files):  # DeepSpeed: *_optim_states.pt
+        missing.append("the optimizer's state")
+    if missing:
+        return f"its {COMPLETE} marker does not list a whole checkpoint (no {', '.join(missing)})"
+    for name, entry in files.items():
+        size, digest = (entry, None) if isinstance(entry, int) else \
+            (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(size, int) or Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"malformed {COMPLETE} marker (entry {name!r})"
         try:
             actual = (path / name).stat().st_size
         except OSError:
             return f"{name} is missing"
         if actual != size:
             return f"{name} is truncated ({actual} of {size} bytes)"
+        if verify and digest is not None and _sha256(path / name) != digest:
+            return f"{name} does not match its checksum (changed after it was written)"
     return None
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    return [p for p in sorted((run_dir / "checkpoints").glob("step_*")) if checkpoint_problem(p) is None]
+    """Complete checkpoints, oldest first (sizes checked, not checksums)."""
+    return [p for p in step_dirs(run_dir) if checkpoint_problem(p) is None]
 
 
 def latest_complete(run_dir: Path) -> Path | None:
@@ -197,25 +262,27 @@ def latest_complete(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def locate_checkpoint(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
-    """The checkpoint `--resume` means, and warnings about what was skipped. `latest`: the newest complete checkpoint
-    of the run directory (None if there is none: the run starts fresh); otherwise a path that must be complete."""
+def locate_checkpoint(run_dir: Path, resume: str) -> tuple[Path | None, list[str], list[Path]]:
+    """The checkpoint `--resume` means, warnings about what was skipped, and the invalid checkpoints newer than it
+    (to be moved aside). `latest`: the newest checkpoint of the run directory that passes verification (None if there
+    is none: the run starts fresh); otherwise a path that must pass it."""
     if resume != "latest":
         path = Path(resume)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, verify=True)
         if problem:
             raise ResumeError(f"--resume {path}: not a usable checkpoint: {problem}")
-        return path, []
-    warnings = []
+        return path, [], []
+    warnings, invalid = [], []
     root = run_dir / "checkpoints"
     for path in sorted(root.glob(".tmp_step_*")):
         warnings.append(f"ignoring {path}: a checkpoint whose save was interrupted")
-    for path in sorted(root.glob("step_*"), reverse=True):
-        problem = checkpoint_problem(path)
+    for path in reversed(step_dirs(run_dir)):
+        problem = checkpoint_problem(path, verify=True)
         if problem is None:
-            return path, warnings
+            return path, warnings, invalid
         warnings.append(f"skipping checkpoint {path}: {problem}")
-    return None, warnings
+        invalid.append(path)
+    return None, warnings, invalid
 
 
 def checkpoint_step(path: Path) -> int:
@@ -282,7 +349,10 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files:
                 os.replace(out_dir, old)  # the previous export stays whole until the new one is in place
             os.replace(tmp, out_dir)
             shutil.rmtree(old, ignore_errors=True)
-        except OSError as e:
+        except Exception as e:  # a full disk: OSError, torch's RuntimeError or safetensors' SafetensorError
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write model to {out_dir}: {e.strerror or e}") from None
+            if not is_write_error(e):
+                raise
+            raise CheckpointError(f"could not write model to {out_dir}: {write_error_text(e)}; the previous "
+                                  f"{out_dir.name}/ (if any) is intact") from None
     accelerator.wait_for_everyone()

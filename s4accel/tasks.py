@@ -90,6 +90,8 @@ class Task:
         self.recipe = recipe
         self.accelerator = None  # set by the loop before build_data
         self.run_dir: Path | None = None
+        self.build_dir: Path | None = None  # where build_data may write files (a staging folder for a new run, moved
+        # into the run directory once every check has passed; the run directory itself when resuming)
         self.optimizers: dict[str, TrainOptimizer] = {}  # filled by the loop after prepare()
         self.window_scalars: dict[str, torch.Tensor] = {}  # manual optimisation: grad norms of this window's steps
         self.nonfinite_steps = 0  # manual optimisation: updates skipped for NaN/inf gradients in this window
@@ -249,7 +251,7 @@ class CausalLMTask(Task):
     def build_data(self) -> TaskData:
         from .data import build_data, collate_lm, token_byte_and_char_counts
 
-        tok_dir = self.tokenizer_dir or (self.run_dir / "tokenizer" if self.run_dir else None)
+        tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
         self.data = build_data(self.recipe.data, tokenizer_dir=tok_dir)
         counts = token_byte_and_char_counts(self.data.tokenizer)
         self.token_bytes, self.token_chars = (t.to(self.accelerator.device) for t in counts)

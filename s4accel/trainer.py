@@ -25,18 +25,19 @@ import psutil
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin, set_seed
 from tqdm.auto import tqdm
 
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, improved, load_callback
-from .checkpoint import (TrainState, check_pickles, checkpoint_recipe, checkpoint_step, locate_checkpoint,
-                         own_class, prepare_run_dir, save_checkpoint, write_atomic)
+from .checkpoint import (TrainState, check_pickles, checkpoint_recipe, checkpoint_step, latest_complete,
+                         locate_checkpoint, move_aside, own_class, save_checkpoint, write_atomic)
 from .config import Recipe, flatten, load_recipe, recipe_diff, training_fields
 from .errors import NonFiniteError, RecipeError, ResumeError
 from .preemption import StopSignals
+from .run_dir import RunDir
 from .tasks import Task, TrainOptimizer, count_items, load_task
-from .tracking import build_trackers
+from .tracking import build_trackers, check_tracker_kwargs
 
 
 @dataclass
@@ -71,14 +72,15 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     cfg, run_dir, recipe_yaml = recipe.train, recipe.run.dir, recipe.to_yaml()
     task = load_task(recipe)  # imported and constructed first: its errors are recipe errors, before any compute
-    # 0. What to resume, and whether the recipe still matches it: decided before anything is built.
-    ckpt, notes = locate_checkpoint(run_dir, resume) if resume else (None, [])
-    if ckpt is not None and not force and (diff := recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())):
-        raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
-                          + "\n".join(f"  {line}" for line in diff))
+    check_tracker_kwargs(recipe.log)
     if cfg.tf32 and torch.cuda.is_available():  # before any CUDA work; Ampere and newer
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
+    # 0. What to resume: the main process verifies the checkpoints (every file against its checksum), moves invalid
+    # ones aside, and every process follows its choice; a changed recipe is refused before anything is built.
+    PartialState(cpu=not torch.accelerator.is_available())  # the process group, so that one process decides for all
+    ckpt, notes = choose_checkpoint(run_dir, resume)
+    changed = check_resumed_recipe(ckpt, recipe, force) if ckpt is not None else []
     accelerator = Accelerator(
         # Without any accelerator, processes started by `accelerate launch --multi_gpu` (torchrun) must be told they
         # are CPU processes, or each runs alone; with cpu=True they form a gloo group (DistributedType.MULTI_CPU).
@@ -86,7 +88,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         mixed_precision=cfg.mixed_precision,  # None: from the accelerate config / launch flags
         # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # the same order on every rank (N6)
+        # The same order on every rank; a resumed epoch replays exactly the batches of an uninterrupted one.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         log_with=build_trackers(recipe.log.log_with, recipe.run.name, run_dir,
                                 resume_step=checkpoint_step(ckpt) if ckpt else None,
                                 kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
@@ -106,31 +109,43 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         warnings.warn("fp16 mixed precision has no effect on CPU (Accelerate runs float32 there, without a "
                       "GradScaler); use train.mixed_precision=bf16 for half precision on CPU", stacklevel=2)
-    prepare_run_dir(run_dir, recipe_yaml, recipe.run.overwrite, resume is not None, accelerator.is_main_process)
-    accelerator.wait_for_everyone()
+    run_files = RunDir(run_dir, accelerator.is_main_process, resuming=ckpt is not None,
+                       resume_requested=resume is not None, overwrite=recipe.run.overwrite)
+    if (note := run_files.check()) is not None:  # a directory holding another run: refused, or kept aside
+        accelerator.print(f"warning: {note}")
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)  # user callbacks are imported here: their errors come before any compute
 
-    # 1. Data, model, optimizers. The main process tokenises (and trains a BPE) first; the others read its cache.
-    task.accelerator, task.run_dir = accelerator, run_dir
-    with accelerator.main_process_first():
-        data = task.task_data = task.build_data()
-    model = task.build_model()
-    if cfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    optimizers = check_optimizers(task.build_optimizers(model), task)  # schedulers are not prepared (N3)
-    train_dl, val_dl = task.dataloaders(data)
+    # 1. Data, model, optimizers, loaders: all built before anything is written into the run directory. The main
+    # process tokenises (and trains a BPE, into the staging folder) first; the others read its cache.
+    task.accelerator, task.run_dir, task.build_dir = accelerator, run_dir, run_files.build_dir
+    with run_files.building():
+        with accelerator.main_process_first():
+            data = task.task_data = task.build_data()
+        model = build_model(task, recipe)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        optimizers = check_optimizers(task.build_optimizers(model), task)  # schedulers are not prepared (N3)
+        train_dl, val_dl = task.dataloaders(data)
+    run_files.commit(recipe_yaml)  # an earlier run's outputs moved aside, the staged files moved in
+    accelerator.wait_for_everyone()
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, model, optimizers, train_dl, val_dl)
     task.optimizers = {o.name: o for o in optimizers}
     optimizer, scheduler = optimizers[0].optimizer, optimizers[0].scheduler  # what callbacks see as run.optimizer
+    if cfg.grad_accum > len(train_dl):
+        warnings.warn(f"train.grad_accum={cfg.grad_accum} micro-batches are more than the {len(train_dl)} batches of "
+                      f"an epoch (per process): each optimizer step spans more than one epoch", stacklevel=2)
     state = TrainState(recipe_hash=recipe_hash(recipe))
     # Registration order is the checkpoint format: schedulers, loop counters, the task's own state (the carried
     # state of stateful training), then stateful callbacks in list order.
-    accelerator.register_for_checkpointing(*(o.scheduler for o in optimizers), state, *task.stateful(),
-                                           *callbacks.stateful())
+    saved = [*(o.scheduler for o in optimizers), state, *task.stateful(), *callbacks.stateful()]
+    accelerator.register_for_checkpointing(*saved)
     if ckpt is not None:
-        check_pickles(ckpt)  # nothing but tensors and plain data gets unpickled
-        accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
+        fresh = hyperparameters(optimizers)
+        load_checkpoint(accelerator, ckpt, len(saved))
+        if changed:  # --force: what the recipe now says is what runs from here on
+            restore_hyperparameters(optimizers, fresh)
+            accelerator.print(f"resuming with changed fields (--force): {'; '.join(changed)}")
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
     signals = StopSignals()
 
@@ -148,6 +163,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                       f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
                       f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
                       f"{accelerator.mixed_precision}")
+    run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
     # 2. The loop: one iteration per optimizer step.
     batches = batch_stream(accelerator, train_dl, state)
@@ -157,6 +173,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
     save_clock = Clock(recipe.checkpoint.every_minutes)
     eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
+    interrupted = lambda: signals.received is not None  # noqa: E731
     model.train()
     # The ~10^5 long-lived objects of setup (dataset, tokenizer, modules, recipe) go to the permanent generation:
     # otherwise each full collection the loop's garbage triggers rescans them all (0.2 s here, a 13% slower loop).
@@ -165,9 +182,18 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     t_start = time.perf_counter()
     with signals, unfreeze_gc_after():
         while state.step < cfg.max_steps and stop_reason is None:
+            # A stop signal between micro-batches abandons the window and rewinds to the last complete step, so a
+            # long accumulation window does not keep the cluster waiting (grad_accum > 1 only).
+            rewind = Rewind(accelerator, state, task) if cfg.grad_accum > 1 else None
             window = [next(batches) for _ in range(cfg.grad_accum)]
+            step_fn = backward_window if task.automatic_optimization else manual_window
+            scalars = step_fn(accelerator, model, window, task, state.step, abort=interrupted if rewind else None)
+            if scalars is None:  # the signal came mid-window: save the state of the last complete step and leave
+                rewind(optimizers)
+                stop_reason, preempted = f"received {signals.received or 'a stop signal on another process'}", True
+                last_ckpt = save_checked(accelerator, model, run_dir, state.step, recipe, recipe_yaml)
+                break
             if task.automatic_optimization:
-                scalars = backward_window(accelerator, model, window, task, state.step)
                 # The window's last micro-batch synchronised the gradients: all below happens once per step (N1).
                 norm = clip_gradients(accelerator, params, cfg)
                 if norm is not None:  # None under DeepSpeed, which clips inside its engine and keeps the norm
@@ -175,13 +201,12 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                 objective = scalars["loss"] + scalars.get("aux_loss", 0)
                 nonfinite = ~torch.isfinite(objective + scalars.get("grad_norm", 0))
             else:  # the task stepped its optimizers itself, on the window's last micro-batch
-                scalars = manual_window(accelerator, model, window, task, state.step)
                 nonfinite = torch.tensor(task.nonfinite_steps > 0)
             # One check per step, the same decision on every process (N10): bad numbers, a stop, a save due by time.
-            flags = agree(accelerator, nonfinite, signal=signals.received is not None,
-                          stop=run.stop_reason is not None, save=save_clock.due())
+            flags = agree(accelerator, nonfinite, signal=interrupted(), stop=run.stop_reason is not None,
+                          save=save_clock.due())
             if flags.nonfinite:
-                skip_nonfinite_step(accelerator, optimizers, state, recipe, recipe_yaml)
+                skip_nonfinite_step(accelerator, model, optimizers, state, recipe, recipe_yaml)
                 continue
             if task.automatic_optimization:
                 for o in optimizers:
@@ -200,39 +225,209 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
             if (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == cfg.max_steps:
                 eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                 task.on_validation_end()
-                flags = flags.merge(agree(accelerator, None, signal=signals.received is not None,
-                                          stop=run.stop_reason is not None))
+                flags = flags.merge(agree(accelerator, None, signal=interrupted(), stop=run.stop_reason is not None))
             if flags.signal or flags.stop:  # every process takes this branch at the same step
                 preempted = flags.signal
                 stop_reason = (f"received {signals.received or 'a stop signal on another process'}" if preempted
                                else run.stop_reason or "a callback on another process asked to stop")
             every = recipe.checkpoint.every_steps
             if (every and state.step % every == 0) or flags.save or stop_reason:
-                last_ckpt = save_checkpoint(accelerator, run_dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
+                last_ckpt = save_checked(accelerator, model, run_dir, state.step, recipe, recipe_yaml)
                 callbacks.on_save(run, last_ckpt)
                 save_clock.reset()
     bar.close()
     loop_seconds = time.perf_counter() - t_start
     result = TrainResult(run_dir, None, state.step, eval_metrics, loop_seconds, [], accelerator.is_main_process,
                          stop_reason, last_ckpt, preempted)
-    if result.preempted:  # the cluster wants the machine back: the checkpoint is written, leave now
-        accelerator.end_training()
-        return result
-
-    # 3. Export: config + safetensors + generation config + tokenizer, loadable by from_pretrained.
-    result.final_dir = run_dir / "final"
-    task.export(model, result.final_dir)
-    task.on_train_end(model)  # the language model writes its samples
-    result.samples = getattr(task, "samples", [])
-    callbacks.on_train_end(run)  # writes final_ema/ and the like before a push reads them
-    accelerator.end_training()
-    if recipe.hub.push_at_end and accelerator.is_main_process:  # everything is saved: a failed push loses nothing
+    if not result.preempted:  # the cluster wants the machine back when preempted: the checkpoint is written, leave
+        # 3. Export: config + safetensors + generation config + tokenizer, loadable by from_pretrained.
+        result.final_dir = run_dir / "final"
+        task.export(model, result.final_dir)
+        task.on_train_end(model)  # the language model writes its samples
+        result.samples = getattr(task, "samples", [])
+        callbacks.on_train_end(run)  # writes final_ema/ and the like before a push reads them
+    # 4. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
+    # all processes are still here, then the group is destroyed. Freed later, after one process had exited, the
+    # reducer's gloo group waited forever for it at exit.
+    del model, run, params
+    task.optimizers = {}
+    finish(accelerator)
+    if not result.preempted and recipe.hub.push_at_end and accelerator.is_main_process:  # a failed push loses nothing
         from .hub import push_run
 
         hub = recipe.hub
         url = push_run(run_dir, hub.repo_id, private=hub.private, revision=hub.revision, which=hub.which)
         accelerator.print(f"pushed the {hub.which} model to {hub.repo_id}: {url}")
     return result
+
+
+def finish(accelerator) -> None:
+    """Barrier, release what Accelerate holds of the prepared objects, collect, then end training (trackers closed,
+    process group destroyed) on every process together."""
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()  # its references to the prepared model, optimizers and loaders
+    gc.collect()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def choose_checkpoint(run_dir: Path, resume: str | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (None: a fresh start) and warnings, decided by the main process and the same on
+    every process. Checkpoints newer than the chosen one that failed verification are moved aside."""
+    from accelerate.utils import broadcast_object_list
+
+    if resume is None:
+        return None, []
+    state = PartialState()
+    choice: list = [None, [], None]  # checkpoint, warnings, error
+    if state.is_main_process:
+        try:
+            ckpt, notes, invalid = locate_checkpoint(run_dir, resume)
+            for path in invalid:
+                notes.append(f"moved the invalid checkpoint {path.name} aside to {move_aside(path).name}")
+            choice = [str(ckpt) if ckpt else None, notes, None]
+        except ResumeError as e:
+            choice = [None, [], str(e)]
+    broadcast_object_list(choice)
+    if choice[2] is not None:
+        raise ResumeError(choice[2])
+    return (Path(choice[0]) if choice[0] else None), choice[1]
+
+
+def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool) -> list[str]:
+    """The training-relevant fields that differ from the checkpoint's recipe (`key: old -> new`): refused, or with
+    `force` returned (to apply and print), except those that cannot take effect in a resumed run."""
+    diff = recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())
+    fixed = [line for line in diff if line.startswith(FIXED_ON_RESUME) and "dropout" not in line.split(":")[0]]
+    if fixed:
+        raise ResumeError(f"{', '.join(line.split(':')[0] for line in fixed)} cannot change when resuming, even with "
+                          f"--force: the checkpoint's weights and random states come from the old value(s) "
+                          f"({'; '.join(fixed)}); start a new run instead")
+    if diff and not force:
+        raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
+                          + "\n".join(f"  {line}" for line in diff))
+    return diff
+
+
+FIXED_ON_RESUME = ("run.seed", "model.", "task.target", "train.state.", "data.tokenizer", "data.vocab_size")
+"""Recipe fields a resumed run cannot honour: the weights' shapes and meaning, the random streams, the task."""
+
+
+def load_checkpoint(accelerator, ckpt: Path, n_saved: int) -> None:
+    """`accelerator.load_state` after checks it does not make: the files this run needs are all there, nothing in
+    them is more than tensors and plain data (checked before anything is unpickled), and any error while loading is
+    one line (Accelerate would swallow a damaged RNG state with a log message)."""
+    found = len(list(ckpt.glob("custom_checkpoint_*.pkl")))
+    if found != n_saved:
+        raise ResumeError(f"{ckpt}: the checkpoint saved {found} objects besides model and optimizer, this run has "
+                          f"{n_saved} (schedulers, loop state, carried state, stateful callbacks: a callback added or "
+                          f"removed?)")
+    ranks = len(list(ckpt.glob("random_states_*.pkl")))
+    if not (ckpt / f"random_states_{accelerator.process_index}.pkl").is_file():
+        raise ResumeError(f"{ckpt}: saved by {ranks} process(es), resumed by {accelerator.num_processes}: process "
+                          f"{accelerator.process_index} has no random states to continue from")
+    check_pickles(ckpt)
+    try:
+        accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {first[:300]}") from None
+
+
+def hyperparameters(optimizers: list[TrainOptimizer]) -> list:
+    """Each optimizer's group settings (lr, weight decay, betas, ...) and its schedule's base rates, as built."""
+    return [([{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups],
+             list(getattr(o.scheduler, "base_lrs", []))) for o in optimizers]
+
+
+def restore_hyperparameters(optimizers: list[TrainOptimizer], fresh: list) -> None:
+    """After `load_state`, which restores the checkpoint's optimizer settings and base learning rates: the recipe's
+    settings again, and the learning rate its schedule gives at the restored step."""
+    for o, (groups, base_lrs) in zip(optimizers, fresh):
+        sched = o.scheduler
+        for group, settings in zip(o.optimizer.param_groups, groups):
+            group.update(settings)
+        if not base_lrs:
+            continue
+        sched.base_lrs = base_lrs
+        for group, base in zip(o.optimizer.param_groups, base_lrs):
+            group["initial_lr"] = base
+        if hasattr(sched, "lr_lambdas"):  # LambdaLR (every transformers schedule): lr = base * f(step)
+            lrs = [base * f(sched.last_epoch) for base, f in zip(base_lrs, sched.lr_lambdas)]
+        elif hasattr(sched, "_get_closed_form_lr"):
+            lrs = sched._get_closed_form_lr()
+        else:
+            continue
+        for group, lr in zip(o.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = list(lrs)
+
+
+class Rewind:
+    """What one optimizer step's window changes besides gradients (the data position, the random streams, a
+    task's carried state), captured at its start, to go back to the last complete step when a stop signal cuts the
+    window short: the checkpoint then holds exactly the state a step boundary would have."""
+
+    def __init__(self, accelerator, state: TrainState, task: Task):
+        import random
+
+        import numpy as np
+
+        self.accelerator, self.state, self.task = accelerator, state, task
+        # accelerate counts micro-batches to know which one synchronises gradients, and saves that count
+        self.position = (state.epoch, state.batch_in_epoch, accelerator.step)
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.carried = [(obj, obj.snapshot()) for obj in task.stateful() if hasattr(obj, "snapshot")]
+
+    def __call__(self, optimizers: list[TrainOptimizer]) -> None:
+        import random
+
+        import numpy as np
+
+        for o in optimizers:
+            o.optimizer.zero_grad(set_to_none=True)
+        self.state.epoch, self.state.batch_in_epoch, self.accelerator.step = self.position
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        if self.rng[3] is not None:
+            torch.cuda.set_rng_state_all(self.rng[3])
+        for obj, snap in self.carried:
+            obj.restore(snap)
+
+
+def build_model(task: Task, recipe: Recipe):
+    """The task's model; a model too large for the memory is a recipe error naming the size, not a traceback."""
+    try:
+        return task.build_model()
+    except (RuntimeError, MemoryError) as e:
+        text = str(e)
+        if isinstance(e, RuntimeError) and "alloc" not in text.lower() and "memory" not in text.lower():
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise RecipeError(f"model: cannot allocate {recipe.model.name} with model.overrides {recipe.model.overrides} "
+                          f"({first[:200]}); choose a smaller size") from None
+
+
+def weights_finite(accelerator, model) -> bool:
+    """Whether every parameter is finite on every process (one norm per tensor, one small all-reduce)."""
+    from .callbacks import local
+
+    tensors = [local(p) for p in model.parameters()]
+    ok = torch.stack(torch._foreach_norm(tensors)).isfinite().all() if tensors else torch.tensor(True)
+    return not agree(accelerator, ~ok.to(accelerator.device)).nonfinite
+
+
+def save_checked(accelerator, model, run_dir: Path, step: int, recipe: Recipe, recipe_yaml: str) -> Path:
+    """A checkpoint of weights that are finite: an update that made them non-finite (a learning rate too large) is
+    stopped here rather than saved as the state to resume from."""
+    if not weights_finite(accelerator, model):
+        good = latest_complete(run_dir)
+        raise NonFiniteError(f"the weights are no longer finite after step {step} (an update made them so: optim.lr "
+                             f"too large?); not saving them; the last good state is "
+                             f"{good or 'not saved (no checkpoint yet)'}")
+    return save_checkpoint(accelerator, run_dir, step, recipe.checkpoint.keep_last, recipe_yaml)
 
 
 def build_callbacks(recipe: Recipe) -> CallbackList:
@@ -285,8 +480,9 @@ def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False,
     return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
 
 
-def skip_nonfinite_step(accelerator, optimizers: list[TrainOptimizer], state, recipe, recipe_yaml) -> None:
-    """Drop this step's update (the weights stay the last good ones), count it, and stop by policy."""
+def skip_nonfinite_step(accelerator, model, optimizers: list[TrainOptimizer], state, recipe, recipe_yaml) -> None:
+    """Drop this step's update (the weights stay the last good ones), count it, and stop by policy, or at once when
+    the weights themselves are no longer finite (skipping cannot help then)."""
     cfg = recipe.train
     for o in optimizers:
         o.optimizer.zero_grad(set_to_none=True)
@@ -294,12 +490,19 @@ def skip_nonfinite_step(accelerator, optimizers: list[TrainOptimizer], state, re
     state.consecutive_nonfinite += 1
     accelerator.print(f"warning: non-finite loss or gradient norm at step {state.step + 1}; update skipped "
                       f"({state.consecutive_nonfinite} in a row)")
-    if cfg.on_nonfinite == "stop" or state.consecutive_nonfinite >= cfg.max_nonfinite_skips:
-        path = save_checkpoint(accelerator, recipe.run.dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
+    finite = weights_finite(accelerator, model)
+    if cfg.on_nonfinite == "stop" or state.consecutive_nonfinite >= cfg.max_nonfinite_skips or not finite:
         why = ("train.on_nonfinite=stop" if cfg.on_nonfinite == "stop"
-               else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}")
+               else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}"
+               if finite else "the weights are no longer finite: an update made them so (optim.lr too large?)")
+        if finite:
+            path = save_checkpoint(accelerator, recipe.run.dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
+            where = f"saved in {path}"
+        else:
+            good = latest_complete(recipe.run.dir)
+            where = f"{good}" if good else "not saved (no checkpoint yet)"
         raise NonFiniteError(f"non-finite loss or gradient norm at step {state.step + 1} ({why}); the last good state "
-                             f"is saved in {path}")
+                             f"is {where}")
 
 
 def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
@@ -400,10 +603,14 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         state.batch_in_epoch = 0
 
 
-def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0) -> dict:
+def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0,
+                    abort=None) -> dict | None:
     """Forward and backward over the micro-batches of one optimizer step (automatic optimisation); returns this rank's
     share of the window's training scalars (`loss`, and for mixture-of-experts models `aux_loss`, `expert_counts`,
-    `dropped_counts`). Without a task, `model(**batch)` is the step.
+    `dropped_counts`). Without a task, `model(**batch)` is the step. With `abort` (a stop signal's flag), every
+    process checks it together between micro-batches and all return None as soon as one saw it, unless the window's
+    end is near (the last eighth of it, at least its last micro-batch, is finished instead); one small collective per
+    checked micro-batch with several processes, nothing with one.
 
     Item-normalised (N4): the task's loss is its micro-batch's mean over `count_items(batch)` (real target tokens for
     a language model); weighting it by that count over the count of the whole window on all ranks makes the window's
@@ -414,6 +621,7 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
     """
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
+    near = max(1, ga // 8)  # micro-batches still to run that are finished rather than abandoned
     count = task.count_items if task is not None else count_items
     counts, n_items = None, None  # one micro-batch on one process: the task's own mean is the window's mean
     if ga > 1 or n_proc > 1:
@@ -423,6 +631,8 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
             n_items = accelerator.gather(n_items.reshape(1)).sum()
     totals: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(window):
+        if i and abort is not None and ga - i > near and agree(accelerator, None, signal=abort()).signal:
+            return None
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
             out = task.training_step(model, batch, step) if task is not None else model(**batch)
             loss, aux = (out, None) if isinstance(out, torch.Tensor) else (out["loss"], out.get("aux_loss"))
@@ -443,13 +653,17 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
     return totals
 
 
-def manual_window(accelerator, model, window: list[dict], task: Task, step: int) -> dict:
+def manual_window(accelerator, model, window: list[dict], task: Task, step: int, abort=None) -> dict | None:
     """Manual optimisation: the task's `training_step` runs on each micro-batch (its `step()` calls act on the last);
-    returns this rank's share of the mean of the scalars it returned, and the gradient norms of its steps."""
+    returns this rank's share of the mean of the scalars it returned, and the gradient norms of its steps. `abort`:
+    as for `backward_window` (no optimizer has stepped before the window's last micro-batch)."""
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    near = max(1, ga // 8)
     task.window_scalars, task.nonfinite_steps = {}, 0
     totals: dict[str, torch.Tensor] = {}
-    for batch in window:
+    for i, batch in enumerate(window):
+        if i and abort is not None and ga - i > near and agree(accelerator, None, signal=abort()).signal:
+            return None
         with accelerator.accumulate(model):  # sets sync_gradients on the window's last micro-batch
             out = task.training_step(model, batch, step) or {}
         for k, v in out.items():

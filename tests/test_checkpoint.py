@@ -10,15 +10,22 @@ from s4accel.checkpoint import (COMPLETE, checkpoint_problem, complete_checkpoin
 from s4accel.errors import CheckpointError, ResumeError
 
 
+CHECKPOINT_FILES = {"model.safetensors": b"x" * 100, "optimizer.bin": b"y" * 50, "random_states_0.pkl": b"r" * 20,
+                    "recipe.yaml": b"run: {}\n"}
+
+
 def fake_checkpoint(run_dir, step, files=None, marker=True):
-    """A checkpoint directory as save_checkpoint leaves it: files, then a manifest listing their sizes."""
+    """A checkpoint directory as save_checkpoint leaves it: files, then a manifest listing their sizes and hashes."""
+    import hashlib
+
     path = run_dir / "checkpoints" / f"step_{step:08d}"
     path.mkdir(parents=True)
-    files = files or {"model.safetensors": b"x" * 100, "optimizer.bin": b"y" * 50}
+    files = files or CHECKPOINT_FILES
     for name, data in files.items():
         (path / name).write_bytes(data)
     if marker:
-        manifest = {"step": step, "files": {n: len(d) for n, d in files.items()}}
+        manifest = {"step": step, "files": {n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+                                            for n, d in files.items()}}
         (path / COMPLETE).write_text(json.dumps(manifest))
     return path
 
@@ -36,7 +43,8 @@ class FakeAccelerator:
         from pathlib import Path
 
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "model.safetensors").write_bytes(b"z" * 10)
+        for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl"):
+            (Path(out_dir) / name).write_bytes(b"z" * 10)
         if self.fail_with:
             raise OSError(self.fail_with, "No space left on device")
 
@@ -47,8 +55,8 @@ def test_latest_complete_checkpoint_is_chosen_and_broken_ones_are_skipped_with_a
     (truncated / "optimizer.bin").write_bytes(b"y" * 7)  # the disk filled up, or the copy was cut
     unmarked = fake_checkpoint(tmp_path, 30, marker=False)  # killed before the manifest was written
     (tmp_path / "checkpoints" / ".tmp_step_00000040").mkdir()  # killed inside save_state
-    path, warnings = locate_checkpoint(tmp_path, "latest")
-    assert path == good
+    path, warnings, invalid = locate_checkpoint(tmp_path, "latest")
+    assert path == good and invalid == [unmarked, truncated]
     assert warnings == [
         f"ignoring {tmp_path / 'checkpoints' / '.tmp_step_00000040'}: a checkpoint whose save was interrupted",
         f"skipping checkpoint {unmarked}: no COMPLETE marker (the save did not finish)",
@@ -58,7 +66,7 @@ def test_latest_complete_checkpoint_is_chosen_and_broken_ones_are_skipped_with_a
 
 
 def test_no_checkpoint_means_a_fresh_start_and_a_bad_explicit_path_is_an_error(tmp_path):
-    assert locate_checkpoint(tmp_path, "latest") == (None, [])
+    assert locate_checkpoint(tmp_path, "latest") == (None, [], [])
     broken = fake_checkpoint(tmp_path, 5)
     (broken / "model.safetensors").unlink()
     assert checkpoint_problem(broken) == "model.safetensors is missing"
@@ -72,7 +80,8 @@ def test_save_rotates_to_keep_last_and_never_rewrites_a_complete_checkpoint(tmp_
         save_checkpoint(acc, tmp_path, step, keep_last=2, recipe_yaml="run: {}\n")
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     manifest = (tmp_path / "checkpoints" / "step_00000003" / COMPLETE).read_text()
-    assert set(json.loads(manifest)["files"]) == {"model.safetensors", "recipe.yaml"}
+    assert set(json.loads(manifest)["files"]) == {"model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                                                  "recipe.yaml"}
     before = (tmp_path / "checkpoints" / "step_00000003" / COMPLETE).stat().st_mtime_ns
     save_checkpoint(acc, tmp_path, 3, keep_last=2, recipe_yaml="run: {}\n")
     assert (tmp_path / "checkpoints" / "step_00000003" / COMPLETE).stat().st_mtime_ns == before

@@ -1,0 +1,115 @@
+"""The run directory's life: checked before anything is built, written only once every check has passed.
+
+A new run (or an overwrite) builds in `run_dir/.staging` (the BPE tokenizer a task trains, for instance); `commit()`
+moves it into place once data, model, optimizers and loaders are built. Until then nothing of an earlier run is
+touched, and a failure removes the staging folder and every folder it had to create, so a recipe that fails its
+checks leaves no trace. An overwritten run's outputs are moved into `run_dir/.replaced-<time>` by `commit()` and
+deleted by `drop_replaced()` once the new run has started. A `--resume` that finds no usable checkpoint starts fresh
+and keeps the earlier attempt's outputs in `run_dir/earlier-<time>` (never deleted), unless they include a finished
+model, which it refuses to replace without `run.overwrite`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .errors import RunDirError
+
+RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer")
+"""What a run writes; a directory holding any of them holds a run."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """One run's directory. `resuming`: a checkpoint of it will be loaded; `resume_requested`: `--resume` was given
+    (maybe finding nothing to resume); `overwrite`: `run.overwrite`. Methods that write act on the main process."""
+
+    def __init__(self, path: Path, is_main: bool, resuming: bool, resume_requested: bool, overwrite: bool):
+        self.path, self.is_main = path, is_main
+        self.resuming, self.resume_requested, self.overwrite = resuming, resume_requested, overwrite
+        self.staging = path / ".staging"
+        self.replaced: Path | None = None
+        self._created: list[Path] = []
+        self.earlier = [name for name in RUN_OUTPUTS if (path / name).exists()]
+        """Outputs of an earlier run found in the directory."""
+
+    def check(self) -> str | None:
+        """Refuse a directory holding another run unless resuming it or overwriting it; returns a warning to print,
+        if any. Reads only."""
+        if not self.earlier or self.resuming or self.overwrite:
+            return None
+        if not self.resume_requested:
+            raise RunDirError(f"{self.path} already holds a run ({', '.join(self.earlier)}); resume it with --resume, "
+                              f"choose another run.out_dir, or set run.overwrite=true to replace it")
+        if "final" in self.earlier:
+            raise RunDirError(f"{self.path} holds a finished model (final/) but no usable checkpoint to resume from; "
+                              f"set run.overwrite=true to train it again, or choose another run.out_dir")
+        return (f"{self.path}: no usable checkpoint to resume from; starting a fresh run (the earlier attempt's "
+                f"{', '.join(self.earlier)} will be kept in {self.path / 'earlier-<time>'})")
+
+    @property
+    def build_dir(self) -> Path:
+        """Where a task may write while it builds its data: the run directory itself when resuming (its tokenizer is
+        there), else the staging folder."""
+        return self.path if self.resuming else self.staging
+
+    @contextlib.contextmanager
+    def building(self):
+        """Around building data, model and optimizers: creates the staging folder; on any error removes it and the
+        folders created for it (the run directory and its parents, when they did not exist)."""
+        if self.is_main and not self.resuming:
+            missing = [p for p in (self.staging, *self.staging.parents) if not p.exists()]
+            try:
+                shutil.rmtree(self.staging, ignore_errors=True)  # a killed run's leftovers
+                self.staging.mkdir(parents=True)
+            except OSError as e:
+                raise RunDirError(f"cannot write to run directory {self.path}: {e.strerror or e}") from None
+            self._created = missing  # deepest first
+        try:
+            yield self.build_dir
+        except BaseException:
+            if self.is_main and not self.resuming:
+                shutil.rmtree(self.staging, ignore_errors=True)
+                for folder in self._created[1:]:
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()  # only if still empty
+            raise
+
+    def commit(self, recipe_yaml: str) -> None:
+        """Every check has passed: move an earlier run's outputs aside, the staged files in, write the recipe."""
+        if not self.is_main:
+            return
+        try:
+            if not self.resuming and self.earlier:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                aside = self.path / (f".replaced-{stamp}" if self.overwrite else f"earlier-{stamp}")
+                aside.mkdir()
+                for name in self.earlier:
+                    os.replace(self.path / name, aside / name)
+                self.replaced = aside if self.overwrite else None
+            if self.staging.exists():
+                for item in self.staging.iterdir():
+                    os.replace(item, self.path / item.name)
+                self.staging.rmdir()
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path / "recipe.yaml", recipe_yaml)
+        except OSError as e:
+            raise RunDirError(f"cannot write to run directory {self.path}: {e.strerror or e}") from None
+
+    def drop_replaced(self) -> None:
+        """The new run has started: delete the outputs it replaced."""
+        if self.is_main and self.replaced is not None:
+            shutil.rmtree(self.replaced, ignore_errors=True)
+            self.replaced = None

@@ -1,0 +1,55 @@
+"""A finished multi-process run exits promptly on every process: the wrapped model (whose DDP reducer holds the
+process group) is freed while every process is still there, then the group is destroyed, together."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY
+
+pytestmark = pytest.mark.slow
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+          str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+
+
+def overrides(text, out):
+    return [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=2",
+            "train.max_steps=3", "train.eval_every=0", "scheduler.warmup_steps=0", "log.progress_bar=false",
+            "log.log_with=[jsonl]", "sample.prompts=[]"]
+
+
+def test_the_process_group_is_destroyed_after_the_wrapped_model_is_freed(text, tmp_path):
+    proc = subprocess.run([*LAUNCH, str(REPO / "tests" / "scripts" / "exit_order.py"), str(tmp_path), str(TINY),
+                           *overrides(text, tmp_path / "run")], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for r in reports:
+        assert r["steps"] == 3 and r["ddp_alive_at_destroy"] == [0] and not r["initialized"]
+
+
+def test_back_to_back_two_process_runs_under_load_each_exit_within_seconds_of_their_export(text, tmp_path):
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the other core is busy too
+    try:
+        for i in range(3):
+            out = tmp_path / f"run{i}"
+            args = [*LAUNCH, "-m", "s4accel", "train", str(TINY)]
+            for item in overrides(text, out):
+                args += ["--set", item]
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            try:
+                _, err = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                pytest.fail(f"run {i} did not exit within 300 s (final/ written: {(out / 'final').exists()})")
+            ended = time.time()
+            assert proc.returncode == 0, err[-3000:]
+            written = (out / "final" / "config.json").stat().st_mtime
+            assert ended - written < 30, f"run {i} exited {ended - written:.1f} s after writing final/"
+    finally:
+        burner.kill()

@@ -1,0 +1,22 @@
+"""Tasks the tests pick through recipes (`task: {target: testing_tasks:X, args: {...}}`); the tests put this folder on
+the path (PYTHONPATH for subprocesses)."""
+
+import os
+import signal
+
+from s4accel.tasks import CausalLMTask
+
+
+class SignalAtMicroBatch(CausalLMTask):
+    """The built-in language-model task that sends this process SIGTERM during its `call`-th micro-batch (as a
+    preemption notice arriving in the middle of an accumulation window would) and counts the micro-batches run."""
+
+    def __init__(self, recipe, call: int, tokenizer_dir=None):
+        super().__init__(recipe, tokenizer_dir)
+        self.call, self.calls = call, 0
+
+    def training_step(self, model, batch, step):
+        self.calls += 1
+        if self.calls == self.call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(model, batch, step)
