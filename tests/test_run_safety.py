@@ -276,7 +276,8 @@ def test_cli_exit_code_and_message_for_non_finite_weights(text, tmp_path):
         args += ["--set", item]
     proc = run_cli(*args)
     assert proc.returncode == 3
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "the weights are no longer finite" in last, last
     assert "Traceback" not in proc.stderr
 
 
