@@ -492,9 +492,9 @@ def skip_nonfinite_step(accelerator, model, optimizers: list[TrainOptimizer], st
                       f"({state.consecutive_nonfinite} in a row)")
     finite = weights_finite(accelerator, model)
     if cfg.on_nonfinite == "stop" or state.consecutive_nonfinite >= cfg.max_nonfinite_skips or not finite:
-        why = ("train.on_nonfinite=stop" if cfg.on_nonfinite == "stop"
-               else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}"
-               if finite else "the weights are no longer finite: an update made them so (optim.lr too large?)")
+        why = ("the weights are no longer finite: an update made them so (optim.lr too large?)" if not finite
+               else "train.on_nonfinite=stop" if cfg.on_nonfinite == "stop"
+               else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}")
         if finite:
             path = save_checkpoint(accelerator, recipe.run.dir, state.step, recipe.checkpoint.keep_last, recipe_yaml)
             where = f"saved in {path}"
