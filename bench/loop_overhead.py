@@ -96,7 +96,7 @@ def gate() -> Gate:
 
 
 try:
-    from s4accel.callbacks import Callback
+    from s4accel.training.callbacks import Callback
 
     class GateCallback(Callback):
         """The gate inside `s4accel.train`: a recipe callback (on_step_end comes after each optimizer step)."""
@@ -117,7 +117,7 @@ def setup(recipe):
     from accelerate.utils import set_seed
 
     from s4accel.data import build_text_data
-    from s4accel.tasks import build_model
+    from s4accel.training.tasks_builtin import build_model
 
     torch.set_num_threads(1)
     data = build_text_data(recipe.data)
@@ -143,7 +143,7 @@ def forever(loader):
 def worker_torch(recipe):
     import torch
 
-    from s4accel.optim import build_optimizer, build_scheduler
+    from s4accel.training.optim import build_optimizer, build_scheduler
 
     model, data = setup(recipe)
     opt = build_optimizer(model, recipe.optim)
@@ -165,7 +165,7 @@ def worker_torch(recipe):
 def worker_accelerate(recipe):
     from accelerate import Accelerator
 
-    from s4accel.optim import build_optimizer, build_scheduler
+    from s4accel.training.optim import build_optimizer, build_scheduler
 
     accelerator = Accelerator(cpu=True)
     model, data = setup(recipe)
@@ -191,7 +191,7 @@ def worker_trainer(recipe):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from s4accel.data import collate_lm
-    from s4accel.optim import build_optimizer, build_scheduler
+    from s4accel.training.optim import build_optimizer, build_scheduler
 
     model, data = setup(recipe)
     opt = build_optimizer(model, recipe.optim)

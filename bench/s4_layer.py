@@ -38,8 +38,8 @@ with the reason. A slow S4 layer is never skipped but runs fewer rounds (never f
 at start and end are in `machine`.
 
 The reference needs its two files exported outside this repository and `einops` and `scipy` importable:
-    mkdir -p /tmp/s4ref && for f in s4d s4; do
-        git -C /work/.mirror/state-spaces+s4/repo show HEAD:models/s4/$f.py > /tmp/s4ref/$f.py; done
+    git clone --depth 1 https://github.com/state-spaces/s4 /tmp/s4-repo
+    mkdir -p /tmp/s4ref && cp /tmp/s4-repo/models/s4/s4d.py /tmp/s4-repo/models/s4/s4.py /tmp/s4ref/
     .venv/bin/pip install einops scipy   # or: pip install --target /tmp/s4ref/site ...; PYTHONPATH=/tmp/s4ref/site
 """
 
@@ -77,7 +77,7 @@ def import_reference(ref_dir: str | Path, name: str) -> types.ModuleType:
     """Import `name` ("s4d" or "s4") from `ref_dir`. Raises ImportError with the reason when it cannot."""
     ref_dir = Path(ref_dir)
     if not (ref_dir / f"{name}.py").is_file():
-        raise ImportError(f"{ref_dir / (name + '.py')} not found (export it from the state-spaces/s4 mirror)")
+        raise ImportError(f"{ref_dir / (name + '.py')} not found (copy it from a clone of github.com/state-spaces/s4, see the module docs)")
     if str(ref_dir) not in sys.path:
         sys.path.insert(0, str(ref_dir))
     _stub_missing("src.models.nn", DropoutNd=_UnusedDropoutNd)  # s4d.py: used only with dropout > 0

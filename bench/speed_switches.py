@@ -39,13 +39,15 @@ def worker(args) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import TorchDynamoPlugin
 
-    from s4accel.config import ModelCfg, OptimCfg, build_model_config
-    from s4accel.optim import build_optimizer
-    from s4accel.trainer import enable_activation_checkpointing
+    from s4accel.config import ModelCfg, OptimCfg
+    from s4accel.training.tasks_builtin import model_config as build_model_config
+    from s4accel.training.optim import build_optimizer
+    from s4accel.training.loop import enable_activation_checkpointing
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.variant == "compile" else None
+    compiled = args.variant == "compile"
+    dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if compiled else None
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), dynamo_plugin=dynamo)
     torch.manual_seed(0)
     config = build_model_config(ModelCfg(name=args.size), vocab_size=259, pad_token_id=0, eos_token_id=1)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from s4accel.arrays import read_ucr
+from s4accel.data.arrays import read_ucr
 
 
 def dtw_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

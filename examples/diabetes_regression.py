@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from s4accel.tasks import Task, TaskData
+from s4accel import Task, TaskData
 
 
 def sklearn_data_file(name: str) -> Path:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from s4accel.tasks import Task, TaskData, TrainOptimizer
+from s4accel import Task, TaskData, TrainOptimizer
 
 
 def mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
@@ -62,7 +62,7 @@ class DigitsGANTask(Task):
         self.test_fraction, self.split_seed = test_fraction, split_seed
 
     def build_data(self) -> TaskData:
-        from s4accel.arrays import read_digits  # the csv inside the scikit-learn wheel
+        from s4accel.data.arrays import read_digits  # the csv inside the scikit-learn wheel
 
         x, y, *_ = read_digits()
         x, y = torch.tensor(x[:, :, 0]), torch.tensor(y)  # (1797, 64) pixels in 0..16, digit labels

@@ -43,7 +43,7 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
 
     try:
         resolved = load_recipe(recipe, overrides or [])
-        from .trainer import train as run_training
+        from .tools.run import train as run_training
 
         result = run_training(resolved, resume=resume, force=force)
     except S4AccelError as e:
@@ -64,28 +64,15 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
 def show(recipe: RecipeArg, overrides: SetOpt = None):
     """Print the resolved recipe and the model's parameter count, without training."""
     from .config import load_recipe
+    from .tools.summary import describe, summary_model
 
     try:
         resolved = load_recipe(recipe, overrides or [])
-        config, n_params = _model_summary(resolved)
+        task, model = summary_model(resolved)
     except S4AccelError as e:
         raise _fail(e) from None
     typer.echo(resolved.to_yaml(), nl=False)
-    inputs = f"vocab {config.vocab_size}" if config.d_input is None else \
-        f"{config.d_input} feature(s) per step, {config.num_labels} label(s)"
-    typer.echo(f"# model: {resolved.model.name} ({config.model_type}), {n_params:,} parameters, {inputs}")
-
-
-def _model_summary(recipe):
-    import torch
-
-    from .config import build_model_config
-    from .data import auto_model_class, data_spec
-
-    config = build_model_config(recipe.model, **data_spec(recipe.data))
-    with torch.device("meta"):  # shapes only: no memory, no init
-        model = auto_model_class(recipe.data).from_config(config)
-    return config, sum(p.numel() for p in model.parameters())
+    typer.echo(describe(resolved, task, model))
 
 
 ModelArg = Annotated[str, typer.Argument(
@@ -103,7 +90,7 @@ def generate(
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ):
     """Continue a prompt with a trained language model (safetensors weights only, no remote code)."""
-    from .inference import generate_text
+    from .tools.inference import generate_text
 
     try:
         text = generate_text(model, prompt, max_new_tokens, temperature, top_p, top_k, seed)
@@ -123,7 +110,7 @@ def eval_(
     import json
 
     from .config import load_recipe
-    from .inference import evaluate_model
+    from .tools.inference import evaluate_model
 
     try:
         metrics = evaluate_model(model, load_recipe(recipe, overrides or []))
@@ -149,7 +136,7 @@ def push(
     ema: Annotated[bool, typer.Option("--ema", help="The EMA weights (train.ema).")] = False,
 ):
     """Upload a run's model to the Hub with a model card, recipe, metrics and TensorBoard logs."""
-    from .hub import push_run
+    from .tools.hub import push_run
 
     if best + final + ema > 1:
         typer.echo("error: choose one of --best, --final, --ema", err=True)
@@ -174,7 +161,7 @@ def lr_find(
 ):
     """Learning-rate range test: an exponential lr sweep on a throwaway model, the smoothed loss, a suggested lr."""
     from .config import load_recipe
-    from .finders import find_lr
+    from .tools.finders import find_lr
 
     try:
         resolved = load_recipe(recipe, overrides or [])
@@ -199,7 +186,7 @@ def find_batch_size_cmd(
 ):
     """The largest data.batch_size whose training step fits a memory budget (CUDA: peak allocated; CPU: peak RSS)."""
     from .config import load_recipe
-    from .finders import find_batch_size
+    from .tools.finders import find_batch_size
 
     try:
         result = find_batch_size(load_recipe(recipe, overrides or []), memory_mb, max_batch)
@@ -217,7 +204,7 @@ def find_batch_size_cmd(
 @app.command()
 def models():
     """List the named model sizes a recipe's model.name can take."""
-    from .sizes import MODEL_SIZES
+    from .config.sizes import MODEL_SIZES
 
     for name, spec in MODEL_SIZES.items():
         fields = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "family")

@@ -1,4 +1,5 @@
-"""Errors a user can cause and fix. The CLI prints their message on one line, without a traceback."""
+"""Errors a user can cause and fix (the CLI prints their message on one line, without a traceback), and the
+did-you-mean hint their messages share."""
 
 
 class S4AccelError(Exception):
@@ -48,3 +49,11 @@ class ModelError(S4AccelError):
     data it is asked to evaluate."""
 
     exit_code = 2
+
+
+def did_you_mean(word: str, choices) -> str:
+    """` (did you mean 'x'?)` for the closest of `choices`, or nothing: the hint every name error carries."""
+    import difflib
+
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""

@@ -1,9 +1,7 @@
-"""Test setup: offline Hub and datasets, a session-wide datasets cache, tiny-model fixtures."""
+"""Test setup: offline Hub and datasets, a session-wide datasets cache, tiny-model fixtures. Plain helpers the tests
+import live in helpers.py."""
 
-import json
 import os
-import sys
-from pathlib import Path
 
 # Before anything imports huggingface_hub / datasets: no network, ever (a wrong Hub id would otherwise retry ~25 s).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -13,9 +11,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "recipes"
-TINY = RECIPES / "s4_tiny_debug.yaml"
+from helpers import small_text_file  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,60 +29,7 @@ def tiny_config():
     return S4Config(d_model=32, n_layer=2, d_state=8, vocab_size=50)
 
 
-def run_cli(*args, env=None, timeout=600, cwd=REPO):
-    """`python -m s4accel ARGS` in a subprocess, offline; returns the CompletedProcess."""
-    import subprocess
-
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "s4accel", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=cwd)
-
-
-def small_text_file(tmp_path, chars=3000) -> Path:
-    """The opening of a real play as a .txt file: a few dozen blocks, so an epoch lasts only a few steps."""
-    from s4accel.data import clean_play, shakespeare_files
-
-    path = tmp_path / "play.txt"
-    path.write_text(clean_play(shakespeare_files()[0].read_text())[:chars])
-    return path
-
-
 @pytest.fixture(scope="module")
 def text(tmp_path_factory, hf_cache):
     """A small text file (a few plays' worth), once per test module."""
     return small_text_file(tmp_path_factory.mktemp("text"))
-
-
-def train_in_process(recipe_path, overrides, resume=None, force=False):
-    """`s4accel.train` in this process, with Accelerate's process-wide singletons reset first."""
-    import s4accel
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return s4accel.train(s4accel.load_recipe(recipe_path, overrides), resume=resume, force=force)
-
-
-def final_weights(run_dir, name="final"):
-    from safetensors.torch import load_file
-
-    return load_file(Path(run_dir) / name / "model.safetensors")
-
-
-def short_epochs(text, out, *extra):
-    """Overrides of the tiny recipe for resume tests: ~10 optimizer steps per epoch on one process (20 micro-batches,
-    grad_accum 2), dropout on (so the RNG states matter), EMA on (its state is checkpointed too), 24 steps."""
-    return [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
-            "data.val_fraction=0.1", "model.overrides={dropout: 0.1}", "train.grad_accum=2", "train.max_steps=24",
-            "train.eval_every=8", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "train.ema={decay: 0.9}",
-            "log.log_every=1", "log.progress_bar=false", "sample.prompts=[]", *extra]
-
-
-def read_metrics(run_dir) -> list[dict]:
-    """The records of a run's metrics.jsonl."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def callback_override(target, **args) -> str:
-    """A `--set` item attaching one callback, e.g. callback_override("testing_callbacks:SignalAt", step=3)."""
-    return f"callbacks=[{{target: '{target}', args: {json.dumps(args)}}}]"

@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 

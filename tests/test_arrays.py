@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, train_in_process
-from s4accel.arrays import build_array_data, parse_ts, read_ucr
+from helpers import REPO, read_metrics, train_in_process
+from s4accel.data.arrays import build_array_data, parse_ts, read_ucr
 from s4accel.config import DataCfg
 from s4accel.errors import DataError
 

@@ -2,13 +2,12 @@
 traceback and never a silent guess."""
 
 import json
-import math
 import time
 
 import numpy as np
 import pytest
 
-from conftest import TINY
+from helpers import TINY
 from s4accel.config import load_recipe
 from s4accel.errors import DataError, RecipeError
 
@@ -75,7 +74,7 @@ def test_tracker_kwargs_for_an_unused_tracker_or_an_unknown_argument_are_refused
     with pytest.raises(RecipeError, match=r"log.tracker_kwargs: 'tensorbord' is not a tracker of log.log_with "
                                           r"\(tensorboard, jsonl\) \(did you mean 'tensorboard'\?\)"):
         load_recipe(TINY, ["log.tracker_kwargs={tensorbord: {flush_secs: 5}}"])
-    from s4accel.tracking import check_tracker_kwargs
+    from s4accel.training.tracking import check_tracker_kwargs
 
     recipe = load_recipe(TINY, ["log.tracker_kwargs={tensorboard: {flush_sec: 5}}"])
     with pytest.raises(RecipeError, match=r"log.tracker_kwargs.tensorboard: unknown argument 'flush_sec' "
@@ -163,14 +162,14 @@ Y = np.arange(40) % 3
     ({"x": X, "y": np.zeros(40)}, r"only one class \('0'\)"),
 ])
 def test_bad_npz_arrays_are_one_line(tmp_path, arrays, message):
-    from s4accel.arrays import build_array_data
+    from s4accel.data.arrays import build_array_data
 
     with pytest.raises(DataError, match=message):
         build_array_data(arrays_cfg(npz(tmp_path, **arrays)))
 
 
 def test_an_object_npz_is_refused_without_unpickling(tmp_path):
-    from s4accel.arrays import build_array_data
+    from s4accel.data.arrays import build_array_data
 
     path = tmp_path / "o.npz"
     np.savez(path, x=np.array([[1.0, 2.0], [3.0]], dtype=object), y=np.array([0, 1]))
@@ -185,7 +184,7 @@ def test_an_object_npz_is_refused_without_unpickling(tmp_path):
     ("0\n1\n0\n", r"bad.csv: needs a label and at least one value per line; line 1 has 1 column"),
 ])
 def test_bad_csv_files_are_one_line(tmp_path, text, message):
-    from s4accel.arrays import build_array_data
+    from s4accel.data.arrays import build_array_data
 
     path = tmp_path / "bad.csv"
     path.write_text(text)
@@ -194,7 +193,7 @@ def test_bad_csv_files_are_one_line(tmp_path, text, message):
 
 
 def test_valid_arrays_still_load(tmp_path):
-    from s4accel.arrays import build_array_data
+    from s4accel.data.arrays import build_array_data
 
     data = build_array_data(arrays_cfg(npz(tmp_path, x=X, y=Y)))
     assert (data.num_labels, data.d_input, data.seq_len) == (3, 1, 12)
@@ -202,10 +201,11 @@ def test_valid_arrays_still_load(tmp_path):
 
 
 def test_grad_accum_beyond_one_epoch_of_data_is_warned(tmp_path, text, hf_cache):
-    from conftest import train_in_process
+    from helpers import train_in_process
 
     overrides = [f"run.out_dir={tmp_path / 'r'}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
-                 "data.batch_size=4", "data.val_fraction=0.1", "train.grad_accum=30", "train.max_steps=1", "scheduler.warmup_steps=0",
+                 "data.batch_size=4", "data.val_fraction=0.1", "train.grad_accum=30", "train.max_steps=1",
+                 "scheduler.warmup_steps=0",
                  "train.eval_every=0", "log.progress_bar=false", "sample.prompts=[]", "log.log_with=[jsonl]"]
     with pytest.warns(UserWarning, match=r"train.grad_accum=30 micro-batches are more than the \d+ batches of an "
                                          r"epoch"):
@@ -213,7 +213,7 @@ def test_grad_accum_beyond_one_epoch_of_data_is_warned(tmp_path, text, hf_cache)
 
 
 def test_a_model_too_large_to_allocate_is_one_line_and_writes_nothing(tmp_path, text, hf_cache):
-    from conftest import train_in_process
+    from helpers import train_in_process
 
     overrides = [f"run.out_dir={tmp_path / 'r'}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
                  "model.overrides={d_model: 100000000}", "sample.prompts=[]"]

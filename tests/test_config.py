@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import TINY, run_cli
+from helpers import TINY, run_cli
 from s4accel.config import Recipe, load_recipe
 from s4accel.errors import RecipeError
 
@@ -84,7 +84,7 @@ def test_model_name_and_override_keys_are_checked_without_torch(tmp_path):
 
 
 def test_model_override_values_are_checked_by_the_config_class():
-    from s4accel.config import build_model_config
+    from s4accel.training.tasks_builtin import model_config as build_model_config
 
     r = load_recipe(TINY, ["model.overrides.d_model=big"])
     with pytest.raises(RecipeError, match=r"model.overrides.d_model: .*expected int, got str"):

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from s4accel.config import DataCfg
-from s4accel.data import (
-    build_dataloaders,
+from s4accel.data.text import (
     build_text_data,
     build_tokenizer,
     clean_play,
@@ -15,6 +14,7 @@ from s4accel.data import (
     shakespeare_files,
     token_byte_and_char_counts,
 )
+from s4accel.data import build_dataloaders
 from s4accel.errors import DataError
 
 

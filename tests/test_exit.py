@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY
+from helpers import REPO, TINY
 
 pytestmark = pytest.mark.slow
 

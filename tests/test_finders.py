@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from conftest import run_cli
-from s4accel.finders import suggest
+from helpers import run_cli
+from s4accel.tools.finders import suggest
 
 
 def test_suggestion_is_where_the_smoothed_loss_falls_fastest():
@@ -57,7 +57,7 @@ def test_find_batch_size_doubles_within_the_budget_and_says_when_nothing_fits(tm
 
 
 def test_bisection_returns_the_largest_size_that_fits(monkeypatch):
-    from s4accel import finders
+    from s4accel.tools import finders
 
     peak = {b: 100 + 10 * b for b in range(1, 200)}  # a step's memory grows with the batch
     monkeypatch.setattr(finders, "_trial", lambda recipe, b: peak[b])

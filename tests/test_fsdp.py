@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, final_weights, short_epochs
+from helpers import REPO, TINY, final_weights, short_epochs
 
 pytestmark = pytest.mark.slow
 

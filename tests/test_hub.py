@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, run_cli, train_in_process
+from helpers import REPO, read_metrics, run_cli, train_in_process
 from hub_server import GOOD_TOKEN, HubServer
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ DOWNLOAD = """
 import json, sys, torch
 from huggingface_hub import snapshot_download
 import s4accel
-from s4accel.inference import load_model
+from s4accel.tools.inference import load_model
 path = snapshot_download(sys.argv[1], revision=sys.argv[2])
 model, tokenizer, _ = load_model(path)
 with torch.no_grad():
@@ -30,7 +30,7 @@ with torch.no_grad():
 
 
 def hub_env(hub_url, token=GOOD_TOKEN):
-    # HF_ENDPOINT must be set before huggingface_hub is imported: the subprocesses import it fresh (NOTES 29).
+    # HF_ENDPOINT must be set before huggingface_hub is imported: the subprocesses import it fresh.
     # HF_HOME: a download cache of this test's own (set by the `hub` fixture or the test).
     return {"HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_TOKEN": token,
             "HF_HOME": os.environ["HF_TEST_HOME"]}
@@ -76,7 +76,7 @@ with torch.no_grad():
 
 
 def local_logits(model_dir):
-    from s4accel.inference import load_model
+    from s4accel.tools.inference import load_model
 
     model, _, _ = load_model(model_dir)
     with torch.no_grad():

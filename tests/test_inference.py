@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import read_metrics, run_cli, train_in_process
+from helpers import read_metrics, run_cli, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_generate_greedy_matches_the_model_and_is_seeded(run):
     expected = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0], skip_special_tokens=True)
     assert proc.stdout.rstrip("\n") == expected
 
-    from s4accel.inference import generate_text
+    from s4accel.tools.inference import generate_text
 
     a, b = (generate_text(out, "ROMEO.", 16, temperature=1.0, top_p=0.9, seed=3) for _ in range(2))
     assert a == b and a.startswith("ROMEO.")

@@ -1,4 +1,5 @@
-"""The loop's gradient arithmetic: accumulation over ragged micro-batches equals one big batch (NOTES item 4)."""
+"""The loop's gradient arithmetic: accumulation over ragged micro-batches equals one big batch, not the mean of
+per-micro-batch means."""
 
 import math
 
@@ -30,7 +31,7 @@ def _fresh_accelerator(ga):
 
 
 def _grads_and_loss(ga, normalise=True):
-    from s4accel.trainer import backward_window
+    from s4accel.training.step import backward_window
 
     ids, labels = _ragged_batch()
     accelerator = _fresh_accelerator(ga)
@@ -68,7 +69,7 @@ def test_router_losses_are_backpropagated_once_per_window_as_the_mean_over_micro
     """An MoE model's `loss` includes its own micro-batch's `aux_loss`: the window's gradient must be that of
     (token mean of the LM loss over the window) + (mean of the micro-batches' aux losses), not aux x grad_accum."""
     from s4accel import MoEConfig, MoEForCausalLM
-    from s4accel.trainer import backward_window
+    from s4accel.training.step import backward_window
 
     ids, labels = _ragged_batch()
     config = MoEConfig(d_model=16, n_layer=2, n_head=2, d_ffn=24, num_experts=4, vocab_size=40,
@@ -103,11 +104,11 @@ def test_window_loss_is_the_token_mean_of_the_big_batch():
 
 @pytest.mark.parametrize("skipped", [True, False])
 def test_a_skipped_fp16_step_does_not_advance_the_schedule(skipped):
-    """On CPU no GradScaler exists (NOTES item 13), so the skip path is pinned with a stand-in accelerator."""
+    """On CPU Accelerate creates no GradScaler, so the skip path is pinned with a stand-in accelerator."""
     from types import SimpleNamespace
 
-    from s4accel.checkpoint import TrainState
-    from s4accel.trainer import optimizer_step
+    from s4accel.training.checkpoint import TrainState
+    from s4accel.training.step import optimizer_step
 
     param = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([param], lr=1.0)
@@ -127,12 +128,13 @@ def test_evaluation_leaves_the_training_rng_untouched():
 
     from s4accel.config import Recipe
     from s4accel.data import collate_lm
-    from s4accel.tasks import CausalLMTask
-    from s4accel.trainer import evaluate
+    from s4accel.training.tasks_builtin import CausalLMTask
+    from s4accel.training.evaluate import evaluate
+    from s4accel.training.task import TaskContext
 
     accelerator = _fresh_accelerator(1)
     task = CausalLMTask(Recipe())
-    task.accelerator = accelerator
+    task.setup(TaskContext(accelerator, run_dir=None))
     model = accelerator.prepare(S4ForCausalLM(S4Config(d_model=16, n_layer=1, d_state=8, vocab_size=40)))
     val = accelerator.prepare(DataLoader([{"input_ids": torch.randint(3, 40, (12,))} for _ in range(6)],
                                          batch_size=2, collate_fn=collate_lm))
@@ -146,7 +148,7 @@ def test_evaluation_leaves_the_training_rng_untouched():
 
 
 def test_expert_load_logs_shares_and_warns_once_about_a_dead_expert():
-    from s4accel.trainer import ExpertLoad
+    from s4accel.training.metrics import ExpertLoad
 
     load = ExpertLoad(warn_steps=20)
     busy = torch.tensor([[30, 10, 0, 20]])  # (n_moe = 1, E = 4); expert 2 gets nothing

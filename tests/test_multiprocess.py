@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, final_weights, read_metrics, short_epochs, small_text_file
+from helpers import REPO, TINY, final_weights, read_metrics, short_epochs, small_text_file
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_two_process_classifier_gathers_metrics_over_the_whole_test_split(tmp_pa
     reports equals the exported model's accuracy on the whole split, computed in one process."""
     from transformers import AutoModelForSequenceClassification
 
-    from s4accel.arrays import build_array_data
+    from s4accel.data.arrays import build_array_data
     from s4accel.config import DataCfg
 
     run_dir = tmp_path / "run"
@@ -119,7 +119,8 @@ def test_two_process_classifier_gathers_metrics_over_the_whole_test_split(tmp_pa
 
 def test_two_process_moe_run_with_experts_idle_on_one_rank_completes_and_logs_gathered_load(tmp_path, hf_cache):
     """16 experts, top-1, 16 tokens per process and step: most experts get no token on a given rank in a given
-    step. DDP must not wait for their gradients (NOTES 15), and the logged load counts both processes' tokens."""
+    step. DDP must not wait for their gradients (it would raise "Expected to have finished reduction"), and the logged
+    load counts both processes' tokens."""
     run_dir = tmp_path / "run"
     recipe = tmp_path / "moe.yaml"
     recipe.write_text(

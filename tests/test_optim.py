@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY
 from s4accel import S4ForCausalLM
 from s4accel.config import load_recipe
-from s4accel.optim import build_optimizer, build_scheduler
+from s4accel.training.optim import build_optimizer, build_scheduler
 
 
 def test_ssm_parameters_get_their_own_lr_and_no_weight_decay(tiny_config, tmp_path):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import TINY
+from helpers import TINY
 
 pytestmark = pytest.mark.slow
 

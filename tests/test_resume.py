@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, TINY, callback_override, final_weights, read_metrics, short_epochs,
+from helpers import (REPO, TINY, callback_override, final_weights, read_metrics, short_epochs,
                       train_in_process)
 from s4accel.errors import ResumeError
 
@@ -76,7 +76,7 @@ def test_cli_resume_flag_forms_and_missing_checkpoint(tmp_path):
     assert bare_resume_to_latest(["train", "--resume", "r.yaml"]) == ["train", "--resume=latest", "r.yaml"]
     assert bare_resume_to_latest(["train", "r.yaml", "--resume", "--force"])[2] == "--resume=latest"
     assert bare_resume_to_latest(["train", "r.yaml", "--resume", "ck/step_5"])[2:] == ["--resume", "ck/step_5"]
-    from conftest import run_cli
+    from helpers import run_cli
 
     proc = run_cli("train", TINY, "--set", f"run.out_dir={tmp_path / 'r'}", "--resume", tmp_path / "nope")
     assert proc.returncode == 2
@@ -139,7 +139,7 @@ def test_a_checkpoint_whose_state_would_run_code_is_refused_unread(reference, te
     torch.save({"step": 3, "evil": _Payload(str(marker))}, target)
     import json
 
-    from s4accel.checkpoint import COMPLETE
+    from s4accel.training.checkpoint import COMPLETE
 
     manifest = json.loads((ckpt / COMPLETE).read_text())  # keep it "complete": only its content is tampered with
     manifest["files"][target.name] = target.stat().st_size

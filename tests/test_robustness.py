@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import (TINY, callback_override, final_weights, read_metrics, run_cli,
+from helpers import (TINY, callback_override, final_weights, read_metrics, run_cli,
                       train_in_process)
 from s4accel.errors import NonFiniteError, RecipeError, RunDirError
 
@@ -111,20 +111,20 @@ def test_a_callback_that_cannot_be_imported_fails_before_any_compute(text, tmp_p
 
 
 def test_time_based_checkpoints(text, tmp_path, monkeypatch):
-    from s4accel import trainer
+    from s4accel.training import step
 
     now = [100.0]
-    monkeypatch.setattr(trainer.time, "monotonic", lambda: now[0])
-    clock = trainer.Clock(minutes=0.5)
+    monkeypatch.setattr(step.time, "monotonic", lambda: now[0])
+    clock = step.Clock(minutes=0.5)
     now[0] += 29
     assert not clock.due()
     now[0] += 1
     assert clock.due()
     clock.reset()
-    assert not clock.due() and not trainer.Clock(None).due()
+    assert not clock.due() and not step.Clock(None).due()
     monkeypatch.undo()
     # In a run: with no step interval, checkpoints still come, by time, rotated to keep_last, all complete.
-    from s4accel.checkpoint import complete_checkpoints
+    from s4accel.training.checkpoint import complete_checkpoints
 
     train_in_process(TINY, base(text, tmp_path / "r", "checkpoint.every_minutes=0.0001", "checkpoint.keep_last=3"))
     saved = sorted((tmp_path / "r" / "checkpoints").iterdir())

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, callback_override, final_weights, read_metrics, run_cli, train_in_process
+from helpers import TINY, callback_override, final_weights, read_metrics, run_cli, train_in_process
 from s4accel.errors import DataError, NonFiniteError, RecipeError, ResumeError
 
 pytestmark = pytest.mark.slow
@@ -157,7 +157,7 @@ def forge(run, name, marker):
     ("step_99999999", "{not json"),
 ])
 def test_forged_checkpoints_are_skipped_with_a_warning_never_a_traceback(reference, text, tmp_path, name, marker):
-    from s4accel.checkpoint import checkpoint_problem
+    from s4accel.training.checkpoint import checkpoint_problem
 
     run = copy_run(reference, tmp_path)
     forged = forge(run, name, marker)
@@ -168,7 +168,7 @@ def test_forged_checkpoints_are_skipped_with_a_warning_never_a_traceback(referen
 
 
 def test_a_marker_whose_step_was_edited_is_invalid_and_drops_no_metrics(reference, text, tmp_path):
-    from s4accel.checkpoint import checkpoint_problem
+    from s4accel.training.checkpoint import checkpoint_problem
 
     run = copy_run(reference, tmp_path)
     shutil.rmtree(run / "final")
@@ -281,7 +281,7 @@ def test_cli_exit_code_and_message_for_non_finite_weights(text, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-# ---- 13. a stop signal in the middle of a long accumulation window ---------------------------------------------------
+# ---- 13. a stop signal in the middle of a long accumulation window --------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["none", "tbptt"])
@@ -310,7 +310,7 @@ def limited_cli(limit_bytes, *args):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

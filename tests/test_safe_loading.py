@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, run_cli, train_in_process
+from helpers import TINY, run_cli, train_in_process
 from s4accel.errors import ModelError
 
 pytestmark = pytest.mark.slow
@@ -36,13 +36,14 @@ def model_dir(trained, tmp_path):
 
 
 def load(path):
-    from s4accel.inference import load_model
+    from s4accel.tools.inference import load_model
 
     return load_model(path)
 
 
 def shard_as(model_dir, shard_name, write):
-    """Replace model.safetensors by an index mapping every tensor to `shard_name`, written by `write(path, tensors)`."""
+    """Replace model.safetensors by an index mapping every tensor to `shard_name`, written by
+    `write(path, tensors)`."""
     tensors = load_file(model_dir / "model.safetensors")
     (model_dir / "model.safetensors").unlink()
     index = {"metadata": {}, "weight_map": {k: shard_name for k in tensors}}
@@ -150,7 +151,7 @@ def test_a_tokenizer_that_needs_code_or_does_not_exist_is_one_line(model_dir, ch
 
 HUB_LOAD = """
 import sys
-from s4accel.inference import load_model
+from s4accel.tools.inference import load_model
 from s4accel.errors import S4AccelError
 try:
     load_model(sys.argv[1])

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
-from s4accel.stateful import StreamBatchSampler
+from helpers import REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
+from s4accel.data.streams import StreamBatchSampler
 
 
 def test_stream_layout_gives_each_process_fixed_contiguous_rows():
@@ -61,7 +61,8 @@ def test_recipe_refuses_state_for_array_data():
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process_with_all_rows(text, tmp_path):
-    """Each process continues its own rows (NOTES 14): 2 processes x 2 rows train exactly like 1 process x 4 rows."""
+    """Each process continues its own rows (a sharded loader would interleave them): 2 processes x 2 rows train
+    exactly like 1 process x 4 rows."""
     one = tmp_path / "one"
     train_in_process(TINY, stream(text, one, "train.state.mode=tbptt", "data.batch_size=4", "train.max_steps=10",
                                   "checkpoint.every_steps=0"))

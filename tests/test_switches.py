@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY, final_weights, train_in_process
+from helpers import TINY, final_weights, train_in_process
 
 
 def tiny(out, text, *extra):
@@ -21,7 +21,7 @@ def test_activation_checkpointing_trains_the_same_model_bit_for_bit(tmp_path, te
 
 
 def test_activation_checkpointing_on_a_model_without_it_is_a_recipe_error(tmp_path):
-    from conftest import REPO
+    from helpers import REPO
     from s4accel.errors import RecipeError
 
     with pytest.raises(RecipeError, match="train.activation_checkpointing: DiabetesMLP has no "
@@ -33,7 +33,7 @@ def test_activation_checkpointing_on_a_model_without_it_is_a_recipe_error(tmp_pa
 
 def test_adamw_is_fused_where_the_device_has_the_kernel_unless_turned_off():
     from s4accel.config import OptimCfg
-    from s4accel.optim import build_optimizer
+    from s4accel.training.optim import build_optimizer
 
     model = torch.nn.Linear(4, 4)
     assert build_optimizer(model, OptimCfg(), "cpu").defaults["fused"] is True

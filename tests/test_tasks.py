@@ -1,4 +1,4 @@
-"""Tasks of your own (s4accel/tasks.py) and the worked examples in examples/: a regression on a real table with
+"""Tasks of your own (s4accel/training/task.py) and the worked examples in examples/: a regression on a real table with
 automatic optimisation, and a GAN whose two optimizers take turns (manual optimisation); both resume exactly."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, callback_override, final_weights, read_metrics, run_cli, train_in_process
+from helpers import REPO, callback_override, final_weights, read_metrics, run_cli, train_in_process
 
 EXAMPLES = REPO / "examples"
 DIABETES = EXAMPLES / "diabetes.yaml"
@@ -77,7 +77,7 @@ def test_manual_backward_reaches_only_its_optimizers_parameters_and_step_waits_f
     from accelerate.utils import GradientAccumulationPlugin
 
     from s4accel.config import Recipe
-    from s4accel.tasks import Task, TrainOptimizer
+    from s4accel.training.task import Task, TaskContext, TrainOptimizer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -85,11 +85,12 @@ def test_manual_backward_reaches_only_its_optimizers_parameters_and_step_waits_f
                                                                                         sync_with_dataloader=False))
     task = Task(Recipe.model_validate({"train": {"clip_grad_norm": None}}))
     task.automatic_optimization = False
-    task.accelerator = acc
+    context = TaskContext(acc, run_dir=None)
+    task.setup(context)
     a, b = torch.nn.Linear(3, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
     opt_a, opt_b = acc.prepare(torch.optim.SGD(a.parameters(), lr=1.0), torch.optim.SGD(b.parameters(), lr=1.0))
     sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)  # noqa: E731
-    task.optimizers = {"a": TrainOptimizer("a", opt_a, sched(opt_a)), "b": TrainOptimizer("b", opt_b, sched(opt_b))}
+    context.optimizers = {"a": TrainOptimizer("a", opt_a, sched(opt_a)), "b": TrainOptimizer("b", opt_b, sched(opt_b))}
     w0 = a.weight.detach().clone()
     xs = [torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[3.0, 0.0, -1.0]])]
     for i, x in enumerate(xs):
@@ -105,7 +106,7 @@ def test_manual_backward_reaches_only_its_optimizers_parameters_and_step_waits_f
 
 def test_task_recipe_errors_are_one_line_exit_2(tmp_path):
     bad = [("task.target=nosuchpkg.tasks:X", "task.target: cannot import 'nosuchpkg.tasks:X'"),
-           (f"task.target={EXAMPLES / 'digits_gan.py'}:DigitsGAN", "is not a task (subclass s4accel.tasks.Task)"),
+           (f"task.target={EXAMPLES / 'digits_gan.py'}:DigitsGAN", "is not a task (subclass s4accel.Task)"),
            ("task.target=causal_lm", None),
            ("task.target=classificaton", "did you mean 'classification'"),
            ("task.args={hiden: 3}", "task.args: DiabetesRegression does not take these arguments"),
@@ -122,7 +123,8 @@ def test_task_recipe_errors_are_one_line_exit_2(tmp_path):
 
 def test_builtin_tasks_are_tasks_chosen_by_the_data_or_by_name():
     from s4accel.config import load_recipe
-    from s4accel.tasks import CausalLMTask, SequenceClassificationTask, task_class
+    from s4accel.training.task import task_class
+    from s4accel.training.tasks_builtin import CausalLMTask, SequenceClassificationTask
 
     assert task_class(load_recipe(REPO / "recipes" / "quickstart.yaml")) is CausalLMTask
     assert task_class(load_recipe(REPO / "recipes" / "digits.yaml")) is SequenceClassificationTask

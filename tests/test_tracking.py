@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 
-from conftest import read_metrics, train_in_process
-from s4accel.tracking import GuardedTracker
+from helpers import read_metrics, train_in_process
+from s4accel.training.tracking import GuardedTracker
 
 
 class Inner:

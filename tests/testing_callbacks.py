@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from s4accel.callbacks import Callback
+from s4accel.training.callbacks import Callback
 
 
 class SignalAt(Callback):

@@ -4,7 +4,7 @@ the path (PYTHONPATH for subprocesses)."""
 import os
 import signal
 
-from s4accel.tasks import CausalLMTask
+from s4accel.training.tasks_builtin import CausalLMTask
 
 
 class SignalAtMicroBatch(CausalLMTask):

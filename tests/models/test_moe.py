@@ -217,7 +217,8 @@ def test_shared_experts_are_added_for_every_token():
 
 
 def test_an_expert_without_tokens_still_gets_a_zero_gradient():
-    """Every expert weight takes part in the graph, so DDP never waits for an unused parameter (NOTES 15)."""
+    """Every expert weight takes part in the graph, so DDP never waits for an unused parameter (it would raise
+    "Expected to have finished reduction")."""
     for dispatch in ("grouped_mm", "fused", "loop"):
         m = layer(num_experts=4, num_experts_per_tok=1, moe_dispatch=dispatch)
         with torch.no_grad():

@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 
 from s4accel import S4Config, S4ForCausalLM
-from s4accel.trainer import backward_window
+from s4accel.training.step import backward_window
 
 acc = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2,
                                                                                     sync_with_dataloader=False))

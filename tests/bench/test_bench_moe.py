@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import REPO
 
 VARIANTS = {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop", "matmuls_only", "routing_only",
             "dense_matmuls_only", "harness"}

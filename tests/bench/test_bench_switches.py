@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_speed_switches_bench_prints_medians_and_ratios_to_eager():

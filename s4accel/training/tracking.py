@@ -169,7 +169,7 @@ def check_tracker_kwargs(log_cfg) -> None:
     arguments on (`**kwargs`, e.g. to `wandb.init`) are checked by their own package when they start."""
     import inspect
 
-    from .errors import RecipeError
+    from ..errors import RecipeError
 
     own = {"tensorboard": FastTensorBoardTracker, "jsonl": JSONLTracker}
     for name, kwargs in log_cfg.tracker_kwargs.items():

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .errors import CheckpointError, ResumeError
+from ..errors import CheckpointError, ResumeError
 from .run_dir import write_atomic
 
 COMPLETE = "COMPLETE"
@@ -216,7 +216,7 @@ def step_dirs(run_dir: Path) -> list[Path]:
 
 def checkpoint_problem(path: Path, verify: bool = False) -> str | None:
     """Why `path` is not a complete checkpoint, or None if it is: its manifest names its own step and lists every
-    file with its size (and SHA-256); `verify` also re-hashes every file (a resume does; rotation only checks sizes)."""
+    file with its size (and SHA-256); `verify` also re-hashes every file (a resume does; rotation checks sizes)."""
     try:
         manifest = json.loads((path / COMPLETE).read_text())
     except FileNotFoundError:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .config import Recipe
-from .errors import RecipeError
+from ..config import Recipe
+from ..errors import RecipeError
 
 
 @dataclass
@@ -41,29 +41,49 @@ def suggest(lrs: list[float], smoothed: list[float], skip_start: int = 3, skip_e
     return lrs[idx[best]]
 
 
+def task_for_probe(recipe: Recipe, accelerator, build_dir: Path, what: str):
+    """The recipe's task, set up for a throwaway run (its files in `build_dir`), with its data built. A task with
+    manual optimisation is refused: these tools step one optimizer on the task's loss."""
+    from ..training.task import TaskContext, load_task
+
+    task = load_task(recipe)
+    if not task.automatic_optimization:
+        raise RecipeError(f"{what}: {type(task).__name__} uses manual optimisation; {what} steps one optimizer on "
+                          f"the task's loss")
+    context = TaskContext(accelerator, recipe.run.dir, build_dir)
+    task.setup(context)
+    with accelerator.main_process_first():
+        context.data = task.build_data()
+    return task, context.data
+
+
 def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100, beta: float = 0.98,
             diverge: float = 4.0, out_dir: str | Path | None = None) -> LRFindResult:
+    """The range test on a throwaway copy of the recipe's task: its data, model, first optimizer and training step
+    (the schedule is not used: the sweep sets the learning rate of every group itself, keeping their ratios)."""
     if not 0 < min_lr < max_lr:
         raise RecipeError(f"lr-find: need 0 < min_lr < max_lr, got {min_lr}, {max_lr}")
     if steps < 8:
         raise RecipeError(f"lr-find: steps must be >= 8, got {steps}")
+    import tempfile
+
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from .data import build_data, build_dataloaders
-    from .optim import build_optimizer
-    from .tasks import build_model
+    from ..training.step import backward_window
 
     accelerator = Accelerator(cpu=not torch.accelerator.is_available(),
                               mixed_precision=recipe.train.mixed_precision)
     set_seed(recipe.run.seed)
-    with accelerator.main_process_first():
-        data = build_data(recipe.data, tokenizer_dir=None)
-    model = build_model(recipe, data)
-    optimizer = build_optimizer(model, recipe.optim, accelerator.device.type)
-    train_dl, _ = build_dataloaders(recipe.data, data, recipe.run.seed, 1, accelerator.num_processes)
+    with tempfile.TemporaryDirectory(prefix="s4accel-lr-find-") as tmp:
+        task, data = task_for_probe(recipe, accelerator, Path(tmp), "lr-find")
+        model = task.build_model()
+        optimizer = task.build_optimizers(model)[0].optimizer
+        train_dl, _ = task.dataloaders(data)
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
-    ratios = [group["lr"] / recipe.optim.lr for group in optimizer.param_groups]
+    # the groups' own rates (a schedule has already scaled `lr` by its warmup factor; `initial_lr` is the unscaled one)
+    base = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    ratios = [b / max(base) for b in base]
     result, avg, best = LRFindResult(), 0.0, math.inf
     batches = iter(())
     model.train()
@@ -76,13 +96,13 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
         except StopIteration:
             batches = iter(train_dl)
             batch = next(batches)
-        loss = model(**batch).loss
-        accelerator.backward(loss)
+        scalars = backward_window(accelerator, model, [batch], task, i)  # the task's loss, as the loop computes it
         if recipe.train.clip_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), recipe.train.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = accelerator.reduce(loss.detach(), reduction="mean").item()
+        loss = scalars["loss"] + scalars.get("aux_loss", 0)
+        value = accelerator.reduce(loss.detach(), reduction="sum").item()  # each process holds its share of the mean
         if not math.isfinite(value):
             result.stopped_early = True
             break
@@ -140,32 +160,35 @@ class BatchSizeResult:
 
 
 def probe_step(recipe: Recipe, batch_size: int) -> float:
-    """Peak memory (MiB) of one training step (forward, backward, optimizer step) at `batch_size` on a fresh model:
-    CUDA's peak allocated memory, or on CPU this process's peak resident set size (call it in a fresh process)."""
+    """Peak memory (MiB) of one training step (forward, backward, optimizer step) of the recipe's task at
+    `batch_size` on a fresh model: CUDA's peak allocated memory, or on CPU this process's peak resident set size
+    (call it in a fresh process)."""
     import resource
+    import tempfile
 
-    from .data import build_data, collate_fn
-    from .optim import build_optimizer
-    from .tasks import build_model
+    from accelerate import Accelerator
+    from torch.utils.data import default_collate
+
+    from ..training.loop import enable_activation_checkpointing
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = build_data(recipe.data, tokenizer_dir=None)
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    with tempfile.TemporaryDirectory(prefix="s4accel-batch-") as tmp:
+        task, data = task_for_probe(recipe, accelerator, Path(tmp), "find-batch-size")
     if len(data.train) < batch_size:
         raise RecipeError(f"batch-size probe: the train split has only {len(data.train)} examples (< {batch_size})")
     examples = [data.train[i] for i in range(batch_size)]
-    batch = {k: v.to(device) for k, v in collate_fn(recipe.data)(examples).items()}
-    model = build_model(recipe, data).to(device)
+    batch = {k: v.to(device) for k, v in (data.collate_fn or default_collate)(examples).items()}
+    model = task.build_model().to(device)
     if recipe.train.activation_checkpointing:  # the memory the real run will need
-        from .trainer import enable_activation_checkpointing
-
         enable_activation_checkpointing(model)
-    optimizer = build_optimizer(model, recipe.optim, device.type)
+    optimizer = task.build_optimizers(model)[0].optimizer
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.train.mixed_precision or "no")
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        loss = model(**batch).loss
-    loss.backward()
+        out = task.training_step(model, batch, 0)
+    (out if isinstance(out, torch.Tensor) else out["loss"]).backward()
     optimizer.step()
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -210,7 +233,7 @@ def _trial(recipe: Recipe, batch_size: int) -> float | None:
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(recipe.to_yaml())
-    code = ("import sys; from s4accel.config import load_recipe; from s4accel.finders import probe_step; "
+    code = ("import sys; from s4accel.config import load_recipe; from s4accel.tools.finders import probe_step; "
             "print(probe_step(load_recipe(sys.argv[1]), int(sys.argv[2])))")
     proc = subprocess.run([sys.executable, "-c", code, f.name, str(batch_size)], capture_output=True, text=True)
     Path(f.name).unlink(missing_ok=True)

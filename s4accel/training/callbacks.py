@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 
 class Callback:
@@ -67,7 +67,7 @@ class RunContext:
     export: Callable[..., None]
     stop_reason: str | None = None
     task: Any = None
-    """The run's `s4accel.tasks.Task`."""
+    """The run's `s4accel.Task`."""
     optimizers: list = field(default_factory=list)
     """Every `TrainOptimizer` (name, optimizer, scheduler); `optimizer`/`scheduler` are the first one's."""
 
@@ -113,7 +113,7 @@ def load_callback(target: str, args: dict, where: str) -> Callback:
     except TypeError as e:
         raise RecipeError(f"{where}.args: {target} does not take these arguments ({e})") from None
     if not all(callable(getattr(cb, hook, None)) for hook in HOOKS):
-        raise RecipeError(f"{where}.target: {target} is not a callback (subclass s4accel.callbacks.Callback)")
+        raise RecipeError(f"{where}.target: {target} is not a callback (subclass s4accel.Callback)")
     return cb
 
 

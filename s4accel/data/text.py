@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .config import DataCfg
-from .errors import DataError
+from ..config import DataCfg
+from ..errors import DataError
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -230,83 +230,3 @@ def build_text_data(cfg: DataCfg, tokenizer_dir: Path | None = None) -> TextData
     train = blocks.select(range(len(blocks) - n_val)).with_format("torch")
     val = blocks.select(range(len(blocks) - n_val, len(blocks))).with_format("torch")
     return TextData(train, val, tokenizer, len(train) * seq_len, len(val) * seq_len)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Either kind of data
-
-
-def build_data(cfg: DataCfg, tokenizer_dir: Path | None = None):
-    """`TextData` for a text source, `ArrayData` (s4accel.arrays) for an array source."""
-    if cfg.is_text:
-        return build_text_data(cfg, tokenizer_dir)
-    from .arrays import build_array_data
-
-    return build_array_data(cfg)
-
-
-def data_spec(cfg: DataCfg, data=None) -> dict:
-    """The model config fields the data decides: the tokenizer's for text; features, labels and task for arrays.
-    Without `data`, what can be known cheaply (the BPE's size without training it; array files are read)."""
-    if cfg.is_text:
-        if data is None:
-            return tokenizer_spec(cfg)
-        tok = data.tokenizer
-        return {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
-    if data is None:
-        from .arrays import build_array_data
-
-        data = build_array_data(cfg)
-    spec = {"d_input": data.d_input, "num_labels": data.num_labels,
-            "problem_type": "regression" if data.num_labels == 1 else "single_label_classification"}
-    if data.class_names:
-        spec["id2label"] = dict(enumerate(data.class_names))
-    return spec
-
-
-def auto_model_class(cfg: DataCfg):
-    """Which transformers Auto class builds the model for this data: a causal LM for text, a sequence classifier
-    (or regressor) for arrays."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    return AutoModelForCausalLM if cfg.is_text else AutoModelForSequenceClassification
-
-
-def collate_lm(examples: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack blocks; the targets are the inputs (the model shifts them: position t predicts t + 1)."""
-    input_ids = torch.stack([e["input_ids"] for e in examples])
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
-
-
-def collate_fn(cfg: DataCfg):
-    """Examples -> a batch: packed text blocks (`collate_lm`) or labelled sequences (`collate_arrays`)."""
-    if cfg.is_text:
-        return collate_lm
-    from .arrays import collate_arrays
-
-    return collate_arrays
-
-
-def build_dataloaders(cfg: DataCfg, data, seed: int, eval_max_batches: int | None = None,
-                      num_processes: int = 1, collate=None):
-    """Train loader (shuffled with a seeded generator, full batches only) and validation loader (in order; the first
-    `eval_max_batches` batches per process when capped) over `data.train`/`data.val` (`datasets.Dataset`s or torch
-    map-style datasets), batched by `collate` (default: the data source's own)."""
-    from torch.utils.data import DataLoader, Subset
-
-    if len(data.train) < cfg.batch_size * num_processes:
-        raise DataError(f"the train split has {len(data.train)} examples, fewer than one batch "
-                        f"(data.batch_size={cfg.batch_size} x {num_processes} process(es))")
-    if data.val is None or len(data.val) == 0:
-        raise DataError("the validation split is empty")
-    eval_bs = cfg.eval_batch_size or cfg.batch_size
-    val = data.val
-    if eval_max_batches is not None:  # cut the dataset, not the loop: a prepared loader must run to its end
-        keep = range(min(len(val), eval_max_batches * eval_bs * num_processes))
-        val = val.select(keep) if hasattr(val, "select") else Subset(val, keep)
-    generator = torch.Generator().manual_seed(seed)
-    collate = collate or collate_fn(cfg)
-    train_dl = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-                          collate_fn=collate, num_workers=cfg.num_workers, generator=generator)
-    val_dl = DataLoader(val, batch_size=eval_bs, shuffle=False, collate_fn=collate, num_workers=cfg.num_workers)
-    return train_dl, val_dl

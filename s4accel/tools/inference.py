@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .config import Recipe
-from .errors import ModelError
+from ..config import Recipe
+from ..errors import ModelError
 
 # What a model directory holds besides the weights; a Hub download fetches only these (no pickles, no code). A
 # `.txt` file (a tokenizer vocabulary) is downloaded but never read as weights: only `.safetensors` files are.
@@ -128,7 +128,7 @@ def check_weights(model_dir: Path, files: list[Path], config, auto) -> None:
 def read_config(model_dir: Path):
     from transformers import AutoConfig
 
-    from .models import MoEConfig, S4Config
+    from ..models import MoEConfig, S4Config
 
     MODEL_TYPES = (S4Config.model_type, MoEConfig.model_type)
     try:
@@ -177,7 +177,9 @@ def load_model(ref: str | Path, which: str = "final"):
     config (every tensor there, none extra, the right shapes, floating point); the loaded weights must be finite."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    import s4accel  # noqa: F401  (registers our model types with the Auto classes)
+    from .._autoregister import register_auto_classes
+
+    register_auto_classes()  # our model types, for the Auto classes (idempotent)
 
     model_dir, root = _resolve(ref, which)
     config = read_config(model_dir)
@@ -213,9 +215,11 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final") -> dic
     """The recipe's evaluation split and metrics (its built-in task's, gathered across processes) on a saved model."""
     from accelerate import Accelerator
 
-    from .data import data_spec
-    from .tasks import load_task
-    from .trainer import evaluate
+    import tempfile
+
+    from ..data import data_spec
+    from ..training.evaluate import evaluate
+    from ..training.task import TaskContext, load_task
 
     if not recipe.task.builtin:
         raise ModelError(f"s4accel eval runs the built-in tasks; {recipe.task.target} is not one")
@@ -223,12 +227,16 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final") -> dic
     if recipe.data.is_text and recipe.data.tokenizer == "bpe" and not (model_dir / "tokenizer.json").is_file():
         raise ModelError(f"{model_dir}: the recipe uses a BPE tokenizer but the model has none saved")
     task = load_task(recipe, **({"tokenizer_dir": model_dir} if recipe.data.is_text else {}))
-    task.accelerator = Accelerator(cpu=not torch.accelerator.is_available())
-    data = task.task_data = task.build_data()
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
+        context = TaskContext(accelerator, recipe.run.dir, Path(tmp))
+        task.setup(context)
+        with accelerator.main_process_first():
+            data = context.data = task.build_data()
     for key, value in data_spec(recipe.data, task.data).items():
         if key in ("vocab_size", "d_input", "num_labels") and getattr(model.config, key, None) != value:
             raise ModelError(f"{model_dir}: the model has {key}={getattr(model.config, key, None)} but the recipe's "
                              f"data gives {value}: not the data this model was trained on")
     _, val_dl = task.dataloaders(data)
-    model, val_dl = task.accelerator.prepare(model, val_dl)
-    return evaluate(task.accelerator, task, model, val_dl)
+    model, val_dl = accelerator.prepare(model, val_dl)
+    return evaluate(accelerator, task, model, val_dl)

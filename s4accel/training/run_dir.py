@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .errors import RunDirError
+from ..errors import RunDirError
 
 RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer")
 """What a run writes; a directory holding any of them holds a run."""

@@ -1,8 +1,9 @@
-"""Tasks: what a run computes (data, model, optimizers, one training step, one validation batch), apart from the loop
-that runs it (s4accel/trainer.py: devices, precision, accumulation, clipping, non-finite checks, logging, gathered
-evaluation, checkpoints, export, callbacks).
+"""The Task API: what a run computes (data, model, optimizers, one training step, one validation batch), apart from
+the loop that runs it (`loop.py`: devices, precision, accumulation, clipping, non-finite checks, logging, gathered
+evaluation, checkpoints, export, callbacks). A task never imports the loop: the loop hands it a `TaskContext` once
+(`setup`), before `build_data`, and fills in the built data and the prepared optimizers as it goes.
 
-    from s4accel.tasks import Task, TaskData
+    from s4accel import Task, TaskData
 
     class MyTask(Task):
         def build_data(self):                      # map-style datasets (torch or `datasets`) and how to batch them
@@ -16,11 +17,15 @@ evaluation, checkpoints, export, callbacks).
 
 A recipe picks a task with `task: {target: causal_lm | classification | package.module:Class | path/file.py:Class,
 args: {...}}`; `args` go to the constructor. Without a target, text data trains `causal_lm` and array data
-`classification`, the two built-in tasks below.
+`classification`, the two built-in tasks (`tasks_builtin.py`).
+
+Inside the methods, `self.recipe`, `self.accelerator`, `self.run_dir`, `self.build_dir` (where `build_data` may write
+files), `self.optimizers` (by name, once prepared) and `self.tokenizer` are at hand.
 
 Automatic optimisation (the default): the loop backpropagates the returned loss, weighted so that a window of
-micro-batches (grad_accum, all processes) averages over all its items (N4), clips, checks for NaN/inf on every process
-together, steps every optimizer and its schedule.
+micro-batches (grad_accum, all processes) averages over all its items (not the mean of per-micro-batch means, which
+weighs a short micro-batch's tokens more), clips, checks for NaN/inf on every process together, steps every optimizer
+and its schedule.
 
 Manual optimisation (`automatic_optimization = False`, e.g. a GAN's two optimizers taking turns): `training_step` calls
 `self.backward(loss, "name")` and `self.step("name")` and returns the scalars to log. `backward` puts gradients into
@@ -38,13 +43,13 @@ import inspect
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import RecipeError
+from ..errors import RecipeError, did_you_mean
 
 
 @dataclass
@@ -73,6 +78,21 @@ class TrainOptimizer:
     scheduler: Any
 
 
+@dataclass
+class TaskContext:
+    """What the loop hands a task once (`Task.setup`), before `build_data`. The loop owns it: it sets `data` when
+    `build_data` has returned and `optimizers` when they are prepared; the task only reads."""
+
+    accelerator: Any
+    run_dir: Path
+    """The run directory: where `on_train_end` may write files of its own (plots, samples)."""
+    build_dir: Path | None = None
+    """Where `build_data` may write files (a trained tokenizer): a staging folder for a new run, moved into the run
+    directory once every check has passed; the run directory itself when resuming."""
+    data: TaskData | None = None
+    optimizers: dict[str, TrainOptimizer] = field(default_factory=dict)
+
+
 class Task:
     """Subclass and override `build_data`, `build_model`, `training_step`, `validation_step` (see the module docs)."""
 
@@ -88,21 +108,50 @@ class Task:
         if args:
             raise TypeError(f"unexpected argument(s) {', '.join(args)}")
         self.recipe = recipe
-        self.accelerator = None  # set by the loop before build_data
-        self.run_dir: Path | None = None
-        self.build_dir: Path | None = None  # where build_data may write files (a staging folder for a new run, moved
-        # into the run directory once every check has passed; the run directory itself when resuming)
-        self.optimizers: dict[str, TrainOptimizer] = {}  # filled by the loop after prepare()
+        self.context: TaskContext | None = None  # handed over once by setup()
         self.window_scalars: dict[str, torch.Tensor] = {}  # manual optimisation: grad norms of this window's steps
         self.nonfinite_steps = 0  # manual optimisation: updates skipped for NaN/inf gradients in this window
 
-    # ---- what a task defines -----------------------------------------------------------------------------------------
+    def setup(self, context: TaskContext) -> None:
+        """Called once, before `build_data`, by the loop (and by the tools that build a task's model)."""
+        self.context = context
+
+    @property
+    def accelerator(self):
+        return self.context.accelerator if self.context is not None else None
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.context.run_dir if self.context is not None else None
+
+    @property
+    def build_dir(self) -> Path | None:
+        return self.context.build_dir if self.context is not None else None
+
+    @property
+    def optimizers(self) -> dict[str, TrainOptimizer]:
+        return self.context.optimizers if self.context is not None else {}
+
+    @property
+    def tokenizer(self):
+        """The tokenizer of the data `build_data` returned, if any."""
+        data = self.context.data if self.context is not None else None
+        return data.tokenizer if data is not None else None
+
+    # ---- what a task defines ----------------------------------------------------------------------------------------
 
     def build_data(self) -> TaskData:
         raise NotImplementedError(f"{type(self).__name__}.build_data")
 
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__}.build_model")
+
+    def summary_model(self) -> torch.nn.Module:
+        """The model `s4accel show` describes, on the meta device (shapes only, no memory). Default: `build_data`,
+        then `build_model`; the built-in tasks size theirs from the recipe alone, without tokenising."""
+        self.context.data = self.build_data()
+        with torch.device("meta"):
+            return self.build_model()
 
     def build_optimizers(self, model: torch.nn.Module) -> list[TrainOptimizer]:
         """Default: one AdamW over the recipe's parameter groups (`optim`, fused where the device has the kernel),
@@ -123,11 +172,11 @@ class Task:
     def dataloaders(self, data: TaskData):
         """(train, validation) loaders: shuffled full batches of `data.batch_size` with a seeded generator, and the
         validation split in order, cut to `train.eval_max_batches` per process."""
-        from .data import build_dataloaders
-
-        r = self.recipe
         from torch.utils.data import default_collate
 
+        from ..data import build_dataloaders
+
+        r = self.recipe
         return build_dataloaders(r.data, data, r.run.seed, r.train.eval_max_batches, self.accelerator.num_processes,
                                  collate=data.collate_fn or default_collate)
 
@@ -167,12 +216,6 @@ class Task:
 
     def on_train_end(self, model) -> None:
         """After the final export, on every process."""
-
-    @property
-    def tokenizer(self):
-        """The tokenizer of the data `build_data` returned (set by the loop as `task_data`), if any."""
-        data = getattr(self, "task_data", None)
-        return data.tokenizer if data is not None else None
 
     # ---- helpers for manual optimisation ---------------------------------------------------------------------------
 
@@ -233,135 +276,6 @@ def _rows(batch: dict) -> int:
     return next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The built-in tasks
-
-
-class CausalLMTask(Task):
-    """Next-token prediction on text (`data.source: shakespeare | files`) with an S4 or MoE causal LM. The loss is the
-    mean over real target tokens; stateful training (`train.state`) carries the recurrent state across chunks."""
-
-    metric_names = ("loss", "ppl", "bits_per_byte", "bits_per_char")
-
-    def __init__(self, recipe, tokenizer_dir: Path | None = None):
-        super().__init__(recipe)
-        self.tokenizer_dir = tokenizer_dir  # a trained BPE is saved here (or read from here when present)
-        self.carried = None
-
-    def build_data(self) -> TaskData:
-        from .data import build_data, collate_lm, token_byte_and_char_counts
-
-        tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
-        self.data = build_data(self.recipe.data, tokenizer_dir=tok_dir)
-        counts = token_byte_and_char_counts(self.data.tokenizer)
-        self.token_bytes, self.token_chars = (t.to(self.accelerator.device) for t in counts)
-        return TaskData(self.data.train, self.data.val, collate_lm, self.data.tokenizer, "tokens",
-                        self.data.n_train_tokens, self.data.n_val_tokens)
-
-    def build_model(self):
-        return build_model(self.recipe, self.data)
-
-    def dataloaders(self, data: TaskData):
-        train_dl, val_dl = super().dataloaders(data)
-        if self.recipe.train.state.mode != "none":  # fixed rows per process in text order, not a sharded loader (N14)
-            from .stateful import CarriedState, stream_loader
-
-            acc, d = self.accelerator, self.recipe.data
-            train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers)
-            self.prepare_train_loader = False
-            self.carried = CarriedState(self.recipe.train.state, acc)
-        return train_dl, val_dl
-
-    def training_step(self, model, batch, step):
-        return model(**batch) if self.carried is None else self.carried.forward(model, batch)
-
-    def count_items(self, batch):
-        return count_items(batch)
-
-    def count_units(self, batch):
-        return batch["input_ids"].numel()
-
-    def validation_step(self, model, batch):
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
-        targets = batch["labels"][:, 1:]  # (B, L-1)
-        mask = targets != -100
-        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
-                                                ignore_index=-100)
-        safe = targets.clamp(min=0)
-        return {"nll": nll.sum(1), "tokens": mask.sum(1), "bytes": (self.token_bytes[safe] * mask).sum(1),
-                "chars": (self.token_chars[safe] * mask).sum(1)}
-
-    def compute_metrics(self, sums, count):
-        nll = sums["nll"]
-        loss = nll / max(sums["tokens"], 1)
-        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
-                "bits_per_byte": nll / math.log(2) / max(sums["bytes"], 1),
-                "bits_per_char": nll / math.log(2) / max(sums["chars"], 1)}
-
-    def stateful(self):
-        return [self.carried] if self.carried is not None else []
-
-    def on_validation_end(self):
-        if self.carried is not None:
-            self.carried.reset()  # the streams' state restarts after an evaluation
-
-    def on_train_end(self, model):
-        from .trainer import write_samples
-
-        self.samples = write_samples(self.accelerator, model, self.data.tokenizer, self.recipe, self.run_dir)
-
-
-class SequenceClassificationTask(Task):
-    """One label per sequence (`data.source: digits | ucr | arrays`): cross-entropy and accuracy, or for regression
-    (`data.task: regression`) the mean squared error, with mse and mae."""
-
-    metric_names = ("loss", "accuracy", "mse", "mae")
-
-    def build_data(self) -> TaskData:
-        from .arrays import build_array_data, collate_arrays
-
-        self.data = build_array_data(self.recipe.data)
-        return TaskData(self.data.train, self.data.val, collate_arrays, None, "time steps",
-                        self.data.n_train_tokens, self.data.n_val_tokens)
-
-    def build_model(self):
-        return build_model(self.recipe, self.data)
-
-    def training_step(self, model, batch, step):
-        return model(**batch)
-
-    def count_units(self, batch):
-        return batch["input_values"].shape[0] * batch["input_values"].shape[1]
-
-    def validation_step(self, model, batch):
-        logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
-        labels = batch["labels"]
-        if self.accelerator.unwrap_model(model).config.problem_type == "regression":
-            err = logits[:, 0] - labels.float()
-            return {"sq_err": err**2, "abs_err": err.abs()}
-        return {"nll": torch.nn.functional.cross_entropy(logits, labels, reduction="none"),
-                "hit": (logits.argmax(-1) == labels).float()}
-
-    def compute_metrics(self, sums, count):
-        n = max(count, 1)
-        if "sq_err" in sums:
-            return {"loss": sums["sq_err"] / n, "mse": sums["sq_err"] / n, "mae": sums["abs_err"] / n}
-        return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n}
-
-
-BUILTIN_TASKS = {"causal_lm": CausalLMTask, "classification": SequenceClassificationTask}
-
-
-def build_model(recipe, data):
-    """A freshly initialised model from the registry size + overrides, fitted to the data: a causal LM sized to the
-    tokenizer (text), or a sequence classifier/regressor sized to the features and labels (arrays)."""
-    from .config import build_model_config
-    from .data import auto_model_class, data_spec
-
-    config = build_model_config(recipe.model, **data_spec(recipe.data, data))
-    return auto_model_class(recipe.data).from_config(config)
-
-
 def count_items(batch) -> torch.Tensor:
     """What the built-in losses average over: real target tokens of a language-model batch (labels are shifted inside
     the model, so position 0 is never a target), or sequences of a classification batch (one label each)."""
@@ -375,12 +289,16 @@ def count_items(batch) -> torch.Tensor:
 # Choosing a task
 
 
+BUILTIN_TASKS = {"causal_lm": "s4accel.training.tasks_builtin:CausalLMTask",
+                 "classification": "s4accel.training.tasks_builtin:SequenceClassificationTask"}
+"""The built-in tasks by name, imported like a task of your own (the API does not depend on them)."""
+
+
 def task_class(recipe) -> type[Task]:
     """The recipe's task class: a built-in by name, `package.module:Class`, or `path/to/file.py:Class`; without a
     target, chosen by the data (text -> causal_lm, arrays -> classification). Errors name `task.target`."""
     target = recipe.task.target or ("causal_lm" if recipe.data.is_text else "classification")
-    if target in BUILTIN_TASKS:
-        return BUILTIN_TASKS[target]
+    target = BUILTIN_TASKS.get(target, target)
     module_name, _, attr = target.partition(":")
     try:
         if module_name.endswith(".py"):
@@ -393,7 +311,7 @@ def task_class(recipe) -> type[Task]:
     except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as e:
         raise RecipeError(f"task.target: cannot import {target!r} ({type(e).__name__}: {e})") from None
     if not (inspect.isclass(obj) and issubclass(obj, Task)):
-        raise RecipeError(f"task.target: {target} is not a task (subclass s4accel.tasks.Task)")
+        raise RecipeError(f"task.target: {target} is not a task (subclass s4accel.Task)")
     return obj
 
 
@@ -405,16 +323,24 @@ def load_task(recipe, **extra) -> Task:
         task = cls(recipe, **recipe.task.args, **extra)
     except TypeError as e:
         raise RecipeError(f"task.args: {cls.__name__} does not take these arguments ({e})") from None
-    if task.metric_names:
-        used = {"checkpoint.best_metric": recipe.checkpoint.best_metric} if recipe.checkpoint.keep_best else {}
-        if recipe.train.early_stopping is not None:
-            used["train.early_stopping.metric"] = recipe.train.early_stopping.metric
-        allowed = [*task.metric_names, *(f"ema_{m}" for m in task.metric_names)]
-        for key, metric in used.items():
-            if metric not in allowed:
-                raise RecipeError(f"{key}: {cls.__name__} reports no metric {metric!r}; it reports "
-                                  f"{', '.join(task.metric_names)}")
+    check_metric_names(recipe, task)
     return task
+
+
+def check_metric_names(recipe, task: Task) -> None:
+    """The one place where the metrics a recipe names (`checkpoint.best_metric`, `train.early_stopping.metric`) are
+    checked: against what the task reports (`metric_names`, when it declares them), `ema_*` only with `train.ema`."""
+    used = {"checkpoint.best_metric": recipe.checkpoint.best_metric} if recipe.checkpoint.keep_best else {}
+    if recipe.train.early_stopping is not None:
+        used["train.early_stopping.metric"] = recipe.train.early_stopping.metric
+    name = type(task).__name__
+    allowed = [*task.metric_names, *(f"ema_{m}" for m in task.metric_names)]
+    for key, metric in used.items():
+        if task.metric_names and metric not in allowed:
+            raise RecipeError(f"{key}: {name} reports no metric {metric!r}{did_you_mean(metric, allowed)}; it "
+                              f"reports {', '.join(task.metric_names)}")
+        if metric.startswith("ema_") and recipe.train.ema is None:
+            raise RecipeError(f"{key}: {metric!r} needs train.ema (the EMA weights are evaluated only then)")
 
 
 def _module_from_file(path: Path):

@@ -21,6 +21,10 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict = {}
 
+    def interrupted(self) -> bool:
+        """Whether a signal has arrived on this process (the loop agrees on it across processes)."""
+        return self.received is not None
+
     def _handle(self, signum, frame):
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt

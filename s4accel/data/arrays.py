@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import DataCfg
-from .errors import DataError
+from ..config import DataCfg
+from ..errors import DataError
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import OptimCfg, RecipeError, SchedulerCfg
+from ..config import OptimCfg, SchedulerCfg
+from ..errors import RecipeError
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:

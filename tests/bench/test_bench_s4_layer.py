@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 TINY = ["--lengths", "32", "64", "--batch", "2", "--d-model", "16", "--d-state", "8", "--repeats", "1",
         "--breakdown-length", "32", "--decode-positions", "4", "16", "--decode-window", "4",

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import S4AccelError
+from ..errors import S4AccelError
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model")  # weights, config, code, tokenizer
 
@@ -35,7 +35,7 @@ def model_dir_of(run_dir: Path, which: str) -> tuple[Path, dict]:
     from .model_card import read_metrics
 
     if which == "best":
-        from .callbacks import KeepBest
+        from ..training.callbacks import KeepBest
 
         best = _recipe(run_dir).get("checkpoint", {})
         ranked = KeepBest(1, best.get("best_metric", "loss"), best.get("best_mode", "min")).ranked(run_dir)

@@ -40,6 +40,6 @@ def config_fields(family: str) -> tuple[str, ...]:
     without importing it, so recipes are checked without importing torch. Inherited `PreTrainedConfig` fields are
     not included: recipes do not set them."""
     module, cls = FAMILIES[family][0].split(":")
-    tree = ast.parse((Path(__file__).parent / "models" / f"{module}.py").read_text())
+    tree = ast.parse((Path(__file__).parents[1] / "models" / f"{module}.py").read_text())
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls).body
     return tuple(n.target.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))

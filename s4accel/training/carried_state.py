@@ -1,10 +1,5 @@
-"""Stateful training over long text streams (`train.state.mode`): each model's recurrent state carried from one chunk
-of a stream into the next chunk of the same rows.
-
-Layout: the training token stream (the packed blocks, in text order) is cut into `rows = batch_size x processes`
-contiguous streams; optimizer micro-batch t holds chunk t of every stream, and process p always reads rows
-`p*batch_size ... (p+1)*batch_size - 1` (never the interleaved batches of a sharded loader, which would continue
-another row's text: shared NOTES.md item 14). Modes:
+"""The recurrent state carried from one chunk of a long text stream into the next chunk of the same rows (stateful
+training, `train.state.mode`; the streams themselves: `s4accel/data/streams.py`). Modes:
 
     tbptt   each chunk starts from the previous chunk's final state, detached (gradients stay in the chunk)
     reset   as tbptt, but the state restarts from zero every `n_context + 1` chunks
@@ -22,58 +17,7 @@ from collections import deque
 
 import torch
 
-from .config import StateCfg
-from .errors import DataError
-
-
-class StreamBatchSampler:
-    """Batches of block indices: batch t = chunk t of this process's rows. `n_blocks` packed blocks in text order."""
-
-    def __init__(self, n_blocks: int, batch_size: int, num_processes: int, rank: int):
-        rows = batch_size * num_processes
-        self.chunks = n_blocks // rows  # chunks per stream; the remainder of the stream is dropped
-        self.rows = range(rank * batch_size, (rank + 1) * batch_size)
-
-    def __iter__(self):
-        for t in range(self.chunks):
-            yield [r * self.chunks + t for r in self.rows]
-
-    def __len__(self):
-        return self.chunks
-
-
-def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_workers: int = 0):
-    """This process's chunks, in order, each batch carrying its `chunk_index` (0 starts a new epoch's streams)."""
-    from torch.utils.data import DataLoader
-
-    from .data import collate_lm
-
-    sampler = StreamBatchSampler(len(data), batch_size, num_processes, rank)
-    if sampler.chunks < 1:
-        raise DataError(f"stateful training needs at least one chunk per stream: {len(data)} blocks < "
-                        f"{batch_size} x {num_processes} rows")
-
-    def collate(examples, chunk_of=sampler.chunks):
-        batch = collate_lm(examples)
-        batch["chunk_index"] = torch.tensor(int(examples[0]["__index__"]) % chunk_of)
-        return batch
-
-    # A generator of its own: without one, every new iterator (each epoch, and the first after a resume) draws its
-    # workers' base seed from the global RNG, which shifts the dropout masks of a resumed run.
-    return DataLoader(_WithIndex(data), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      generator=torch.Generator().manual_seed(0))
-
-
-class _WithIndex(torch.utils.data.Dataset):
-    def __init__(self, data):
-        self.data = data
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {**self.data[i], "__index__": i}
-
+from ..config import StateCfg
 
 class CarriedState:
     """The recurrent state between chunks, for one process. `forward(model, batch)` runs the model on a chunk from the
@@ -128,7 +72,7 @@ class CarriedState:
         return {"states": states, "chunks": self.chunks, "context": context}
 
     def load_state_dict(self, sd: dict) -> None:
-        from .models.modeling_s4 import S4Cache
+        from ..models.modeling_s4 import S4Cache
 
         self.reset()
         n, rank = self.accelerator.num_processes, self.accelerator.process_index

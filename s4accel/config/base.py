@@ -1,0 +1,37 @@
+"""The base of every recipe section: unknown keys refused, finite numbers only, no `true` for a number."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+
+class Section(BaseModel):
+    # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and an infinite lr or weight decay only shows up
+    # later as NaN weights.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value, info: ValidationInfo):
+        """pydantic's lax mode reads `true` as 1 for an int or float field (`max_steps: true` would train one step);
+        a boolean is accepted only where the field's type admits one."""
+        if isinstance(value, bool):
+            kinds = _leaf_types(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                kind = "integer" if int in kinds else "number"
+                raise ValueError(f"Input should be a valid {kind}, not a boolean")
+        return value
+
+
+def _leaf_types(annotation) -> set:
+    """The plain types an annotation is made of: `int | None` -> {int, NoneType}."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _leaf_types(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*map(_leaf_types, args))
+    return {annotation}

@@ -1,0 +1,137 @@
+"""Reading a recipe: YAML (duplicate keys and alias bombs refused) + `--set section.key=value` overrides -> a validated
+`Recipe`. Every problem is a `RecipeError`, one line each, naming the file, the key path and what is allowed (with a
+did-you-mean for a near miss)."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from ..errors import RecipeError, did_you_mean as _did_you_mean
+from .schema import Recipe
+
+MAX_RECIPE_VALUES = 100_000
+"""A recipe holds a few hundred values; YAML aliases can make a few lines stand for billions (an "alias bomb"), which
+validate quickly but take minutes and gigabytes to write back out."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so a second
+    `train:` section would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _count_values(tree, limit: int) -> int:
+    """Values in a loaded YAML tree, counting every use of an alias, stopping past `limit`."""
+    count, stack = 0, [tree]
+    while stack and count <= limit:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `section.key=value` overrides (values parsed as YAML), validate.
+
+    Raises `RecipeError` naming the file, the key path and what is allowed.
+    """
+    path = Path(path)
+    try:
+        raw = yaml.load(path.read_text(), Loader=_RecipeLoader)
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found") from None
+    except IsADirectoryError:
+        raise RecipeError(f"{path}: is a directory, not a recipe file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read recipe ({e})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if raw is None or raw == {}:
+        raise RecipeError(f"{path}: the recipe is empty (a recipe names at least its data and model; see recipes/)")
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections (run, model, data, ...)")
+    if _count_values(raw, MAX_RECIPE_VALUES) > MAX_RECIPE_VALUES:
+        raise RecipeError(f"{path}: the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases "
+                          f"repeating aliases?); refusing to load it")
+    for item in overrides:
+        _apply_override(raw, item)
+    return validate_recipe(raw, source=str(path))
+
+
+def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError("\n".join(f"{source}: {_format_error(err)}" for err in e.errors())) from None
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise RecipeError(f"--set {item!r}: expected section.key=value, e.g. optim.lr=1e-3")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = value  # not YAML: keep the raw string, validation will say if a string does not fit
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = parsed
+
+
+def _section_model(annotation) -> type[BaseModel] | None:
+    """The section class in an annotation `X`, `X | None` or `list[X]`; None for anything else."""
+    return next((a for a in (annotation, *typing.get_args(annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
+def _fields_at(loc: tuple) -> list[str] | None:
+    """Field names of the section a validation error's location points into (None past a free-form dict)."""
+    model: Any = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of a list of sections (callbacks)
+        model = _section_model(getattr(model.model_fields.get(part), "annotation", None))
+        if model is None:
+            return None
+    return list(model.model_fields)
+
+
+def _format_error(err: dict) -> str:
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = _fields_at(loc[:-1]) or []
+        return f"{path}: unknown key{_did_you_mean(loc[-1], allowed)}; allowed: {', '.join(allowed)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across sections: its message names the keys
+        return msg
+    if err["type"] == "missing":
+        msg = "required key is missing"
+    elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+        msg = f"{msg} (got {err['input']!r})"
+    return f"{path}: {msg}"

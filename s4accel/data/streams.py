@@ -1,0 +1,56 @@
+"""Long text streams for stateful training (`train.state.mode`): the training token stream (the packed blocks, in text
+order) cut into `rows = batch_size x processes` contiguous streams; micro-batch t holds chunk t of every stream, and
+process p always reads rows `p*batch_size ... (p+1)*batch_size - 1`. A sharded loader would interleave the batches
+across processes, so a carried state would continue another row's text (the state that carries over lives in
+`s4accel/training/carried_state.py`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DataError
+from .loaders import collate_lm
+
+class StreamBatchSampler:
+    """Batches of block indices: batch t = chunk t of this process's rows. `n_blocks` packed blocks in text order."""
+
+    def __init__(self, n_blocks: int, batch_size: int, num_processes: int, rank: int):
+        rows = batch_size * num_processes
+        self.chunks = n_blocks // rows  # chunks per stream; the remainder of the stream is dropped
+        self.rows = range(rank * batch_size, (rank + 1) * batch_size)
+
+    def __iter__(self):
+        for t in range(self.chunks):
+            yield [r * self.chunks + t for r in self.rows]
+
+    def __len__(self):
+        return self.chunks
+
+def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_workers: int = 0):
+    """This process's chunks, in order, each batch carrying its `chunk_index` (0 starts a new epoch's streams)."""
+    from torch.utils.data import DataLoader
+
+    sampler = StreamBatchSampler(len(data), batch_size, num_processes, rank)
+    if sampler.chunks < 1:
+        raise DataError(f"stateful training needs at least one chunk per stream: {len(data)} blocks < "
+                        f"{batch_size} x {num_processes} rows")
+
+    def collate(examples, chunk_of=sampler.chunks):
+        batch = collate_lm(examples)
+        batch["chunk_index"] = torch.tensor(int(examples[0]["__index__"]) % chunk_of)
+        return batch
+
+    # A generator of its own: without one, every new iterator (each epoch, and the first after a resume) draws its
+    # workers' base seed from the global RNG, which shifts the dropout masks of a resumed run.
+    return DataLoader(_WithIndex(data), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                      generator=torch.Generator().manual_seed(0))
+
+class _WithIndex(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {**self.data[i], "__index__": i}

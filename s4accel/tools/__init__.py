@@ -1,0 +1,8 @@
+"""What users run around training and on trained models.
+
+    run.py         train(), then push to the Hub when the recipe asks (the public `s4accel.train`)
+    inference.py   safe loading, generate, eval
+    hub.py         push a run's model with its card, recipe, metrics and logs
+    model_card.py  the model card and training-curve image
+    finders.py     lr-find and find-batch-size, through the recipe's task
+"""

@@ -1,0 +1,25 @@
+"""`s4accel.train(recipe)`: the training loop, then the Hub push the recipe asks for (`hub.push_at_end`), once
+everything is saved (a failed push loses nothing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import Recipe, load_recipe
+from ..training import TrainResult
+from ..training import train as train_loop
+
+
+def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (), resume: str | None = None,
+          force: bool = False) -> TrainResult:
+    """Train the model a recipe describes (`s4accel.training.train`), then push it to the Hub if the recipe says so.
+    Works under `accelerate launch`."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
+    result = train_loop(recipe, resume=resume, force=force)
+    hub = recipe.hub
+    if hub.push_at_end and result.final_dir is not None and result.is_main_process:
+        from .hub import push_run
+
+        url = push_run(result.run_dir, hub.repo_id, private=hub.private, revision=hub.revision, which=hub.which)
+        print(f"pushed the {hub.which} model to {hub.repo_id}: {url}")
+    return result

@@ -1,0 +1,66 @@
+"""Evaluation: the task's per-sample values summed over the whole validation split on every process (duplicates of
+the padded last batch dropped), the task's metrics from the sums, and their report to callbacks, trackers and the
+console."""
+
+from __future__ import annotations
+
+import torch
+
+from .callbacks import CallbackList, RunContext, improved
+from .step import agree
+from .task import Task
+
+@torch.no_grad()
+def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -> tuple[dict, int] | None:
+    """Sum `per_sample(model, batch) -> {name: (B,) or (B, k)}` over the whole evaluation split on all processes:
+    the rows go through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns the sums
+    (floats, or lists for (B, k) values) and the number of samples; None when `abort()` (a stop signal) becomes true on
+    any process, checked before each batch.
+
+    The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
+    how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        was_training = model.training
+        model.eval()
+        totals, widths = None, None
+        try:
+            for batch in val_dl:
+                if agree(accelerator, None, signal=abort()).signal:
+                    return None
+                with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets it too
+                    values = per_sample(model, batch)
+                    cols = [v.reshape(v.shape[0], -1).double() for v in values.values()]
+                    cols.append(torch.ones_like(cols[0][:, :1]))  # counts the samples
+                    rows = accelerator.gather_for_metrics(torch.cat(cols, dim=1)).sum(0)
+                widths = widths or {k: c.shape[1] for k, c in zip(values, cols)}
+                totals = rows if totals is None else totals + rows
+        finally:
+            model.train(was_training)
+    if totals is None:
+        raise ValueError("the validation loader yielded no batch")
+    parts = totals.tolist()
+    sums, i = {}, 0
+    for key, width in widths.items():
+        sums[key] = parts[i] if width == 1 and values[key].dim() == 1 else parts[i : i + width]
+        i += width
+    return sums, int(parts[-1])
+
+def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False) -> dict | None:
+    """The task's metrics over the whole validation split, gathered over processes (None if a stop cut it short)."""
+    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort)
+    return None if out is None else task.compute_metrics(*out)
+
+def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
+    """Evaluate the model, let callbacks add to and act on the metrics (EMA, keep-best, early stopping), log them."""
+    metrics = run.evaluate(run.model)
+    if metrics is None:  # interrupted by a stop signal
+        return None
+    callbacks.on_eval_end(run, metrics)
+    ck = run.recipe.checkpoint
+    if ck.best_metric in metrics and improved(metrics[ck.best_metric], run.state.best_metric, ck.best_mode):
+        run.state.best_metric = metrics[ck.best_metric]
+    run.log({(f"eval_ema/{k[4:]}" if k.startswith("ema_") else f"eval/{k}"): v for k, v in metrics.items()})
+    if run.accelerator.is_main_process:
+        bar.write(f"step {run.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics

@@ -1,0 +1,136 @@
+"""Resuming a run: which checkpoint (verified by the main process, the same for every process), whether the recipe
+still matches the one it was trained with, loading it with the checks Accelerate does not make, and what `--force`
+changes after loading."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from accelerate import PartialState
+
+from ..config import Recipe, flatten
+from ..errors import ResumeError
+from .checkpoint import TrainState, check_pickles, checkpoint_recipe, locate_checkpoint, move_aside
+from .task import TrainOptimizer
+
+# Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
+RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
+                  "train.eval_every", "train.eval_max_batches",
+                  "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
+                  "hub.")
+
+
+def training_fields(recipe_dict: dict) -> dict:
+    """The flattened recipe without the keys a resume may change."""
+    return {k: v for k, v in flatten(recipe_dict).items() if not k.startswith(RESUME_NEUTRAL)}
+
+
+def recipe_diff(old: dict, new: dict) -> list[str]:
+    """`key: old -> new` for every training-relevant key that differs between two recipe dicts."""
+    a, b = training_fields(old), training_fields(new)
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    return hashlib.sha256(json.dumps(training_fields(recipe.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+def choose_checkpoint(run_dir: Path, resume: str | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (None: a fresh start) and warnings, decided by the main process and the same on
+    every process. Checkpoints newer than the chosen one that failed verification are moved aside."""
+    from accelerate.utils import broadcast_object_list
+
+    if resume is None:
+        return None, []
+    state = PartialState()
+    choice: list = [None, [], None]  # checkpoint, warnings, error
+    if state.is_main_process:
+        try:
+            ckpt, notes, invalid = locate_checkpoint(run_dir, resume)
+            for path in invalid:
+                notes.append(f"moved the invalid checkpoint {path.name} aside to {move_aside(path).name}")
+            choice = [str(ckpt) if ckpt else None, notes, None]
+        except ResumeError as e:
+            choice = [None, [], str(e)]
+    broadcast_object_list(choice)
+    if choice[2] is not None:
+        raise ResumeError(choice[2])
+    return (Path(choice[0]) if choice[0] else None), choice[1]
+
+def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool) -> list[str]:
+    """The training-relevant fields that differ from the checkpoint's recipe (`key: old -> new`): refused, or with
+    `force` returned (to apply and print), except those that cannot take effect in a resumed run."""
+    diff = recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())
+    fixed = [line for line in diff if line.startswith(FIXED_ON_RESUME) and "dropout" not in line.split(":")[0]]
+    if fixed:
+        raise ResumeError(f"{', '.join(line.split(':')[0] for line in fixed)} cannot change when resuming, even with "
+                          f"--force: the checkpoint's weights and random states come from the old value(s) "
+                          f"({'; '.join(fixed)}); start a new run instead")
+    if diff and not force:
+        raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
+                          + "\n".join(f"  {line}" for line in diff))
+    return diff
+
+FIXED_ON_RESUME = ("run.seed", "model.", "task.target", "train.state.", "data.tokenizer", "data.vocab_size")
+"""Recipe fields a resumed run cannot honour: the weights' shapes and meaning, the random streams, the task."""
+
+def load_checkpoint(accelerator, ckpt: Path, n_saved: int) -> None:
+    """`accelerator.load_state` after checks it does not make: the files this run needs are all there, nothing in
+    them is more than tensors and plain data (checked before anything is unpickled), and any error while loading is
+    one line (Accelerate would swallow a damaged RNG state with a log message)."""
+    found = len(list(ckpt.glob("custom_checkpoint_*.pkl")))
+    if found != n_saved:
+        raise ResumeError(f"{ckpt}: the checkpoint saved {found} objects besides model and optimizer, this run has "
+                          f"{n_saved} (schedulers, loop state, carried state, stateful callbacks: a callback added or "
+                          f"removed?)")
+    ranks = len(list(ckpt.glob("random_states_*.pkl")))
+    if not (ckpt / f"random_states_{accelerator.process_index}.pkl").is_file():
+        raise ResumeError(f"{ckpt}: saved by {ranks} process(es), resumed by {accelerator.num_processes}: process "
+                          f"{accelerator.process_index} has no random states to continue from")
+    check_pickles(ckpt)
+    try:
+        accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {first[:300]}") from None
+
+def hyperparameters(optimizers: list[TrainOptimizer]) -> list:
+    """Each optimizer's group settings (lr, weight decay, betas, ...) and its schedule's base rates, as built."""
+    return [([{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups],
+             list(getattr(o.scheduler, "base_lrs", []))) for o in optimizers]
+
+def restore_hyperparameters(optimizers: list[TrainOptimizer], fresh: list) -> None:
+    """After `load_state`, which restores the checkpoint's optimizer settings and base learning rates: the recipe's
+    settings again, and the learning rate its schedule gives at the restored step."""
+    for o, (groups, base_lrs) in zip(optimizers, fresh):
+        sched = o.scheduler
+        for group, settings in zip(o.optimizer.param_groups, groups):
+            group.update(settings)
+        if not base_lrs:
+            continue
+        sched.base_lrs = base_lrs
+        for group, base in zip(o.optimizer.param_groups, base_lrs):
+            group["initial_lr"] = base
+        if hasattr(sched, "lr_lambdas"):  # LambdaLR (every transformers schedule): lr = base * f(step)
+            lrs = [base * f(sched.last_epoch) for base, f in zip(base_lrs, sched.lr_lambdas)]
+        elif hasattr(sched, "_get_closed_form_lr"):
+            lrs = sched._get_closed_form_lr()
+        else:
+            continue
+        for group, lr in zip(o.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = list(lrs)
+
+
+def resume_from(accelerator, ckpt: Path, saved: list, optimizers: list[TrainOptimizer], changed: list[str]) -> None:
+    """Load the checkpoint into model, optimizers and the registered objects `saved`; with `--force` changes, the
+    recipe's optimizer settings and schedule replace the checkpoint's (and the changes are printed)."""
+    fresh = hyperparameters(optimizers)
+    load_checkpoint(accelerator, ckpt, len(saved))
+    if changed:  # --force: what the recipe now says is what runs from here on
+        restore_hyperparameters(optimizers, fresh)
+        accelerator.print(f"resuming with changed fields (--force): {'; '.join(changed)}")
+    step = next(obj.step for obj in saved if isinstance(obj, TrainState))
+    accelerator.print(f"resumed from {ckpt} at step {step}")

@@ -1,0 +1,301 @@
+"""One optimizer step: the micro-batch window (forward and backward, item-normalised under accumulation and several
+processes), clipping, the agreement of every process on what happened (non-finite numbers, a stop signal, a callback
+asking to stop, a save due by time), the non-finite skip, the update; and the window's rewind when a stop signal cuts
+it short."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import NonFiniteError
+from .checkpoint import TrainState, latest_complete, save_checkpoint
+from .task import Task, TrainOptimizer, count_items
+
+def batch_stream(accelerator, train_dl, state: TrainState):
+    """Micro-batches forever, epoch after epoch; `set_epoch` reshuffles each epoch identically on every rank. After a
+    mid-epoch resume, the first epoch skips the batches the checkpointed run had consumed: with the seedable sampler
+    this replays exactly the batches an uninterrupted run sees (with any other sampler setup, or without
+    `set_epoch`, a resumed epoch is shuffled differently)."""
+    skip = state.batch_in_epoch
+    while True:
+        if hasattr(train_dl, "set_epoch"):  # a prepared (sharded, device-placing) loader
+            train_dl.set_epoch(state.epoch)
+            batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
+        else:  # the stream loader of stateful training: in order, on the CPU
+            batches = ({k: v.to(accelerator.device) for k, v in b.items()}
+                       for b in itertools.islice(train_dl, skip, None))
+        for batch in batches:
+            state.batch_in_epoch += 1
+            yield batch
+        skip = 0
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0,
+                    abort=None) -> dict | None:
+    """Forward and backward over the micro-batches of one optimizer step (automatic optimisation); returns this rank's
+    share of the window's training scalars (`loss`, and for mixture-of-experts models `aux_loss`, `expert_counts`,
+    `dropped_counts`). Without a task, `model(**batch)` is the step. With `abort` (a stop signal's flag), every
+    process checks it together between micro-batches and all return None as soon as one saw it, unless the window's
+    end is near (the last eighth of it, at least its last micro-batch, is finished instead); one small collective per
+    checked micro-batch with several processes, nothing with one.
+
+    Item-normalised (the mean of per-micro-batch means would weigh a short micro-batch's items more): the task's
+    loss is its micro-batch's mean over `count_items(batch)` (real target tokens for
+    a language model); weighting it by that count over the count of the whole window on all ranks makes the window's
+    gradient that of the mean over all its items, so ragged micro-batches weigh by their items. Multiplying by
+    grad_accum x num_processes cancels backward's 1/grad_accum (Accelerate divides by it already) and DDP's mean over
+    ranks. One collective.
+    An `aux_loss` (router losses, included in the model's `loss`) is its own micro-batch's mean, so it is taken out
+    of that weighting: backward's 1/grad_accum and DDP's mean make it the mean over the window's micro-batches.
+    """
+    ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
+    near = max(1, ga // 8)  # micro-batches still to run that are finished rather than abandoned
+    count = task.count_items if task is not None else count_items
+    counts, n_items = None, None  # one micro-batch on one process: the task's own mean is the window's mean
+    if ga > 1 or n_proc > 1:
+        counts = [count(b) for b in window]
+        n_items = sum(counts)
+        if n_proc > 1:
+            n_items = accelerator.gather(n_items.reshape(1)).sum()
+    totals: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(window):
+        if i and abort is not None and ga - i > near and agree(accelerator, None, signal=abort()).signal:
+            return None
+        with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
+            out = task.training_step(model, batch, step) if task is not None else model(**batch)
+            loss, aux = (out, None) if isinstance(out, torch.Tensor) else (out["loss"], out.get("aux_loss"))
+            mean = loss - aux if aux is not None else loss
+            share = mean * (counts[i] / n_items) if n_items is not None else mean  # of the window's mean
+            objective = share * (ga * n_proc)
+            accelerator.backward(objective + aux if aux is not None else objective)
+        parts = {"loss": share.detach()}
+        if aux is not None:
+            for key in ("aux_loss", "balance_loss", "z_loss"):  # summed over the window and ranks: the mean
+                if out.get(key) is not None:
+                    parts[key] = out[key].detach() / (ga * n_proc)
+            for key in ("expert_counts", "dropped_counts"):
+                if out.get(key) is not None:
+                    parts[key] = out[key]
+        for k, v in parts.items():
+            totals[k] = totals[k] + v if k in totals else v
+    return totals
+
+def manual_window(accelerator, model, window: list[dict], task: Task, step: int, abort=None) -> dict | None:
+    """Manual optimisation: the task's `training_step` runs on each micro-batch (its `step()` calls act on the last);
+    returns this rank's share of the mean of the scalars it returned, and the gradient norms of its steps. `abort`:
+    as for `backward_window` (no optimizer has stepped before the window's last micro-batch)."""
+    ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    near = max(1, ga // 8)
+    task.window_scalars, task.nonfinite_steps = {}, 0
+    totals: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(window):
+        if i and abort is not None and ga - i > near and agree(accelerator, None, signal=abort()).signal:
+            return None
+        with accelerator.accumulate(model):  # sets sync_gradients on the window's last micro-batch
+            out = task.training_step(model, batch, step) or {}
+        for k, v in out.items():
+            v = torch.as_tensor(v).detach().float() / (ga * n_proc)
+            totals[k] = totals[k] + v if k in totals else v
+    return {**totals, **task.window_scalars}
+
+def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
+    """Clip by value or by norm; return the global gradient norm (before norm clipping) for logging."""
+    if cfg.clip_grad_value is not None:
+        accelerator.clip_grad_value_(params, cfg.clip_grad_value)  # also unscales fp16 gradients
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    else:  # an infinite max norm only measures; called once per step, as fp16's unscale_ must be (twice raises)
+        norm = accelerator.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
+    # Under FSDP2 the gradients are sharded DTensors and so is their norm: the full value, the same on every process.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None:
+    """Step the optimizer, then the schedule unless fp16's GradScaler skipped the step (inf/NaN gradients): a skipped
+    step is counted and must not advance the learning rate. The schedule is not prepared by Accelerate, which
+    would step it once per process per optimizer step."""
+    optimizer.step()
+    if accelerator.optimizer_step_was_skipped:
+        state.scaler_skips += 1
+    else:
+        scheduler.step()
+    state.consecutive_nonfinite = 0
+    optimizer.zero_grad(set_to_none=True)
+
+class Flags(NamedTuple):
+    """What the processes agreed on at a step: some saw non-finite numbers, got a stop signal, have a callback
+    asking to stop, have a time-based save due."""
+
+    nonfinite: bool = False
+    signal: bool = False
+    stop: bool = False
+    save: bool = False
+
+    def merge(self, other: Flags) -> Flags:
+        return Flags(*(a or b for a, b in zip(self, other)))
+
+def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False, save=False) -> Flags:
+    """The flags of any process, the same on every process, so none of them breaks out of a collective alone
+    (the others would wait in it forever).
+    One host sync for the non-finite check; one small all-reduce with several processes; nothing more on one."""
+    if accelerator.num_processes == 1:
+        return Flags(bool(nonfinite) if nonfinite is not None else False, signal, stop, save)
+    flags = torch.tensor([0.0, signal, stop, save], device=accelerator.device)
+    if nonfinite is not None:
+        flags[0] = nonfinite.float()
+    return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
+
+def skip_nonfinite_step(accelerator, model, optimizers: list[TrainOptimizer], state, recipe) -> None:
+    """Drop this step's update (the weights stay the last good ones), count it, and stop by policy, or at once when
+    the weights themselves are no longer finite (skipping cannot help then)."""
+    cfg = recipe.train
+    for o in optimizers:
+        o.optimizer.zero_grad(set_to_none=True)
+    state.nonfinite_skips += 1
+    state.consecutive_nonfinite += 1
+    accelerator.print(f"warning: non-finite loss or gradient norm at step {state.step + 1}; update skipped "
+                      f"({state.consecutive_nonfinite} in a row)")
+    finite = weights_finite(accelerator, model)
+    if cfg.on_nonfinite == "stop" or state.consecutive_nonfinite >= cfg.max_nonfinite_skips or not finite:
+        why = ("the weights are no longer finite: an update made them so (optim.lr too large?)" if not finite
+               else "train.on_nonfinite=stop" if cfg.on_nonfinite == "stop"
+               else f"{state.consecutive_nonfinite} in a row, train.max_nonfinite_skips={cfg.max_nonfinite_skips}")
+        if finite:
+            path = save_checkpoint(accelerator, recipe.run.dir, state.step, recipe.checkpoint.keep_last,
+                                   recipe.to_yaml())
+            where = f"saved in {path}"
+        else:
+            good = latest_complete(recipe.run.dir)
+            where = f"{good}" if good else "not saved (no checkpoint yet)"
+        raise NonFiniteError(f"non-finite loss or gradient norm at step {state.step + 1} ({why}); the last good state "
+                             f"is {where}")
+
+def weights_finite(accelerator, model) -> bool:
+    """Whether every parameter is finite on every process (one norm per tensor, one small all-reduce)."""
+    from .callbacks import local
+
+    tensors = [local(p) for p in model.parameters()]
+    ok = torch.stack(torch._foreach_norm(tensors)).isfinite().all() if tensors else torch.tensor(True)
+    return not agree(accelerator, ~ok.to(accelerator.device)).nonfinite
+
+def save_checked(accelerator, model, run_dir: Path, step: int, recipe) -> Path:
+    """A checkpoint of weights that are finite: an update that made them non-finite (a learning rate too large) is
+    stopped here rather than saved as the state to resume from."""
+    if not weights_finite(accelerator, model):
+        good = latest_complete(run_dir)
+        raise NonFiniteError(f"the weights are no longer finite after step {step} (an update made them so: optim.lr "
+                             f"too large?); not saving them; the last good state is "
+                             f"{good or 'not saved (no checkpoint yet)'}")
+    return save_checkpoint(accelerator, run_dir, step, recipe.checkpoint.keep_last, recipe.to_yaml())
+
+class Rewind:
+    """What one optimizer step's window changes besides gradients (the data position, the random streams, a
+    task's carried state), captured at its start, to go back to the last complete step when a stop signal cuts the
+    window short: the checkpoint then holds exactly the state a step boundary would have."""
+
+    def __init__(self, accelerator, state: TrainState, task: Task):
+        import random
+
+        import numpy as np
+
+        self.accelerator, self.state, self.task = accelerator, state, task
+        # accelerate counts micro-batches to know which one synchronises gradients, and saves that count
+        self.position = (state.epoch, state.batch_in_epoch, accelerator.step)
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.carried = [(obj, obj.snapshot()) for obj in task.stateful() if hasattr(obj, "snapshot")]
+
+    def __call__(self, optimizers: list[TrainOptimizer]) -> None:
+        import random
+
+        import numpy as np
+
+        for o in optimizers:
+            o.optimizer.zero_grad(set_to_none=True)
+        self.state.epoch, self.state.batch_in_epoch, self.accelerator.step = self.position
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        if self.rng[3] is not None:
+            torch.cuda.set_rng_state_all(self.rng[3])
+        for obj, snap in self.carried:
+            obj.restore(snap)
+
+class Clock:
+    """Time-based checkpoints: due every `minutes` of training (never when None)."""
+
+    def __init__(self, minutes: float | None):
+        self.seconds = None if minutes is None else 60 * minutes
+        self.reset()
+
+    def reset(self):
+        self.start = time.monotonic()
+
+    def due(self) -> bool:
+        return self.seconds is not None and time.monotonic() - self.start >= self.seconds
+
+
+@dataclass
+class StepOutcome:
+    flags: Flags
+    """What every process agreed on at this step."""
+    scalars: dict | None = None
+    """This process's share of the step's training scalars (None when no step was taken)."""
+    skipped: bool = False
+    """Non-finite numbers: the update was dropped (the loop goes on to the next window)."""
+    aborted: bool = False
+    """A stop signal cut the window short: the state is back at the last complete step."""
+
+
+class Stepper:
+    """One optimizer step per call: the micro-batch window (abandoned and rewound when a stop signal arrives in its
+    middle), clipping, the agreement of every process (non-finite numbers, a stop signal, a callback asking to stop,
+    a save due by time), the non-finite skip, the update of every optimizer and its schedule, the counters."""
+
+    def __init__(self, accelerator, model, task: Task, optimizers: list[TrainOptimizer], recipe, signals):
+        self.accelerator, self.model, self.task, self.optimizers = accelerator, model, task, optimizers
+        self.recipe, self.cfg, self.signals = recipe, recipe.train, signals
+        self.params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
+        self.clock = Clock(recipe.checkpoint.every_minutes)  # time-based checkpoints
+
+    def __call__(self, batches, state: TrainState, stop_requested: bool) -> StepOutcome:
+        acc, task, cfg = self.accelerator, self.task, self.cfg
+        # A stop signal between micro-batches abandons a long window: back to the last complete step (grad_accum > 1).
+        rewind = Rewind(acc, state, task) if cfg.grad_accum > 1 else None
+        window = [next(batches) for _ in range(cfg.grad_accum)]
+        run_window = backward_window if task.automatic_optimization else manual_window
+        scalars = run_window(acc, self.model, window, task, state.step,
+                             abort=self.signals.interrupted if rewind else None)
+        if scalars is None:
+            rewind(self.optimizers)
+            return StepOutcome(Flags(signal=True), aborted=True)
+        if task.automatic_optimization:
+            # The window's last micro-batch synchronised the gradients: all below happens once per step.
+            norm = clip_gradients(acc, self.params, cfg)
+            if norm is not None:  # None under DeepSpeed, which clips inside its engine and keeps the norm
+                scalars["grad_norm"] = norm
+            objective = scalars["loss"] + scalars.get("aux_loss", 0)
+            nonfinite = ~torch.isfinite(objective + scalars.get("grad_norm", 0))
+        else:  # the task stepped its optimizers itself, on the window's last micro-batch
+            nonfinite = torch.tensor(task.nonfinite_steps > 0)
+        # One check per step, the same decision on every process: a process that broke out of a collective alone
+        # would leave the others waiting in it forever.
+        flags = agree(acc, nonfinite, signal=self.signals.interrupted(), stop=stop_requested, save=self.clock.due())
+        if flags.nonfinite:
+            skip_nonfinite_step(acc, self.model, self.optimizers, state, self.recipe)
+            return StepOutcome(flags, skipped=True)
+        if task.automatic_optimization:
+            for o in self.optimizers:
+                optimizer_step(acc, o.optimizer, o.scheduler, state)
+        state.consecutive_nonfinite = 0
+        state.step += 1
+        state.tokens_seen += sum(task.count_units(b) for b in window) * acc.num_processes
+        return StepOutcome(flags, scalars)

@@ -1,0 +1,87 @@
+"""The package's architecture holds: imports point one way (cli and tools -> training -> data, models, config), the
+model files stand alone, no module imports another that imports it back, the loop fits on a screen."""
+
+import ast
+import pathlib
+
+from helpers import REPO
+
+PACKAGE = REPO / "s4accel"
+LAYER = {"config": 0, "models": 0, "data": 1, "training": 2, "tools": 3}
+SHARED = ("s4accel.errors", "s4accel._autoregister")  # the error classes and the Auto-class registration
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports() -> dict[str, set[str]]:
+    """Every s4accel module each module imports, at the top or inside a function."""
+    mods = modules()
+    edges = {m: set() for m in mods}
+    for m, path in mods.items():
+        package = m if path.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, *([node.module] if node.module else [])])
+                for name in [target, *(f"{target}.{a.name}" for a in node.names)]:
+                    if name in mods and name != m:
+                        edges[m].add(name)
+            elif isinstance(node, ast.Import):
+                edges[m] |= {a.name for a in node.names if a.name in mods and a.name != m}
+    return edges
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYER) else None
+
+
+def test_imports_point_one_way_and_the_models_stand_alone():
+    wrong = []
+    for m, targets in imports().items():
+        for t in targets:
+            lm, lt = layer(m), layer(t)
+            if lm == "models" and lt != "models":
+                wrong.append((m, t))  # the model files are copied into Hub repos: only torch, transformers, siblings
+            elif lm is not None and lt is None and t not in SHARED:
+                wrong.append((m, t))  # a layer reaching up to the CLI or the package's public face
+            elif lm is not None and lt is not None and LAYER[lt] > LAYER[lm]:
+                wrong.append((m, t))
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    edges = imports()
+    seen, on_path, cycles = set(), [], []
+
+    def visit(m):
+        if m in on_path:
+            cycles.append(on_path[on_path.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        on_path.append(m)
+        for t in sorted(edges[m]):
+            if not (t == "s4accel" or m.startswith(t + ".") or t.startswith(m + ".")):  # a package and its members
+                visit(t)
+        on_path.pop()
+
+    for m in sorted(edges):
+        visit(m)
+    assert not cycles, cycles[:3]
+
+
+def test_the_loop_fits_on_a_screen_and_no_module_is_a_god_file():
+    tree = ast.parse((PACKAGE / "training" / "loop.py").read_text())
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    assert train.end_lineno - train.lineno + 1 <= 110
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
+             if "models" not in p.parts}  # the modeling files follow transformers' one-file-per-model layout
+    assert max(sizes.values()) <= 420, sizes
