@@ -167,3 +167,26 @@ def test_two_process_gan_keeps_both_models_identical_on_every_rank(tmp_path):
     assert rank0 == rank1
     assert "2 process(es)" in proc.stdout
     assert len(evals(run_dir, "eval/mean_gap")) == 2
+
+
+def test_show_lr_find_and_find_batch_size_go_through_the_recipes_task(tmp_path):
+    """The tools build the task's own model and run its own training step, not an S4 model on Shakespeare."""
+    task = ["--set", DIABETES_TASK]
+    proc = run_cli("show", DIABETES, *task)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # DiabetesMLP(10, 64, depth 2): 10*64 + 64 + 64*64 + 64 + 64 + 1 parameters
+    assert proc.stdout.strip().splitlines()[-1] == "# model: DiabetesMLP (DiabetesRegression), 4,929 parameters"
+
+    proc = run_cli("lr-find", DIABETES, *task, "--steps", "12", "--min-lr", "1e-5", "--max-lr", "1e-3",
+                   "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = json.loads((tmp_path / "lr_find.json").read_text())["losses"]
+    assert len(losses) == 12 and all(0.2 < v < 3 for v in losses)  # the standardised target's mse, not ln(259)
+
+    proc = run_cli("find-batch-size", DIABETES, *task, "--memory-mb", "100000", "--max-batch", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("largest batch size within 100,000 MiB on cpu: 2")
+
+    proc = run_cli("lr-find", GAN, "--set", GAN_TASK)
+    assert proc.returncode == 2
+    assert "lr-find: DigitsGANTask uses manual optimisation" in proc.stderr
