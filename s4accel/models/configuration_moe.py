@@ -1,13 +1,40 @@
 """Configuration of the mixture-of-experts transformer.
 
 This file is copied into Hub repositories next to `modeling_moe.py` for `trust_remote_code` loading, so it imports
-only `transformers` and `huggingface_hub` (a dependency of transformers).
+only the standard library, `transformers` and `huggingface_hub` (a dependency of transformers).
 """
 
+import difflib
+from dataclasses import fields
+
 from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
 
 MOE_DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
+
+# Keywords transformers itself hands a config (loading, legacy files, other model families' token ids) that are not
+# dataclass fields: never taken for a misspelling of ours.
+TRANSFORMERS_KEYWORDS = frozenset({
+    "torch_dtype", "num_labels", "name_or_path", "output_attentions", "attn_implementation", "experts_implementation",
+    "per_layer_config", "rope_scaling", "rope_theta", "rope_parameters", "auto_map", "model_type",
+    "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id", "decoder_start_token_id",
+})
+
+
+def refuse_misspelt_keywords(config, kwargs: dict) -> None:
+    """Raise on a keyword that is no field of `config` but close to one (`kernal` for `kernel`): transformers would
+    store it as a stray attribute and build the default, silently. Keywords transformers knows (its config's
+    attributes, generation parameters, `TRANSFORMERS_KEYWORDS`, private `_names`), the config's `attribute_map` aliases
+    (`hidden_size`) and unknown keywords close to no field are accepted, as transformers accepts them."""
+    known = (set(dir(PreTrainedConfig)) | set(GenerationConfig._get_default_generation_params())
+             | TRANSFORMERS_KEYWORDS | set(config.attribute_map))
+    names = [f.name for f in fields(config)] + list(config.attribute_map)
+    for key in kwargs:
+        if key in known or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"{type(config).__name__} got an unknown keyword {key!r}; did you mean {close[0]!r}?")
 
 
 def check_moe_fields(config) -> None:
@@ -62,6 +89,11 @@ class MoEConfig(PreTrainedConfig):
         dropout (`float`): Dropout on attention probabilities and residual branches.
         rms_norm_eps (`float`): Epsilon of RMSNorm.
         initializer_range (`float`): Std of the normal init of embeddings, linear layers and expert weights.
+        use_cache (`bool`): `generate()` decodes from a key/value cache, and a forward continuing from
+            `past_key_values` returns the updated one (a plain forward builds none unless `use_cache=True`);
+            `False`: every step re-reads the whole sequence.
+
+    An unknown keyword close to a field name (`num_expert=4`) is refused with a did-you-mean.
 
     Example:
 
@@ -101,6 +133,11 @@ class MoEConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
     eos_token_id: int | None = 1
     bos_token_id: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        refuse_misspelt_keywords(self, kwargs)
+        super().__post_init__(**kwargs)
 
     def validate_architecture(self):
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:

@@ -7,7 +7,7 @@ only `transformers` and `huggingface_hub` (a dependency of transformers).
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .configuration_moe import check_moe_fields
+from .configuration_moe import check_moe_fields, refuse_misspelt_keywords
 
 KERNELS = ("s4d", "s4")
 S4D_INITS = ("diag-lin", "diag-inv", "diag-legs", "diag-real")
@@ -64,6 +64,12 @@ class S4Config(PreTrainedConfig):
         d_ffn (`int`): Hidden width of the feed-forward MLP, or of each expert.
         layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.
+        use_cache (`bool`): `generate()` decodes from the recurrent state (`cache_params`), one position per step, and
+            a forward continuing from a `cache_params` returns the updated state; `False`: every step re-reads the
+            whole sequence. A forward from scratch returns its state only when asked (`use_cache=True`): the state
+            after a convolution costs a second pass over the sequence, which evaluation would pay for nothing.
+
+    An unknown keyword close to a field name (`kernal="s4"`) is refused with a did-you-mean.
 
     Example:
 
@@ -110,6 +116,11 @@ class S4Config(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 1
     tie_word_embeddings: bool = True
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        refuse_misspelt_keywords(self, kwargs)
+        super().__post_init__(**kwargs)
 
     @property
     def ssm_init(self) -> str:
@@ -146,6 +157,10 @@ class S4Config(PreTrainedConfig):
     def validate_dt(self):
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min}, dt_max={self.dt_max}")
+
+    def validate_attentions(self):
+        if self.output_attentions:
+            raise ValueError("S4 models have no attention weights: output_attentions is not supported")
 
     def validate_dropout(self):
         if not 0.0 <= self.dropout < 1.0:

@@ -3,7 +3,9 @@
 Pre-norm decoder blocks: `x + Attention(RMSNorm(x))`, then `x + FFN(RMSNorm(x))` where FFN is an `MoELayer` (router,
 top-k SwiGLU experts, optional shared experts; see `moe.py`) or, with `use_moe=False` (or between MoE blocks when
 `moe_every > 1`), a dense SwiGLU MLP of the experts' width. Attention is causal `scaled_dot_product_attention` with
-rotary position embeddings and a key/value cache (`DynamicCache`) for `generate()`.
+rotary position embeddings and a key/value cache (`DynamicCache`) for `generate()`. Asked for its attention weights
+(`output_attentions=True`, or `attn_implementation="eager"`), it computes attention written out instead, the same
+maths, and returns them.
 
 Shapes: `B` batch, `L` new positions, `S` cached + new positions, `D` width, `h` heads of size `d = D / h`.
 
@@ -23,6 +25,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
+from transformers.utils import can_return_tuple
 
 from .configuration_moe import MoEConfig
 from .moe import MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
@@ -39,6 +42,18 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def eager_attention(q, k, v, attn_mask, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scaled_dot_product_attention` written out, for its weights: q (B, h, L, d), k, v (B, h, S, d), attn_mask
+    (B, 1, L, S) bool or None (the L queries are the last positions and see every key at or before them) ->
+    output (B, h, L, d) and the attention probabilities (B, h, L, S), softmax in float32."""
+    L, S = q.shape[-2], k.shape[-2]
+    if attn_mask is None:
+        attn_mask = torch.arange(S, device=q.device) <= torch.arange(S - L, S, device=q.device)[:, None]  # (L, S)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, h, L, S)
+    weights = scores.masked_fill(~attn_mask, float("-inf")).softmax(-1).to(q.dtype)
+    return F.dropout(weights, dropout_p) @ v, weights
+
+
 class MoEAttention(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
@@ -47,16 +62,22 @@ class MoEAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x, positions, attn_mask, cache):
-        """x (B, L, D), positions (B, L), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None."""
+    def forward(self, x, positions, attn_mask, cache, eager=False):
+        """x (B, L, D), positions (B, L), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None.
+        -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None)."""
         B, L, D = x.shape
         q, k, v = self.qkv_proj(x).view(B, L, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, h, L, d)
         q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, h, S, d)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and L > 1,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.o_proj(y.transpose(1, 2).reshape(B, L, D))
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if eager:
+            y, weights = eager_attention(q, k, v, attn_mask, dropout_p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and L > 1,
+                                               dropout_p=dropout_p)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, D)), weights
 
 
 class MoEBlock(GradientCheckpointingLayer):
@@ -69,15 +90,17 @@ class MoEBlock(GradientCheckpointingLayer):
         self.ffn = MoELayer(config, config.d_model) if self.is_moe else SwiGLUMLP(config.d_model, config.d_ffn)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, attn_mask, cache, token_mask):
-        x = x + self.dropout(self.attn(self.attn_norm(x), positions, attn_mask, cache))
+    def forward(self, x, positions, attn_mask, cache, token_mask, eager=False):
+        """-> x, MoE aux dict or None, attention weights or None (see `MoEAttention`)."""
+        a, weights = self.attn(self.attn_norm(x), positions, attn_mask, cache, eager)
+        x = x + self.dropout(a)
         h = self.ffn_norm(x)
         aux = None
         if self.is_moe:
             h, aux = self.ffn(h, token_mask)
         else:
             h = self.ffn(h)
-        return x + self.dropout(h), aux
+        return x + self.dropout(h), aux, weights
 
 
 @dataclass
@@ -85,6 +108,7 @@ class MoEModelOutput(ModelOutput):
     last_hidden_state: torch.FloatTensor | None = None
     past_key_values: DynamicCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
     balance_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
@@ -97,12 +121,14 @@ class MoEModelOutput(ModelOutput):
 class MoECausalLMOutput(ModelOutput):
     """`loss` = language-model loss + `aux_loss` (the weighted router losses, included so that `loss.backward()`
     trains the router); `balance_loss` and `z_loss` are the unweighted layer means (detached). `expert_counts (n_moe, E)`: routed (token, expert) pairs per MoE layer and expert, real
-    tokens only; `dropped_counts (n_moe,)`: pairs dropped by the capacity limit."""
+    tokens only; `dropped_counts (n_moe,)`: pairs dropped by the capacity limit. `attentions`: each layer's attention
+    weights (B, h, L, S), with `output_attentions=True`."""
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     past_key_values: DynamicCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
     balance_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
@@ -155,10 +181,26 @@ class MoEModel(MoEPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.embeddings = new_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, output_hidden_states=None, **kwargs) -> MoEModelOutput:
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, output_attentions=None,
+                **kwargs) -> MoEModelOutput:
+        r"""
+        use_cache (`bool`, *optional*): Return the key/value cache (`past_key_values`, updated in place when one was
+            given). Default: `config.use_cache` when continuing from `past_key_values`, else False (no cache is
+            built for a plain forward, e.g. in training or evaluation).
+        output_hidden_states, output_attentions (`bool`, *optional*): Default: the config's. Attention weights come
+            from attention written out (`eager_attention`), the same maths as the SDPA kernel used otherwise.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        if use_cache is None:
+            use_cache = self.config.use_cache and past_key_values is not None
+        eager = bool(output_attentions) or self.config._attn_implementation == "eager"
         x = self.embeddings(input_ids) if input_ids is not None else inputs_embeds  # (B, L, D)
         B, L, _ = x.shape
         if use_cache and past_key_values is None:
@@ -175,17 +217,21 @@ class MoEModel(MoEPreTrainedModel):
         mask4 = attention_mask_4d(attention_mask, L, S, x.device)
         token_mask = attention_mask[:, past:] if attention_mask is not None else None  # (B, L): route real tokens
         hidden, auxes = [] if output_hidden_states else None, []
+        attentions = [] if output_attentions else None
         for block in self.layers:
             if hidden is not None:
                 hidden.append(x)
-            x, aux = block(x, position_ids, mask4, past_key_values, token_mask)
+            x, aux, weights = block(x, position_ids, mask4, past_key_values, token_mask, eager)
             if aux is not None:
                 auxes.append(aux)
+            if attentions is not None:
+                attentions.append(weights)
         x = self.norm_f(x)
         if hidden is not None:
             hidden.append(x)
         return MoEModelOutput(last_hidden_state=x, past_key_values=past_key_values if use_cache else None,
-                              hidden_states=tuple(hidden) if hidden else None, **moe_losses(auxes, self.config))
+                              hidden_states=tuple(hidden) if hidden else None,
+                              attentions=tuple(attentions) if attentions else None, **moe_losses(auxes, self.config))
 
 
 class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
@@ -211,31 +257,35 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None, logits_to_keep: int = 0,
-                num_items_in_batch=None, **kwargs) -> MoECausalLMOutput:
+                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None, output_attentions=None,
+                logits_to_keep: int = 0, num_items_in_batch=None, **kwargs) -> MoECausalLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Targets, usually
             `input_ids`; shifted inside (position t predicts t+1); -100 is ignored.
         num_items_in_batch (`int` or `torch.Tensor`, *optional*): The language-model loss is `sum of token losses /
             num_items_in_batch` instead of a mean over this batch (a trainer's accumulation window); `aux_loss` is
             always this batch's own.
+        kwargs: Passed on to `self.loss_function` (the language-model part), e.g. `shift_labels` (targets already
+            shifted, as context-parallel training gives them) or `ignore_index`.
         """
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)  # (B, L, V)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size,
-                                      num_items_in_batch=num_items_in_batch)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=num_items_in_batch, **kwargs)
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
         return MoECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                 hidden_states=out.hidden_states, aux_loss=out.aux_loss,
+                                 hidden_states=out.hidden_states, attentions=out.attentions, aux_loss=out.aux_loss,
                                  balance_loss=out.balance_loss, z_loss=out.z_loss, router_logits=out.router_logits,
                                  expert_counts=out.expert_counts, dropped_counts=out.dropped_counts)
 

@@ -37,6 +37,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
+from transformers.utils import can_return_tuple
 
 from .configuration_s4 import S4Config
 from .moe import MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
@@ -497,10 +498,15 @@ class S4Block(GradientCheckpointingLayer):
         x, aux = self._feed_forward(x, mask)
         return x, state, aux
 
-    def step(self, x, state, params):
-        """x (B, H) at one time step."""
-        x, state = self._residual(x, lambda z: self.layer.step(z, state, params), self.norm)
-        x, aux = self._feed_forward(x)
+    def step(self, x, state, params, mask=None):
+        """x (B, H) at one time step; `mask (B,)`, if given, reads 0 as padding, as `forward` does."""
+        def ssm(z):
+            if mask is not None:
+                z = z * mask[:, None].to(z.dtype)
+            return self.layer.step(z, state, params)
+
+        x, state = self._residual(x, ssm, self.norm)
+        x, aux = self._feed_forward(x, mask)
         return x, state, aux
 
 
@@ -510,21 +516,30 @@ class S4Block(GradientCheckpointingLayer):
 
 class S4Cache:
     """The recurrent state of every layer, carried between `generate()` steps (as `cache_params`) or between the
-    chunks of a long sequence (stateful training). `states[i]`: layer i's SSM state after the last position read."""
+    chunks of a long sequence (stateful training). `states[i]`: layer i's SSM state after the last position read;
+    `seqlen_offset`: how many positions (padding included) the states have read, so that `generate()` continuing from
+    this cache with the whole sequence feeds only the positions after them, and a forward given an `attention_mask`
+    over the read and the new positions knows which columns are new."""
 
     is_compileable = False  # generate() asks before deciding to compile the forward
+    is_croppable = False  # a recurrent state cannot be rolled back to an earlier position
 
-    def __init__(self, states: list[torch.Tensor] | None = None):
+    def __init__(self, states: list[torch.Tensor] | None = None, seqlen_offset: int = 0):
         self.states = states
+        self.seqlen_offset = seqlen_offset
         self.step_params: list[dict] | None = None  # discrete (dA, dB, C) of each layer, computed once per decode
 
     @property
     def has_previous_state(self) -> bool:
         return self.states is not None
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions read so far (the name transformers' caches use)."""
+        return self.seqlen_offset if self.states is not None else 0
+
     def detach(self) -> "S4Cache":
         """The same state without its autograd history (truncated backpropagation through time)."""
-        return S4Cache([s.detach() for s in self.states] if self.states is not None else None)
+        return S4Cache([s.detach() for s in self.states] if self.states is not None else None, self.seqlen_offset)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.states is not None:
@@ -590,6 +605,9 @@ class S4PreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["S4Block"]
     supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
+    # As Mamba: the state cannot be rolled back to an earlier position, so generate() refuses assisted and
+    # prompt-lookup decoding (which must discard rejected candidate tokens) with its own message.
+    _is_stateful = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -623,6 +641,7 @@ class S4Model(S4PreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.embeddings = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -632,16 +651,26 @@ class S4Model(S4PreTrainedModel):
         cache_params: S4Cache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> S4ModelOutput:
         r"""
         input_values (`torch.FloatTensor` of shape `(batch_size, sequence_length, d_input)`, *optional*):
             Real-valued inputs, for a model with `d_input` set.
+        attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): 0 marks padding, whose
+            SSM input reads as zero (so left padding leaves the state as no padding does). Continuing from
+            `cache_params`, it may also cover the positions the cache has read (`seqlen_offset + sequence_length`
+            columns); only the new columns are used.
         cache_params (`S4Cache`, *optional*): Every layer's state before the first position (None: zeros). A single
             position with a cache runs the recurrent step (O(1) per token); longer inputs run the convolution from
-            that state.
-        use_cache (`bool`, *optional*): Return the states after the last position in `cache_params`.
+            that state. The positions given are the ones after those the cache has read.
+        use_cache (`bool`, *optional*): Return the states after the last position in `cache_params` (updated in
+            place when one was given). Default: `config.use_cache` when continuing from `cache_params`, else False
+            (the state after a convolution costs a second pass over the sequence).
+        output_attentions (`bool`, *optional*): Refused: an S4 model has no attention weights.
         """
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError("S4 models have no attention weights: output_attentions is not supported")
         if sum(t is not None for t in (input_ids, inputs_embeds, input_values)) != 1:
             raise ValueError("Specify exactly one of input_ids, inputs_embeds or input_values")
         if input_values is not None:
@@ -657,19 +686,29 @@ class S4Model(S4PreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        if use_cache is None:
+            use_cache = self.config.use_cache and cache_params is not None
         states = cache_params.states if cache_params is not None and cache_params.has_previous_state else None
         if (use_cache or states is not None) and self.config.bidirectional:
             raise ValueError("a bidirectional S4 model reads whole sequences: it has no recurrent state")
+        L = x.shape[1]
+        seen = cache_params.get_seq_length() if states is not None else 0
+        if attention_mask is not None and attention_mask.shape[1] != L:
+            if attention_mask.shape[1] != seen + L:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions: expected {L} (the new "
+                                 f"ones) or {seen + L} (the {seen} the cache has read, then the new ones)")
+            attention_mask = attention_mask[:, seen:]  # (B, L): the cache has already read the others
         all_hidden = [] if output_hidden_states else None
         new_states, auxes = [], []
-        if states is not None and x.shape[1] == 1:  # decode one position recurrently
+        if states is not None and L == 1:  # decode one position recurrently
             if cache_params.step_params is None:
                 cache_params.step_params = [block.layer.kernel.step_params() for block in self.layers]
             h = x[:, 0]
+            mask = attention_mask[:, 0] if attention_mask is not None else None
             for block, state, params in zip(self.layers, states, cache_params.step_params):
                 if all_hidden is not None:
                     all_hidden.append(h[:, None])
-                h, state, aux = block.step(h, state, params)
+                h, state, aux = block.step(h, state, params, mask)
                 new_states.append(state)
                 auxes.append(aux)
             x = h[:, None]
@@ -687,7 +726,7 @@ class S4Model(S4PreTrainedModel):
         cache = None
         if use_cache:
             cache = cache_params if cache_params is not None else S4Cache()
-            cache.states = new_states
+            cache.states, cache.seqlen_offset = new_states, seen + L
         return S4ModelOutput(last_hidden_state=x, cache_params=cache,
                              hidden_states=tuple(all_hidden) if all_hidden else None,
                              **moe_losses([a for a in auxes if a is not None], self.config))
@@ -695,8 +734,10 @@ class S4Model(S4PreTrainedModel):
 
 class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
     """S4 language model: `S4Model` + a linear head tied to the input embedding (unless
-    `tie_word_embeddings=False`). `generate()` prefills the prompt by convolution, then decodes one token per step
-    with the recurrent form (`use_cache=True`, the default), in O(1) time and memory per token."""
+    `tie_word_embeddings=False`). `generate()` prefills the prompt (token ids or `inputs_embeds`) by convolution, then
+    decodes one token per step with the recurrent form (`use_cache=True`, the default), in O(1) time and memory per
+    token. Given the cache a previous call returned, it reads only the positions after the cache's `seqlen_offset`.
+    Stateful, as Mamba: assisted and prompt-lookup decoding are refused by transformers."""
 
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
 
@@ -728,16 +769,36 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         return False
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache_params=None,
-                                      attention_mask=None, **kwargs):
-        if cache_params is None or not cache_params.has_previous_state:
+                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
+        cached = cache_params is not None and cache_params.has_previous_state
+        if not cached:
             next_sequence_length = None  # no state yet (prefill, or use_cache=False): read the whole sequence
+        elif next_sequence_length is None:
+            # The prefill of a generate() continuing from a cache. transformers trims the positions a cache has read
+            # only for `past_key_values`, so do it here: feed the positions after the cache's `seqlen_offset`. Only
+            # when the inputs are the whole sequence (embeddings, or ids as long as the mask); ids shorter than the
+            # mask are only the new tokens already.
+            if inputs_embeds is not None and is_first_iteration:
+                total = inputs_embeds.shape[1]
+            elif attention_mask is None or attention_mask.shape[1] == input_ids.shape[1]:
+                total = input_ids.shape[1]
+            else:
+                total = None
+            seen = cache_params.get_seq_length()
+            if total is not None:
+                if total <= seen:
+                    raise ValueError(f"the cache has already read {seen} positions and the input has {total}: "
+                                     "pass the whole sequence including at least one new token")
+                next_sequence_length = total - seen
         inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
                                                        cache_params=cache_params, attention_mask=attention_mask,
-                                                       **kwargs)
-        if cache_params is not None and cache_params.has_previous_state:
-            inputs["attention_mask"] = None  # generated tokens are never padding
+                                                       inputs_embeds=inputs_embeds,
+                                                       is_first_iteration=is_first_iteration, **kwargs)
+        if cached and not is_first_iteration:
+            inputs["attention_mask"] = None  # decoding: generated tokens are never padding
         return inputs
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -747,6 +808,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
@@ -760,6 +822,8 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         num_items_in_batch (`int` or `torch.Tensor`, *optional*):
             When given, the loss is `sum of token losses / num_items_in_batch` rather than a mean over this batch, so
             a trainer can normalise by the real token count of a whole accumulation window across processes.
+        kwargs: Passed on to `self.loss_function`, e.g. `shift_labels` (targets already shifted, as context-parallel
+            training gives them) or `ignore_index`.
         """
         out = self.backbone(
             input_ids=input_ids,
@@ -768,6 +832,8 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             cache_params=cache_params,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
         )
         hidden = out.last_hidden_state  # (B, L, H)
         if logits_to_keep:
@@ -775,9 +841,8 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden)  # (B, L, V)
         loss = None
         if labels is not None:
-            loss = self.loss_function(
-                logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch
-            )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=num_items_in_batch, **kwargs)
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
         return S4CausalLMOutput(loss=loss, logits=logits, cache_params=out.cache_params,
@@ -805,6 +870,7 @@ class S4ForSequenceClassification(S4PreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.backbone.set_input_embeddings(new_embeddings)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -813,6 +879,7 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
     ) -> S4SequenceClassifierOutput:
@@ -826,7 +893,8 @@ class S4ForSequenceClassification(S4PreTrainedModel):
             losses divided by this count (a trainer's sequences in a whole accumulation window across processes).
         """
         out = self.backbone(input_ids=input_ids, input_values=input_values, inputs_embeds=inputs_embeds,
-                            attention_mask=attention_mask, output_hidden_states=output_hidden_states)
+                            attention_mask=attention_mask, output_hidden_states=output_hidden_states,
+                            output_attentions=output_attentions, return_dict=True)
         h = out.last_hidden_state  # (B, L, H)
         if attention_mask is None:
             attention_mask = torch.ones(h.shape[:2], dtype=h.dtype, device=h.device)

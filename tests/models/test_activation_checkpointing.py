@@ -30,7 +30,7 @@ MODELS = {
     "s4": lambda: S4ForCausalLM(S4Config(d_model=32, n_layer=4, d_state=8, vocab_size=50, dropout=0.1)),
     "s4_dplr": lambda: S4ForCausalLM(S4Config(d_model=32, n_layer=4, d_state=8, vocab_size=50, kernel="s4")),
     "s4_moe": lambda: S4ForCausalLM(S4Config(d_model=32, n_layer=4, d_state=8, vocab_size=50, ffn="moe",
-                                             num_experts=4, dropout=0.1, router_jitter_noise=0.1)),
+                                             num_experts=4, dropout=0.1, router_jitter=0.1)),
     "moe": lambda: MoEForCausalLM(MoEConfig(d_model=32, n_layer=4, n_head=2, d_ffn=48, num_experts=4, vocab_size=50,
                                             dropout=0.1)),
 }
