@@ -28,7 +28,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils import can_return_tuple
 
 from .configuration_moe import MoEConfig
-from .moe import MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
+from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -285,9 +285,8 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
         return MoECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                 hidden_states=out.hidden_states, attentions=out.attentions, aux_loss=out.aux_loss,
-                                 balance_loss=out.balance_loss, z_loss=out.z_loss, router_logits=out.router_logits,
-                                 expert_counts=out.expert_counts, dropped_counts=out.dropped_counts)
+                                 hidden_states=out.hidden_states, attentions=out.attentions,
+                                 **{k: getattr(out, k) for k in MOE_OUTPUTS})
 
 
 __all__ = ["MoEPreTrainedModel", "MoEModel", "MoEForCausalLM"]

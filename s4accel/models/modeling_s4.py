@@ -40,7 +40,7 @@ from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
 from transformers.utils import can_return_tuple
 
 from .configuration_s4 import S4Config
-from .moe import MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
+from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -585,13 +585,13 @@ class S4SequenceClassifierOutput(SequenceClassifierOutput):
     aux_loss: torch.FloatTensor | None = None
     balance_loss: torch.FloatTensor | None = None
     z_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
     expert_counts: torch.LongTensor | None = None
     dropped_counts: torch.LongTensor | None = None
 
 
 def _moe_fields(out) -> dict:
-    return {k: out[k] if k in out else None
-            for k in ("aux_loss", "balance_loss", "z_loss", "expert_counts", "dropped_counts")}
+    return {k: out[k] if k in out else None for k in MOE_OUTPUTS}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -846,8 +846,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
         return S4CausalLMOutput(loss=loss, logits=logits, cache_params=out.cache_params,
-                                hidden_states=out.hidden_states, router_logits=out.router_logits,
-                                **_moe_fields(out))
+                                hidden_states=out.hidden_states, **_moe_fields(out))
 
 
 class S4ForSequenceClassification(S4PreTrainedModel):

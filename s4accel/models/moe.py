@@ -305,6 +305,23 @@ class MoELayer(nn.Module):
         return out.reshape(shape), aux
 
 
+ROUTER_LOSSES = ("aux_loss", "balance_loss", "z_loss")
+"""The router's losses in a model output: the weighted sum that joins `loss`, then the unweighted layer means of the
+load-balancing and z losses (for logging)."""
+ROUTER_COUNTS = ("expert_counts", "dropped_counts")
+"""Routing statistics in a model output: routed pairs per layer and expert `(n_moe, E)`, pairs dropped by the
+capacity limit per layer `(n_moe,)`."""
+MOE_OUTPUTS = (*ROUTER_LOSSES, "router_logits", *ROUTER_COUNTS)
+"""Every mixture-of-experts field of a model output (each output class declares them all)."""
+
+
+def router_outputs(output) -> dict:
+    """What a trainer reads of a model output (a `ModelOutput` or a dict): the router losses and routing statistics
+    present in it, by name; empty for a model without MoE layers. The one place those names are read."""
+    get = output.get if hasattr(output, "get") else lambda key: getattr(output, key, None)
+    return {key: get(key) for key in (*ROUTER_LOSSES, *ROUTER_COUNTS) if get(key) is not None}
+
+
 def moe_losses(auxes: list[dict], config) -> dict:
     """Combine the layers' `aux` dicts: the weighted auxiliary loss (layer means of the balance and z losses times
     `router_aux_loss_coef` and `router_z_loss_coef`), those two means (detached, for logging), the router logits per

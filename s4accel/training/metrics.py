@@ -10,6 +10,7 @@ import warnings
 import psutil
 import torch
 
+from ..models.moe import ROUTER_COUNTS
 from .checkpoint import TrainState
 from .task import TrainOptimizer
 
@@ -28,7 +29,7 @@ class Meter:
 
     def add(self, **values: torch.Tensor):
         for k, v in values.items():
-            v = v.detach() if k in ("expert_counts", "dropped_counts") else v.detach().float()
+            v = v.detach() if k in ROUTER_COUNTS else v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
 
     def log(self, run, callbacks, optimizers: list[TrainOptimizer], bar) -> dict:
@@ -43,14 +44,13 @@ class Meter:
         state = self.state
         steps = state.step - self.steps_at_last
         logs = {}
-        for key in [k for k in self.sums if k not in ("expert_counts", "dropped_counts")]:
+        for key in [k for k in self.sums if k not in ROUTER_COUNTS]:
             value = self.sums.pop(key)
             if not key.startswith("grad_norm"):  # each rank holds its share of the mean; norms are the same on all
                 value = self.accelerator.reduce(value, reduction="sum")
             logs[f"train/{key}"] = value.item() / steps
-        if "expert_counts" in self.sums:  # (n_moe, E) routed pairs, summed over the interval and every process
-            counts = self.accelerator.reduce(self.sums.pop("expert_counts"), reduction="sum")
-            dropped = self.accelerator.reduce(self.sums.pop("dropped_counts"), reduction="sum")
+        if ROUTER_COUNTS[0] in self.sums:  # (n_moe, E) routed pairs, summed over the interval and every process
+            counts, dropped = (self.accelerator.reduce(self.sums.pop(k), reduction="sum") for k in ROUTER_COUNTS)
             logs.update(self.experts.update(counts, dropped, steps, state.step))
         now = time.perf_counter()
         logs["train/tokens_per_s"] = (state.tokens_seen - self.tokens_at_last) / (now - self.time_at_last)

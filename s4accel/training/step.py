@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import NonFiniteError
+from ..models.moe import ROUTER_LOSSES, router_outputs
 from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, count_items
 
@@ -73,22 +74,20 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
             return None
         with accelerator.accumulate(model):  # no DDP all-reduce until the window's last micro-batch
             out = task.training_step(model, batch, step) if task is not None else model(**batch)
-            loss, aux = (out, None) if isinstance(out, torch.Tensor) else (out["loss"], out.get("aux_loss"))
+            router = {} if isinstance(out, torch.Tensor) else router_outputs(out)
+            loss, aux = (out, None) if isinstance(out, torch.Tensor) else (out["loss"], router.get("aux_loss"))
             mean = loss - aux if aux is not None else loss
             share = mean * (counts[i] / n_items) if n_items is not None else mean  # of the window's mean
             objective = share * (ga * n_proc)
             accelerator.backward(objective + aux if aux is not None else objective)
         parts = {"loss": share.detach()}
-        if aux is not None:
-            for key in ("aux_loss", "balance_loss", "z_loss"):  # summed over the window and ranks: the mean
-                if out.get(key) is not None:
-                    parts[key] = out[key].detach() / (ga * n_proc)
-            for key in ("expert_counts", "dropped_counts"):
-                if out.get(key) is not None:
-                    parts[key] = out[key]
+        for key, value in router.items():
+            # losses: summed over the window and the processes they make the mean; counts: summed
+            parts[key] = value.detach() / (ga * n_proc) if key in ROUTER_LOSSES else value
         for k, v in parts.items():
             totals[k] = totals[k] + v if k in totals else v
     return totals
+
 
 def manual_window(accelerator, model, window: list[dict], task: Task, step: int, abort=None) -> dict | None:
     """Manual optimisation: the task's `training_step` runs on each micro-batch (its `step()` calls act on the last);

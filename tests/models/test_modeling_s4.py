@@ -4,6 +4,7 @@ sequence classification). Kernel numerics are in test_s4_numerics.py."""
 import math
 
 import pytest
+from huggingface_hub.errors import StrictDataclassError  # the config classes are strict dataclasses
 import torch
 
 from s4accel import S4Config, S4ForCausalLM
@@ -164,7 +165,7 @@ def test_causal_lm_refuses_bidirectional_and_input_values():
     ({"d_state": 7}, "even"),
 ])
 def test_config_rejects_bad_values(fields, message):
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         S4Config(d_model=8, **fields)
 
 

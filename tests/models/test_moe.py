@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from huggingface_hub.errors import StrictDataclassError  # the config classes are strict dataclasses
 import torch
 from torch.nn import functional as F
 
@@ -361,7 +362,7 @@ def test_s4_mlp_feed_forward_option():
     (dict(n_head=3), "n_head"),
 ])
 def test_bad_moe_config_values_are_refused(bad, message):
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         moe_config(**bad)
 
 
@@ -377,3 +378,19 @@ def test_s4_classifier_with_moe_blocks_adds_the_router_losses_and_ignores_paddin
     out = model(input_values=x, attention_mask=mask, labels=labels)
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels) + out.aux_loss)
     assert out.expert_counts.sum(-1).tolist() == [11 * 2, 11 * 2]  # 11 real steps, k = 2, per layer
+
+
+def test_every_output_class_declares_the_moe_outputs_a_trainer_reads():
+    """The names are declared once (`MOE_OUTPUTS`); each output class carries them all, and `router_outputs` reads
+    them from any of those outputs (or a dict) in one place."""
+    import dataclasses
+
+    from s4accel.models.modeling_moe import MoECausalLMOutput, MoEModelOutput
+    from s4accel.models.modeling_s4 import S4CausalLMOutput, S4ModelOutput, S4SequenceClassifierOutput
+    from s4accel.models.moe import MOE_OUTPUTS, router_outputs
+
+    for cls in (MoEModelOutput, MoECausalLMOutput, S4ModelOutput, S4CausalLMOutput, S4SequenceClassifierOutput):
+        assert set(MOE_OUTPUTS) <= {f.name for f in dataclasses.fields(cls)}, cls.__name__
+    out = MoECausalLMOutput(loss=torch.tensor(1.0), aux_loss=torch.tensor(0.1), expert_counts=torch.ones(2, 4))
+    assert set(router_outputs(out)) == {"aux_loss", "expert_counts"}
+    assert router_outputs({"loss": 1.0}) == {}
