@@ -5,9 +5,10 @@ from ..errors import RecipeError
 from .load import load_recipe, validate_recipe
 from .loop_sections import (CallbackCfg, CheckpointCfg, EarlyStoppingCfg, EMACfg, HubCfg, LogCfg, SampleCfg, StateCfg,
                             TrainCfg)
-from .schema import DataCfg, ModelCfg, OptimCfg, Recipe, RunCfg, SchedulerCfg, TaskCfg, flatten
+from .data_sections import DataCfg, SourceCfg
+from .schema import ModelCfg, OptimCfg, Recipe, RunCfg, SchedulerCfg, TaskCfg, flatten
 from .sizes import MODEL_SIZES
 
 __all__ = ["RecipeError", "load_recipe", "validate_recipe", "Recipe", "RunCfg", "ModelCfg", "DataCfg", "OptimCfg",
-           "SchedulerCfg", "TrainCfg", "EMACfg", "EarlyStoppingCfg", "StateCfg", "CheckpointCfg", "CallbackCfg",
+           "SchedulerCfg", "SourceCfg", "TrainCfg", "EMACfg", "EarlyStoppingCfg", "StateCfg", "CheckpointCfg", "CallbackCfg",
            "LogCfg", "HubCfg", "TaskCfg", "SampleCfg", "flatten", "MODEL_SIZES"]

