@@ -1,9 +1,14 @@
 """Data: every source behind one build function, and the data's say in the model's shape.
 
-    text.py     documents (the built-in plays, your files) -> tokenizer -> packed blocks (TextData)
-    arrays.py   labelled sequences (digits, UCR sets, your .npz/.csv) (ArrayData)
-    streams.py  contiguous per-process streams for stateful training
-    loaders.py  collation and the train/validation loaders
+    sources.py        documents from the built-in plays, your files (.txt/.json/.jsonl/.csv/.parquet/.arrow), or any
+                      `datasets` source (Hub id, local folder, save_to_disk folder)
+    tokenize.py       byte / BPE / any AutoTokenizer; fast tokenising and packing on Arrow buffers
+    text.py           documents -> packed blocks for a language model (one source or a mixture)
+    streaming.py      the same, read on the fly (data.streaming): per-process shares, exact resume, flat memory
+    labelled.py       labelled documents for a sequence classifier (data.label_field)
+    arrays.py         labelled sequences of numbers (digits, UCR sets, your .npz/.csv)
+    stateful_rows.py  contiguous per-process rows for stateful training
+    loaders.py        collation and the train/validation loaders
 """
 
 from __future__ import annotations
@@ -12,34 +17,52 @@ from pathlib import Path
 
 from ..config import DataCfg
 from .arrays import ArrayData, build_array_data, collate_arrays
+from .labelled import LabelledTextData, build_labelled_text, collate_labelled_text
 from .loaders import build_dataloaders, collate_fn, collate_lm
-from .streams import stream_loader
-from .text import (TextData, build_text_data, clean_play, shakespeare_files, token_byte_and_char_counts,
-                   tokenizer_spec)
+from .sources import clean_play, shakespeare_files
+from .stateful_rows import stream_loader
+from .streaming import build_stream_data
+from .text import TextData, build_text_data
+from .tokenize import token_byte_and_char_counts, tokenizer_spec
 
-def build_data(cfg: DataCfg, tokenizer_dir: Path | None = None):
-    """`TextData` for a text source, `ArrayData` (arrays.py) for an array source."""
+
+def build_data(cfg: DataCfg, tokenizer_dir: Path | None = None, seed: int = 0, rank: int = 0, world_size: int = 1):
+    """`TextData` for documents (a language model; streamed with `data.streaming`), `LabelledTextData` for labelled
+    documents, `ArrayData` for sequences of numbers. `seed`: a mixture's; `rank`, `world_size`: a stream's share."""
+    if cfg.is_lm and cfg.streaming:
+        return build_stream_data(cfg, tokenizer_dir, seed, rank, world_size)
+    if cfg.is_lm:
+        return build_text_data(cfg, tokenizer_dir, seed)
     if cfg.is_text:
-        return build_text_data(cfg, tokenizer_dir)
+        return build_labelled_text(cfg, tokenizer_dir)
     return build_array_data(cfg)
 
+
 def data_spec(cfg: DataCfg, data=None) -> dict:
-    """The model config fields the data decides: the tokenizer's for text; features, labels and task for arrays.
-    Without `data`, what can be known cheaply (the BPE's size without training it; array files are read)."""
+    """The model config fields the data decides: the tokenizer's (documents), features, labels and task (labelled
+    data). Without `data`, what can be known cheaply (the BPE's size without training it; labels are read)."""
+    spec = {}
     if cfg.is_text:
-        if data is None:
+        if data is None and cfg.is_lm:
             return tokenizer_spec(cfg)
+        if data is None:
+            data = build_labelled_text(cfg)
         tok = data.tokenizer
-        return {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
-    if data is None:
+        spec = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+        if cfg.is_lm:
+            return spec
+    elif data is None:
         data = build_array_data(cfg)
-    spec = {"d_input": data.d_input, "num_labels": data.num_labels,
-            "problem_type": "regression" if data.num_labels == 1 else "single_label_classification"}
+    if not cfg.is_text:
+        spec["d_input"] = data.d_input
+    spec.update(num_labels=data.num_labels,
+                problem_type="regression" if data.num_labels == 1 else "single_label_classification")
     if data.class_names:
         spec["id2label"] = dict(enumerate(data.class_names))
     return spec
 
 
-__all__ = ["ArrayData", "TextData", "build_array_data", "build_data", "build_dataloaders", "build_text_data",
-           "clean_play", "collate_arrays", "collate_fn", "collate_lm", "data_spec", "shakespeare_files",
-           "stream_loader", "token_byte_and_char_counts", "tokenizer_spec"]
+__all__ = ["ArrayData", "LabelledTextData", "TextData", "build_array_data", "build_data", "build_dataloaders",
+           "build_labelled_text", "build_text_data", "clean_play", "collate_arrays", "collate_fn",
+           "collate_labelled_text", "collate_lm", "data_spec", "shakespeare_files", "stream_loader",
+           "token_byte_and_char_counts", "tokenizer_spec"]

@@ -11,6 +11,7 @@ import torch
 from ..errors import DataError
 from .loaders import collate_lm
 
+
 class StreamBatchSampler:
     """Batches of block indices: batch t = chunk t of this process's rows. `n_blocks` packed blocks in text order."""
 
@@ -25,6 +26,7 @@ class StreamBatchSampler:
 
     def __len__(self):
         return self.chunks
+
 
 def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_workers: int = 0):
     """This process's chunks, in order, each batch carrying its `chunk_index` (0 starts a new epoch's streams)."""
@@ -44,6 +46,7 @@ def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_work
     # workers' base seed from the global RNG, which shifts the dropout masks of a resumed run.
     return DataLoader(_WithIndex(data), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       generator=torch.Generator().manual_seed(0))
+
 
 class _WithIndex(torch.utils.data.Dataset):
     def __init__(self, data):

