@@ -29,5 +29,7 @@ def describe(recipe: Recipe, task, model) -> str:
     if getattr(config, "model_type", None) is None:
         return f"# model: {type(model).__name__} ({type(task).__name__}), {n_params:,} parameters"
     inputs = f"vocab {config.vocab_size}" if getattr(config, "d_input", None) is None else \
-        f"{config.d_input} feature(s) per step, {config.num_labels} label(s)"
+        f"{config.d_input} feature(s) per step"
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        inputs += f", {config.num_labels} label(s)"
     return f"# model: {recipe.model.name} ({config.model_type}), {n_params:,} parameters, {inputs}"

@@ -1,5 +1,5 @@
 """The recurrent state carried from one chunk of a long text stream into the next chunk of the same rows (stateful
-training, `train.state.mode`; the streams themselves: `s4accel/data/streams.py`). Modes:
+training, `train.state.mode`; the streams themselves: `s4accel/data/stateful_rows.py`). Modes:
 
     tbptt   each chunk starts from the previous chunk's final state, detached (gradients stay in the chunk)
     reset   as tbptt, but the state restarts from zero every `n_context + 1` chunks
@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from ..config import StateCfg
+
 
 class CarriedState:
     """The recurrent state between chunks, for one process. `forward(model, batch)` runs the model on a chunk from the

@@ -10,6 +10,7 @@ from .callbacks import CallbackList, RunContext, improved
 from .step import agree
 from .task import Task
 
+
 @torch.no_grad()
 def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -> tuple[dict, int] | None:
     """Sum `per_sample(model, batch) -> {name: (B,) or (B, k)}` over the whole evaluation split on all processes:
@@ -46,10 +47,12 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -
         i += width
     return sums, int(parts[-1])
 
+
 def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False) -> dict | None:
     """The task's metrics over the whole validation split, gathered over processes (None if a stop cut it short)."""
     out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort)
     return None if out is None else task.compute_metrics(*out)
+
 
 def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
     """Evaluate the model, let callbacks add to and act on the metrics (EMA, keep-best, early stopping), log them."""

@@ -106,7 +106,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                      context.data.tokenizer, lambda m: evaluate(accelerator, task, m, val_dl, signals.interrupted),
                      task.export, task=task, optimizers=optimizers)
     callbacks.on_train_start(run)
-    start_logging(accelerator, recipe, state, task, model, context.data, len(train_dl))
+    start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
     run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
     # 3. The loop: one iteration per optimizer step.
@@ -230,17 +230,19 @@ def build(task: Task, context: TaskContext, recipe: Recipe):
     return model, optimizers, train_dl, val_dl
 
 
-def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, batches: int) -> None:
+def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl) -> None:
     """Trackers started with the flattened recipe; one line saying what trains on what."""
     config = {k: "null" if v is None else v for k, v in flatten(recipe.to_dict()).items()}
     accelerator.init_trackers(recipe.run.name, config={**config, "run_id": state.run_id})
-    n_train, n_val = (len(split) if n is None else n for split, n in ((data.train, data.n_train),
-                                                                      (data.val, data.n_val)))
-    accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train:,} "
+    streamed = not hasattr(data.train, "__len__")
+    n_train = "streamed" if streamed and data.n_train is None else f"{data.n_train or len(data.train):,}"
+    n_val = data.n_val if data.n_val is not None else len(data.val)
+    accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
                       f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
                       f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
                       f"{accelerator.mixed_precision}")
-    if recipe.train.grad_accum > batches:
+    batches = None if streamed else len(train_dl)
+    if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "
                       f"of an epoch (per process): each optimizer step spans more than one epoch", stacklevel=3)
 

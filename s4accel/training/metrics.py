@@ -14,6 +14,7 @@ from ..models.moe import ROUTER_COUNTS
 from .checkpoint import TrainState
 from .task import TrainOptimizer
 
+
 class Meter:
     """Sums training scalars on the device between log steps, so logging syncs with the host once per interval."""
 
@@ -68,6 +69,7 @@ class Meter:
         self.steps_at_last, self.time_at_last, self.tokens_at_last = state.step, now, state.tokens_seen
         return logs
 
+
 class ExpertLoad:
     """Mixture-of-experts routing statistics for the logs: each expert's share of its layer's routed (token, expert)
     pairs, the fraction of pairs dropped by the capacity limit, and a warning when an expert has received nothing
@@ -99,6 +101,7 @@ class ExpertLoad:
                                   "router_aux_loss_coef", stacklevel=2)
         self.warned = {(i, e) for i, e in self.warned if self.idle[i, e] > 0}  # warn again if it dies again
         return logs
+
 
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":

@@ -37,6 +37,7 @@ def recipe_diff(old: dict, new: dict) -> list[str]:
 def recipe_hash(recipe: Recipe) -> str:
     return hashlib.sha256(json.dumps(training_fields(recipe.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
+
 def choose_checkpoint(run_dir: Path, resume: str | None) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from (None: a fresh start) and warnings, decided by the main process and the same on
     every process. Checkpoints newer than the chosen one that failed verification are moved aside."""
@@ -59,6 +60,7 @@ def choose_checkpoint(run_dir: Path, resume: str | None) -> tuple[Path | None, l
         raise ResumeError(choice[2])
     return (Path(choice[0]) if choice[0] else None), choice[1]
 
+
 def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool) -> list[str]:
     """The training-relevant fields that differ from the checkpoint's recipe (`key: old -> new`): refused, or with
     `force` returned (to apply and print), except those that cannot take effect in a resumed run."""
@@ -73,8 +75,10 @@ def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool) -> list[str]:
                           + "\n".join(f"  {line}" for line in diff))
     return diff
 
+
 FIXED_ON_RESUME = ("run.seed", "model.", "task.target", "train.state.", "data.tokenizer", "data.vocab_size")
 """Recipe fields a resumed run cannot honour: the weights' shapes and meaning, the random streams, the task."""
+
 
 def load_checkpoint(accelerator, ckpt: Path, n_saved: int) -> None:
     """`accelerator.load_state` after checks it does not make: the files this run needs are all there, nothing in
@@ -96,10 +100,12 @@ def load_checkpoint(accelerator, ckpt: Path, n_saved: int) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResumeError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {first[:300]}") from None
 
+
 def hyperparameters(optimizers: list[TrainOptimizer]) -> list:
     """Each optimizer's group settings (lr, weight decay, betas, ...) and its schedule's base rates, as built."""
     return [([{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups],
              list(getattr(o.scheduler, "base_lrs", []))) for o in optimizers]
+
 
 def restore_hyperparameters(optimizers: list[TrainOptimizer], fresh: list) -> None:
     """After `load_state`, which restores the checkpoint's optimizer settings and base learning rates: the recipe's

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..config import Recipe
 from .checkpoint import own_class, write_atomic
 
+
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:
     """Complete the recipe's prompts with `generate()` on the main process; write them to `samples.txt`. Call on
     every process: a model sharded by FSDP is gathered into a whole copy for the main process first."""

@@ -20,6 +20,7 @@ from ..models.moe import ROUTER_LOSSES, router_outputs
 from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, count_items
 
+
 def batch_stream(accelerator, train_dl, state: TrainState):
     """Micro-batches forever, epoch after epoch; `set_epoch` reshuffles each epoch identically on every rank. After a
     mid-epoch resume, the first epoch skips the batches the checkpointed run had consumed: with the seedable sampler
@@ -30,6 +31,9 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         if hasattr(train_dl, "set_epoch"):  # a prepared (sharded, device-placing) loader
             train_dl.set_epoch(state.epoch)
             batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
+        elif getattr(train_dl.dataset, "resumable", False):  # a data stream (data.streaming): endless, it resumes at
+            # the position restored from the checkpoint, so nothing is skipped
+            batches = ({k: v.to(accelerator.device) for k, v in b.items()} for b in train_dl)
         else:  # the stream loader of stateful training: in order, on the CPU
             batches = ({k: v.to(accelerator.device) for k, v in b.items()}
                        for b in itertools.islice(train_dl, skip, None))
@@ -39,6 +43,7 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         skip = 0
         state.epoch += 1
         state.batch_in_epoch = 0
+
 
 def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0,
                     abort=None) -> dict | None:
@@ -107,6 +112,7 @@ def manual_window(accelerator, model, window: list[dict], task: Task, step: int,
             totals[k] = totals[k] + v if k in totals else v
     return {**totals, **task.window_scalars}
 
+
 def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
     """Clip by value or by norm; return the global gradient norm (before norm clipping) for logging."""
     if cfg.clip_grad_value is not None:
@@ -116,6 +122,7 @@ def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
         norm = accelerator.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
     # Under FSDP2 the gradients are sharded DTensors and so is their norm: the full value, the same on every process.
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
 
 def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None:
     """Step the optimizer, then the schedule unless fp16's GradScaler skipped the step (inf/NaN gradients): a skipped
@@ -129,6 +136,7 @@ def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None
     state.consecutive_nonfinite = 0
     optimizer.zero_grad(set_to_none=True)
 
+
 class Flags(NamedTuple):
     """What the processes agreed on at a step: some saw non-finite numbers, got a stop signal, have a callback
     asking to stop, have a time-based save due."""
@@ -141,6 +149,7 @@ class Flags(NamedTuple):
     def merge(self, other: Flags) -> Flags:
         return Flags(*(a or b for a, b in zip(self, other)))
 
+
 def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False, save=False) -> Flags:
     """The flags of any process, the same on every process, so none of them breaks out of a collective alone
     (the others would wait in it forever).
@@ -151,6 +160,7 @@ def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False,
     if nonfinite is not None:
         flags[0] = nonfinite.float()
     return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
+
 
 def skip_nonfinite_step(accelerator, model, optimizers: list[TrainOptimizer], state, recipe) -> None:
     """Drop this step's update (the weights stay the last good ones), count it, and stop by policy, or at once when
@@ -177,6 +187,7 @@ def skip_nonfinite_step(accelerator, model, optimizers: list[TrainOptimizer], st
         raise NonFiniteError(f"non-finite loss or gradient norm at step {state.step + 1} ({why}); the last good state "
                              f"is {where}")
 
+
 def weights_finite(accelerator, model) -> bool:
     """Whether every parameter is finite on every process (one norm per tensor, one small all-reduce)."""
     from .callbacks import local
@@ -184,6 +195,7 @@ def weights_finite(accelerator, model) -> bool:
     tensors = [local(p) for p in model.parameters()]
     ok = torch.stack(torch._foreach_norm(tensors)).isfinite().all() if tensors else torch.tensor(True)
     return not agree(accelerator, ~ok.to(accelerator.device)).nonfinite
+
 
 def save_checked(accelerator, model, run_dir: Path, step: int, recipe) -> Path:
     """A checkpoint of weights that are finite: an update that made them non-finite (a learning rate too large) is
@@ -194,6 +206,7 @@ def save_checked(accelerator, model, run_dir: Path, step: int, recipe) -> Path:
                              f"too large?); not saving them; the last good state is "
                              f"{good or 'not saved (no checkpoint yet)'}")
     return save_checkpoint(accelerator, run_dir, step, recipe.checkpoint.keep_last, recipe.to_yaml())
+
 
 class Rewind:
     """What one optimizer step's window changes besides gradients (the data position, the random streams, a
@@ -227,6 +240,7 @@ class Rewind:
             torch.cuda.set_rng_state_all(self.rng[3])
         for obj, snap in self.carried:
             obj.restore(snap)
+
 
 class Clock:
     """Time-based checkpoints: due every `minutes` of training (never when None)."""

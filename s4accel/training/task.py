@@ -297,7 +297,7 @@ BUILTIN_TASKS = {"causal_lm": "s4accel.training.tasks_builtin:CausalLMTask",
 def task_class(recipe) -> type[Task]:
     """The recipe's task class: a built-in by name, `package.module:Class`, or `path/to/file.py:Class`; without a
     target, chosen by the data (text -> causal_lm, arrays -> classification). Errors name `task.target`."""
-    target = recipe.task.target or ("causal_lm" if recipe.data.is_text else "classification")
+    target = recipe.task.target or ("causal_lm" if recipe.data.is_lm else "classification")
     target = BUILTIN_TASKS.get(target, target)
     module_name, _, attr = target.partition(":")
     try:

@@ -16,24 +16,41 @@ from ..config.sizes import FAMILIES, MODEL_SIZES
 from ..errors import RecipeError
 from .task import Task, TaskData, count_items
 
+
 class CausalLMTask(Task):
-    """Next-token prediction on text (`data.source: shakespeare | files`) with an S4 or MoE causal LM. The loss is the
-    mean over real target tokens; stateful training (`train.state`) carries the recurrent state across chunks."""
+    """Next-token prediction on documents (`data.source: shakespeare | files | dataset`, or a mixture, map-style or
+    streamed) with an S4 or MoE causal LM. The loss is the mean over real target tokens; stateful training
+    (`train.state`) carries the recurrent state across chunks. Bits per byte and per character are reported for a
+    byte-level tokenizer (byte, BPE, a byte-level tokenizer of your own), whose tokens are whole bytes; for any other
+    they cannot be computed from the tokens, and only loss and perplexity are."""
 
     metric_names = ("loss", "ppl", "bits_per_byte", "bits_per_char")
 
     def __init__(self, recipe, tokenizer_dir: Path | None = None):
         super().__init__(recipe)
         self.tokenizer_dir = tokenizer_dir  # a trained BPE is saved here (or read from here when present)
-        self.carried = None
+        self.carried = None  # stateful training's carried state
+        self.stream = None  # data.streaming's token stream
 
     def build_data(self) -> TaskData:
         from ..data import build_data, collate_lm, token_byte_and_char_counts
 
+        acc = self.accelerator
         tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
-        self.data = build_data(self.recipe.data, tokenizer_dir=tok_dir)
+        self.data = build_data(self.recipe.data, tokenizer_dir=tok_dir, seed=self.recipe.run.seed,
+                               rank=acc.process_index, world_size=acc.num_processes)
         counts = token_byte_and_char_counts(self.data.tokenizer)
-        self.token_bytes, self.token_chars = (t.to(self.accelerator.device) for t in counts)
+        self.token_bytes, self.token_chars = (None, None) if counts is None else (t.to(acc.device) for t in counts)
+        if counts is None:
+            acc.print(f"note: {self.recipe.data.tokenizer} is not a byte-level tokenizer: bits per byte and per "
+                      f"character cannot be computed from its tokens; evaluation reports loss and perplexity")
+        if self.data.source_tokens:  # a mixture: how much of each source one pass over the training blocks holds
+            total = sum(self.data.source_tokens.values())
+            acc.print("data mixture: " + ", ".join(f"{k} {v:,} tokens ({v / total:.1%})"
+                                                   for k, v in self.data.source_tokens.items()))
+        self.stream = self.data.train if getattr(self.data.train, "resumable", False) else None
+        if self.stream is not None:
+            self.stream.accelerator = acc  # its state is gathered from every process into each checkpoint
         return TaskData(self.data.train, self.data.val, collate_lm, self.data.tokenizer, "tokens",
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
@@ -45,6 +62,9 @@ class CausalLMTask(Task):
 
     def dataloaders(self, data: TaskData):
         train_dl, val_dl = super().dataloaders(data)
+        if self.stream is not None:  # every process reads its own share, in order: not sharded again
+            self.prepare_train_loader = False
+            return train_dl, val_dl
         if self.recipe.train.state.mode != "none":  # fixed rows per process in text order: a sharded
             # loader would hand a process another row's continuation
             from ..data import stream_loader
@@ -71,19 +91,23 @@ class CausalLMTask(Task):
         mask = targets != -100
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
                                                 ignore_index=-100)
-        safe = targets.clamp(min=0)
-        return {"nll": nll.sum(1), "tokens": mask.sum(1), "bytes": (self.token_bytes[safe] * mask).sum(1),
-                "chars": (self.token_chars[safe] * mask).sum(1)}
+        out = {"nll": nll.sum(1), "tokens": mask.sum(1)}
+        if self.token_bytes is not None:
+            safe = targets.clamp(min=0)
+            out.update(bytes=(self.token_bytes[safe] * mask).sum(1), chars=(self.token_chars[safe] * mask).sum(1))
+        return out
 
     def compute_metrics(self, sums, count):
         nll = sums["nll"]
         loss = nll / max(sums["tokens"], 1)
-        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
-                "bits_per_byte": nll / math.log(2) / max(sums["bytes"], 1),
-                "bits_per_char": nll / math.log(2) / max(sums["chars"], 1)}
+        metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        if "bytes" in sums:
+            metrics.update(bits_per_byte=nll / math.log(2) / max(sums["bytes"], 1),
+                           bits_per_char=nll / math.log(2) / max(sums["chars"], 1))
+        return metrics
 
     def stateful(self):
-        return [self.carried] if self.carried is not None else []
+        return [obj for obj in (self.carried, self.stream) if obj is not None]
 
     def on_validation_end(self):
         if self.carried is not None:
@@ -92,19 +116,34 @@ class CausalLMTask(Task):
     def on_train_end(self, model):
         from .samples import write_samples
 
+        if self.stream is not None and len(self.stream.labels) > 1:
+            seen = self.stream.tokens_seen()
+            self.accelerator.print("data mixture, tokens trained on (this process): " + ", ".join(
+                f"{k} {v:,}" for k, v in seen.items()))
         self.samples = write_samples(self.accelerator, model, self.data.tokenizer, self.recipe, self.run_dir)
 
 
 class SequenceClassificationTask(Task):
-    """One label per sequence (`data.source: digits | ucr | arrays`): cross-entropy and accuracy, or for regression
-    (`data.task: regression`) the mean squared error, with mse and mae."""
+    """One label per sequence: labelled documents (`data.label_field`, token ids with padding masked) or sequences of
+    numbers (`data.source: digits | ucr | arrays`); cross-entropy and accuracy, or for regression (`data.task:
+    regression`) the mean squared error, with mse and mae."""
 
     metric_names = ("loss", "accuracy", "mse", "mae")
 
-    def build_data(self) -> TaskData:
-        from ..data import build_array_data, collate_arrays
+    def __init__(self, recipe, tokenizer_dir: Path | None = None):
+        super().__init__(recipe)
+        self.tokenizer_dir = tokenizer_dir  # a trained BPE is saved here (or read from here when present)
 
-        self.data = build_array_data(self.recipe.data)
+    def build_data(self) -> TaskData:
+        from ..data import build_array_data, build_labelled_text, collate_arrays, collate_labelled_text
+
+        cfg = self.recipe.data
+        if cfg.is_text:
+            tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
+            self.data = build_labelled_text(cfg, tok_dir)
+            return TaskData(self.data.train, self.data.val, collate_labelled_text(self.data.pad_token_id),
+                            self.data.tokenizer, "tokens", self.data.n_train_tokens, self.data.n_val_tokens)
+        self.data = build_array_data(cfg)
         return TaskData(self.data.train, self.data.val, collate_arrays, None, "time steps",
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
@@ -118,10 +157,13 @@ class SequenceClassificationTask(Task):
         return model(**batch)
 
     def count_units(self, batch):
+        if "attention_mask" in batch:  # real tokens, padding aside
+            return int(batch["attention_mask"].sum())
         return batch["input_values"].shape[0] * batch["input_values"].shape[1]
 
     def validation_step(self, model, batch):
-        logits = model(input_values=batch["input_values"]).logits.float()  # (B, num_labels)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits.float()  # (B, num_labels)
         labels = batch["labels"]
         if self.accelerator.unwrap_model(model).config.problem_type == "regression":
             err = logits[:, 0] - labels.float()
@@ -146,7 +188,7 @@ def build_model(recipe, data, device=None):
     from ..data import data_spec
 
     config = model_config(recipe.model, **data_spec(recipe.data, data))
-    auto = AutoModelForCausalLM if recipe.data.is_text else AutoModelForSequenceClassification
+    auto = AutoModelForCausalLM if recipe.data.is_lm else AutoModelForSequenceClassification
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return auto.from_config(config)
 
