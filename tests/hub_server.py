@@ -1,6 +1,7 @@
 """A small Hub-compatible HTTP server for the tests, on 127.0.0.1: the part of the Hub API `huggingface_hub` uses to
-create a repository and a branch, upload (preupload, LFS batch + PUT, NDJSON commit) and download (repo info, resolve)
-files. State lives in memory. Only the token `GOOD_TOKEN` may write; reading needs no token.
+create a repository and a branch, upload (preupload, LFS batch + PUT, NDJSON commit) and download (repo info, tree,
+paths-info, resolve) files, for model repositories and, read-only, dataset repositories (kept in `state.repos` under
+`datasets/<owner>/<name>`). State lives in memory. Only the token `GOOD_TOKEN` may write; reading needs no token.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qsl, unquote, urlparse
 
 GOOD_TOKEN = "hf_test_good_token_0123456789"
 LFS_SUFFIXES = (".safetensors", ".png", ".bin")
@@ -39,6 +40,24 @@ class HubState:
         self.repos: dict[str, Repo] = {}
         self.lfs: dict[str, bytes] = {}
         self.requests: list[tuple[str, str]] = []
+
+
+def tree_entries(files: dict[str, bytes], under: str, recursive: bool, directories: bool = True) -> list[dict]:
+    """The Hub's tree listing of `under`: files (with size and oid) and folders, its direct children or all."""
+    prefix = under.strip("/") + "/" if under.strip("/") else ""
+    out, folders = [], set()
+    for p, c in sorted(files.items()):
+        if not p.startswith(prefix):
+            continue
+        rest = p[len(prefix):].split("/")
+        for depth in range(1, len(rest)):
+            folders.add(prefix + "/".join(rest[:depth]))
+        if recursive or len(rest) == 1:
+            out.append({"type": "file", "path": p, "size": len(c), "oid": hashlib.sha1(c).hexdigest()})
+    if directories:
+        out += [{"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest()} for d in sorted(folders)
+                if recursive or "/" not in d[len(prefix):]]
+    return out
 
 
 def make_handler(state: HubState, base_url: str):
@@ -75,6 +94,13 @@ def make_handler(state: HubState, base_url: str):
         def _repo(self, repo_id: str) -> Repo | None:
             return state.repos.get(repo_id)
 
+        def _readable(self, kind: str, repo_id: str, revision: str):
+            """(commit, files) of a model or dataset repository at a revision, if this request may read it."""
+            repo = self._repo(repo_id if kind == "models" else f"datasets/{repo_id}")
+            if repo is None or (repo.private and not self._authorized()):
+                return None
+            return repo.at(revision)
+
         # ---- routes
         def do_POST(self):
             path = unquote(urlparse(self.path).path)
@@ -82,6 +108,13 @@ def make_handler(state: HubState, base_url: str):
             body = self._body()
             if path == "/api/validate-yaml":
                 return self._send(200, {"errors": [], "warnings": []})
+            if m := re.fullmatch(r"/api/(models|datasets)/(.+?/.+?)/paths-info/([^/]+)", path):
+                found = self._readable(m[1], m[2], m[3])
+                if found is None:
+                    return self._error(404, "Repository not found")
+                wanted = [v for k, v in parse_qsl(body.decode()) if k == "paths"]
+                entries = [e for e in tree_entries(found[1], "", True, directories=True) if e["path"] in wanted]
+                return self._send(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
             if not self._authorized():
                 return self._error(401, "Invalid credentials in Authorization header")
             if path == "/api/repos/create":
@@ -159,23 +192,29 @@ def make_handler(state: HubState, base_url: str):
         def do_GET(self, head: bool = False):
             path = unquote(urlparse(self.path).path)
             state.requests.append(("HEAD" if head else "GET", path))
-            if m := re.fullmatch(r"/api/models/(.+?/.+?)/tree/([^/]+)(?:/.*)?", path):
-                repo = self._repo(m[1])
-                found = repo.at(m[2]) if repo is not None and (not repo.private or self._authorized()) else None
+            if m := re.fullmatch(r"/api/(models|datasets)/(.+?/.+?)/tree/([^/]+)(?:/(.*))?", path):
+                found = self._readable(m[1], m[2], m[3])
                 if found is None:
                     return self._error(404, "Repository not found")
-                entries = [{"type": "file", "path": p, "size": len(c), "oid": hashlib.sha1(c).hexdigest()}
-                           for p, c in sorted(found[1].items())]
+                recursive = "recursive=true" in (urlparse(self.path).query or "").lower()
+                entries = tree_entries(found[1], m[4] or "", recursive)
                 return self._send(200, json.dumps(entries).encode(), {"Content-Type": "application/json"},
                                   head=head)
-            if m := re.fullmatch(r"/api/models/(.+?/.+?)(?:/revision/(.+))?", path):
-                repo = self._repo(m[1])
-                found = repo.at(m[2] or "main") if repo is not None and (not repo.private or self._authorized()) \
-                    else None
+            if m := re.fullmatch(r"/api/(models|datasets)/(.+?/.+?)(?:/revision/(.+))?", path):
+                found = self._readable(m[1], m[2], m[3] or "main")
                 if found is None:
                     return self._error(404, "Repository or revision not found")
-                return self._send(200, {"id": m[1], "modelId": m[1], "sha": found[0], "private": repo.private,
+                return self._send(200, {"id": m[2], "modelId": m[2], "sha": found[0], "private": False,
                                         "siblings": [{"rfilename": p} for p in sorted(found[1])]}, head=head)
+            if m := re.fullmatch(r"/datasets/(.+?/.+?)/resolve/([^/]+)/(.+)", path):
+                found = self._readable("datasets", m[1], m[2])
+                if found is None or m[3] not in found[1]:
+                    return self._send(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"},
+                                      head=head)
+                content = found[1][m[3]]
+                return self._send(200, content, {"X-Repo-Commit": found[0],
+                                                 "ETag": f'"{hashlib.sha256(content).hexdigest()}"',
+                                                 "Content-Type": "application/octet-stream"}, head=head)
             if m := re.fullmatch(r"/(.+?/.+?)/resolve/([^/]+)/(.+)", path):
                 repo = self._repo(m[1])
                 if repo is None or (repo.private and not self._authorized()):

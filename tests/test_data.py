@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from s4accel.config import DataCfg
-from s4accel.data.text import (
-    build_text_data,
-    build_tokenizer,
-    clean_play,
-    load_documents,
-    shakespeare_files,
-    token_byte_and_char_counts,
-)
+from s4accel.data.sources import clean_play, shakespeare_files
+from s4accel.data.text import build_text_data, load_documents
+from s4accel.data.tokenize import build_tokenizer, token_byte_and_char_counts
 from s4accel.data import build_dataloaders
 from s4accel.errors import DataError
 

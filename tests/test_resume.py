@@ -20,8 +20,6 @@ pytestmark = pytest.mark.slow
 STEPS = 24  # short_epochs' train.max_steps
 
 
-
-
 def assert_same_weights(dir_a, dir_b, name="final"):
     a, b = final_weights(dir_a, name), final_weights(dir_b, name)
     assert a.keys() == b.keys()

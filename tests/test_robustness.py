@@ -20,8 +20,6 @@ def base(text, out, *extra):
             "log.log_every=1", "log.log_with=[jsonl]", "log.progress_bar=false", "sample.prompts=[]", *extra]
 
 
-
-
 def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(text, tmp_path):
     nan_at_4 = callback_override("testing_callbacks:NaNForwardAt", step=4)
     result = train_in_process(TINY, base(text, tmp_path / "r", nan_at_4))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
-from s4accel.data.streams import StreamBatchSampler
+from s4accel.data.stateful_rows import StreamBatchSampler
 
 
 def test_stream_layout_gives_each_process_fixed_contiguous_rows():
