@@ -104,16 +104,18 @@ def eval_(
     model: ModelArg,
     recipe: RecipeArg,
     overrides: SetOpt = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Score this file or folder instead of the recipe's "
+                                              "evaluation split (same kind and columns).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
 ):
-    """Evaluate a saved or Hub model on a recipe's evaluation split with the loop's metrics."""
+    """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics."""
     import json
 
     from .config import load_recipe
     from .tools.inference import evaluate_model
 
     try:
-        metrics = evaluate_model(model, load_recipe(recipe, overrides or []))
+        metrics = evaluate_model(model, load_recipe(recipe, overrides or []), data=data)
     except S4AccelError as e:
         raise _fail(e) from None
     if as_json:
@@ -122,6 +124,25 @@ def eval_(
     width = max(map(len, metrics))
     for key, value in metrics.items():
         typer.echo(f"{key:<{width}}  {value:.4f}")
+
+
+@app.command()
+def predict(
+    model: ModelArg,
+    data: Annotated[Path, typer.Argument(help="A data file or folder (any kind the data section reads), or a recipe "
+                                         "(.yaml: its evaluation split).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Where the predictions go: .csv or .jsonl.", show_default=False)],
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 16,
+):
+    """Predict every example of DATA with a trained model: labels and probabilities, values, or per-document loss."""
+    from .tools.predict import predict as run_predict
+
+    try:
+        path = run_predict(model, data, out, batch_size=batch_size)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    if path is not None:
+        typer.echo(f"predictions written to {path}")
 
 
 @app.command()

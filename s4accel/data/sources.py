@@ -133,7 +133,8 @@ def _read_error(builder: str, f: str, cause: BaseException, key: str) -> str:
 
 def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = False, columns=("text",)):
     """Your files as one dataset: each group of one kind read by its builder (`.txt`: one document per file),
-    concatenated in the order given. `columns`: the columns to keep (the first is the text: a `.txt` file's)."""
+    concatenated in the order given. `columns`: the columns to keep (the first is the text: a `.txt` file's); None:
+    all (files of one kind)."""
     import datasets
 
     files = expand_files(patterns, key)
@@ -142,6 +143,9 @@ def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = 
         group = [f for f in files if BUILDERS[Path(f).suffix] == builder]
         part = _load_builder(builder, group, key, cache_dir, streaming,
                              **({"sample_by": "document"} if builder == "text" else {}))
+        if columns is None:
+            parts.append(part)
+            continue
         if builder == "text" and columns[0] != "text":
             part = part.rename_column("text", columns[0])
         names = part.column_names if not streaming else list(part.features or {})
@@ -152,6 +156,8 @@ def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = 
         parts.append(part.select_columns(list(columns)) if names else part)
     if len(parts) == 1:
         return parts[0]
+    if columns is None:
+        raise DataError(f"{key}: give files of one kind ({', '.join(sorted({Path(f).suffix for f in files}))})")
     # builders type text as string or large_string: one type, or the parts do not concatenate
     return datasets.concatenate_datasets([p.cast_column(columns[0], datasets.Value("large_string")) for p in parts])
 

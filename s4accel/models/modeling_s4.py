@@ -631,12 +631,21 @@ class S4Model(S4PreTrainedModel):
             self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         else:
             self.encoder = nn.Linear(config.d_input, config.d_model)
+        self._input_stats = None  # (mean, std) on the inputs' device, made from the config when first needed
         self.layers = nn.ModuleList([S4Block(config) for _ in range(config.n_layer)])
         self.norm_f = _norm(config) if config.prenorm else nn.Identity()
         self.post_init()
 
     def get_input_embeddings(self):
         return getattr(self, "embeddings", None)
+
+    def _stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input statistics as float32 tensors on `device`. They live in the config, not among the weights (a
+        buffer would be saved with them, or, not persistent, left uninitialised by `from_pretrained`)."""
+        if self._input_stats is None or self._input_stats[0].device != device:
+            self._input_stats = tuple(torch.tensor(v, dtype=torch.float32, device=device)
+                                      for v in (self.config.input_mean, self.config.input_std))
+        return self._input_stats
 
     def set_input_embeddings(self, new_embeddings):
         self.embeddings = new_embeddings
@@ -676,6 +685,9 @@ class S4Model(S4PreTrainedModel):
         if input_values is not None:
             if self.config.d_input is None:
                 raise ValueError("input_values needs a model with d_input set; this one reads input_ids")
+            if self.config.input_mean is not None:  # (B, L, d_input) raw -> standardised per feature
+                mean, std = self._stats(input_values.device)
+                input_values = (input_values - mean) / std
             x = self.encoder(input_values)
         elif input_ids is not None:
             if self.config.d_input is not None:

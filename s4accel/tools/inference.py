@@ -1,198 +1,16 @@
 """Use a trained model: find it (a run directory, a model directory or a Hub repo id), generate text, evaluate it on
-a recipe's evaluation split.
-
-Loading is safe by construction: config and tokenizer from JSON, weights only from `model.safetensors`
-(`use_safetensors=True`), never remote code (`trust_remote_code=False`), nothing unpickled.
-"""
+a recipe's evaluation split. Loading goes through `s4accel.training.safe_load` (safetensors only, no remote code,
+nothing unpickled)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..config import Recipe
 from ..errors import ModelError
-
-# What a model directory holds besides the weights; a Hub download fetches only these (no pickles, no code). A
-# `.txt` file (a tokenizer vocabulary) is downloaded but never read as weights: only `.safetensors` files are.
-MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
-
-
-def resolve_model_dir(ref: str | Path, which: str = "final") -> Path:
-    """A model directory (with config.json), the `which` model of a run directory (`final`, `best`, `ema`), or a
-    Hub repo id (downloaded, or read from the cache when offline)."""
-    return _resolve(ref, which)[0]
-
-
-def _resolve(ref: str | Path, which: str) -> tuple[Path, Path]:
-    """(model directory, the folder its files may live in): the directory itself, or for a Hub snapshot the repo's
-    cache folder (a snapshot's files are links into its `blobs/`)."""
-    path = Path(ref)
-    if path.exists():
-        if (path / "config.json").is_file():
-            return path, _repo_folder(path)
-        if (path / which / "config.json").is_file():
-            return path / which, path / which
-        raise ModelError(f"{ref}: neither a model directory (no config.json) nor a run directory with {which}/")
-    if str(ref).count("/") != 1 or str(ref).startswith((".", "/")):
-        raise ModelError(f"{ref}: no such directory (and not a Hub repo id of the form owner/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        snapshot = Path(snapshot_download(str(ref), allow_patterns=MODEL_FILES))
-    except LocalEntryNotFoundError:
-        raise ModelError(f"{ref}: not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE?)") from None
-    except HfHubHTTPError as e:
-        raise ModelError(f"{ref}: {str(e).splitlines()[0]}") from None
-    return snapshot, _repo_folder(snapshot)
-
-
-def _repo_folder(path: Path) -> Path:
-    """A snapshot of the Hub cache (`models--owner--name/snapshots/<revision>`) holds links into the repo folder's
-    `blobs/`: that folder is where its files may live; any other directory is its own."""
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent
-    return path
-
-
-def weight_files(model_dir: Path, root: Path) -> list[Path]:
-    """The `.safetensors` files holding the weights: `model.safetensors`, or the shards an index names. Each must be
-    a `.safetensors` file inside `root`; anything else is refused before it is opened."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ModelError(f"{index}: not a valid safetensors index (no weight_map)") from None
-    elif (model_dir / "model.safetensors").exists():
-        names = ["model.safetensors"]
-    else:
-        raise ModelError(f"{model_dir}: no model.safetensors (s4accel loads weights only from safetensors)")
-    inside = root.resolve()
-    files = []
-    for name in names:
-        if not isinstance(name, str) or not name.endswith(".safetensors"):
-            raise ModelError(f"{model_dir}: shard {name!r} is not a .safetensors file; s4accel loads weights only "
-                             f"from safetensors, never unpickles them")
-        path = (model_dir / name).resolve()
-        if Path(name).is_absolute() or ".." in Path(name).parts or not path.is_relative_to(inside):
-            raise ModelError(f"{model_dir}: shard {name!r} lies outside the model folder; refusing to read it")
-        if not path.is_file():
-            raise ModelError(f"{model_dir}: shard {name!r} is missing")
-        files.append(path)
-    return files
-
-
-def check_weights(model_dir: Path, files: list[Path], config, auto) -> None:
-    """The weight files hold exactly the tensors a model of `config` has (tied weights once), with its shapes and a
-    floating-point dtype; read from the safetensors headers only."""
-    from safetensors import safe_open
-
-    with torch.device("meta"):
-        skeleton = auto.from_config(config)
-    aliases: dict[int, list[str]] = {}  # tied weights: one tensor, several names; any one of them is enough
-    shapes = {}
-    for name, t in skeleton.state_dict(keep_vars=True).items():
-        aliases.setdefault(id(t), []).append(name)
-        shapes[name] = tuple(t.shape)
-    found: dict[str, tuple] = {}
-    for f in files:
-        try:
-            with safe_open(f, framework="pt") as reader:
-                for key in reader.keys():
-                    piece = reader.get_slice(key)
-                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
-        except Exception as e:  # safetensors' SafetensorError: garbage, a truncated file, an absurd header length
-            raise ModelError(f"{f.name} in {model_dir}: not a valid safetensors file "
-                             f"({str(e).strip().splitlines()[0][:120]})") from None
-    problems = []
-    missing = [names[0] for names in aliases.values() if not any(n in found for n in names)]
-    if missing:
-        problems.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    unexpected = [k for k in found if k not in shapes]
-    if unexpected:
-        problems.append(f"unexpected tensor(s) {', '.join(unexpected[:5])}")
-    for key, (shape, dtype) in found.items():
-        if key in shapes and shape != shapes[key]:
-            problems.append(f"{key} has shape {list(shape)}, the config gives {list(shapes[key])}")
-        if dtype not in ("F16", "BF16", "F32", "F64"):
-            problems.append(f"{key} holds {dtype.lower().replace('i', 'int', 1)}, not floating-point weights")
-    if problems:
-        raise ModelError(f"{model_dir}: the weights do not fit the config: {'; '.join(problems[:3])}")
-
-
-def read_config(model_dir: Path):
-    from transformers import AutoConfig
-
-    from ..models import MoEConfig, S4Config
-
-    MODEL_TYPES = (S4Config.model_type, MoEConfig.model_type)
-    try:
-        raw = json.loads((model_dir / "config.json").read_text())
-    except ValueError as e:
-        raise ModelError(f"{model_dir / 'config.json'}: not valid JSON ({e})") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type not in MODEL_TYPES:
-        raise ModelError(f"{model_dir}: not an s4accel model (model_type {model_type!r}; s4accel loads "
-                         f"{', '.join(MODEL_TYPES)})")
-    try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # the config class's own validation (a strict dataclass), or a bad value
-        raise ModelError(f"{model_dir / 'config.json'}: {str(e).strip().splitlines()[-1].strip()[:200]}") from None
-
-
-def load_tokenizer(model_dir: Path):
-    """The saved tokenizer (None if there is none), never with remote code: one line for anything that fails."""
-    if not (model_dir / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except ValueError as e:
-        raise ModelError(f"{model_dir / 'tokenizer_config.json'}: not valid JSON ({e})") from None
-    if isinstance(config, dict) and config.get("auto_map"):
-        raise ModelError(f"{model_dir}: its tokenizer needs remote code (auto_map {config['auto_map']}); s4accel "
-                         f"never runs code from a model folder")
-    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
-
-    name = config.get("tokenizer_class") if isinstance(config, dict) else None
-    if name and tokenizer_class_from_name(name) is None and tokenizer_class_from_name(name + "Fast") is None:
-        raise ModelError(f"{model_dir}: tokenizer: unknown tokenizer_class {name!r} in tokenizer_config.json")
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:
-        raise ModelError(f"{model_dir}: tokenizer: {type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0][:200]}") from None
-
-
-def load_model(ref: str | Path, which: str = "final"):
-    """(model in eval mode, tokenizer or None, model directory). The model class follows the saved architecture.
-
-    Only `.safetensors` files inside the model's folder are read, after their headers were checked against the
-    config (every tensor there, none extra, the right shapes, floating point); the loaded weights must be finite."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .._autoregister import register_auto_classes
-
-    register_auto_classes()  # our model types, for the Auto classes (idempotent)
-
-    model_dir, root = _resolve(ref, which)
-    config = read_config(model_dir)
-    files = weight_files(model_dir, root)
-    arch = (config.architectures or [""])[0]
-    auto = AutoModelForSequenceClassification if arch.endswith("ForSequenceClassification") else AutoModelForCausalLM
-    check_weights(model_dir, files, config, auto)
-    model = auto.from_pretrained(model_dir, config=config, use_safetensors=True, trust_remote_code=False).eval()
-    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        raise ModelError(f"{model_dir}: {bad[0]} holds NaN or infinite values; not a usable model")
-    return model, load_tokenizer(model_dir), model_dir
-
+from ..training.safe_load import load_model, resolve_model_dir  # noqa: F401  (the tools' loading, re-exported)
 
 @torch.no_grad()
 def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -211,32 +29,75 @@ def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, tempe
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final") -> dict:
-    """The recipe's evaluation split and metrics (its built-in task's, gathered across processes) on a saved model."""
-    from accelerate import Accelerator
-
+def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: str | Path | None = None) -> dict:
+    """A saved model scored with the recipe's task: its metrics over the whole evaluation split (never capped by
+    `train.eval_max_batches`, so any number of processes gives the same numbers), or over `data` (a file or folder of
+    the same kind). A built-in task's model loads through the safe loader; a task of your own builds its model and
+    loads the folder's `model.safetensors` into it."""
     import tempfile
+
+    from accelerate import Accelerator
 
     from ..data import data_spec
     from ..training.evaluate import evaluate
+    from ..training.safe_load import _resolve
     from ..training.task import TaskContext, load_task
 
-    if not recipe.task.builtin:
-        raise ModelError(f"s4accel eval runs the built-in tasks; {recipe.task.target} is not one")
-    model, _, model_dir = load_model(ref, which)
-    if recipe.data.is_text and recipe.data.tokenizer == "bpe" and not (model_dir / "tokenizer.json").is_file():
+    recipe = _scoring(recipe, data)
+    model_dir = _resolve(ref, which)[0]
+    builtin = recipe.task.builtin
+    if builtin and recipe.data.is_text and recipe.data.tokenizer == "bpe" and \
+            not (model_dir / "tokenizer.json").is_file():
         raise ModelError(f"{model_dir}: the recipe uses a BPE tokenizer but the model has none saved")
-    task = load_task(recipe, **({"tokenizer_dir": model_dir} if recipe.data.is_text else {}))
+    task = load_task(recipe, **({"tokenizer_dir": model_dir} if builtin and recipe.data.is_text else {}))
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
         context = TaskContext(accelerator, recipe.run.dir, Path(tmp))
         task.setup(context)
         with accelerator.main_process_first():
-            data = context.data = task.build_data()
-    for key, value in data_spec(recipe.data, task.data).items():
-        if key in ("vocab_size", "d_input", "num_labels") and getattr(model.config, key, None) != value:
-            raise ModelError(f"{model_dir}: the model has {key}={getattr(model.config, key, None)} but the recipe's "
-                             f"data gives {value}: not the data this model was trained on")
-    _, val_dl = task.dataloaders(data)
+            context.data = task.build_data()
+    if builtin:
+        model = load_model(ref, which)[0]
+        for key, value in data_spec(recipe.data, task.data).items():
+            if key in ("vocab_size", "d_input", "num_labels") and getattr(model.config, key, None) != value:
+                raise ModelError(f"{model_dir}: the model has {key}={getattr(model.config, key, None)} but the "
+                                 f"recipe's data gives {value}: not the data this model was trained on")
+    else:
+        model = _own_model(task, model_dir)
+    _, val_dl = task.dataloaders(context.data)
     model, val_dl = accelerator.prepare(model, val_dl)
     return evaluate(accelerator, task, model, val_dl)
+
+
+def _scoring(recipe: Recipe, data) -> Recipe:
+    """The recipe to score with: its evaluation split whole, or `data` as the evaluation split."""
+    updates = {"train": recipe.train.model_copy(update={"eval_max_batches": None})}
+    if data is not None:
+        d = recipe.data
+        if d.is_text:
+            new = d.model_copy(update={"val_files": [str(data)], "val_split": None})
+        elif d.source == "arrays":
+            new = d.model_copy(update={"files": [d.files[0], str(data)]})
+        else:
+            raise ModelError(f"--data: data.source {d.source!r} has its own test split; --data needs a source of "
+                             f"files (documents, or source: arrays)")
+        updates["data"] = new
+    return recipe.model_copy(update=updates)
+
+
+def _own_model(task, model_dir: Path):
+    """A task of your own: its model, with the folder's weights (safetensors only), every tensor matched."""
+    from safetensors.torch import load_file
+
+    from ..training.safe_load import weight_files
+
+    model = task.build_model()
+    state = {}
+    for f in weight_files(model_dir, model_dir):
+        state.update(load_file(f))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ModelError(f"{model_dir}: the weights do not fit {type(task).__name__}'s model: "
+                         f"{str(e).strip().splitlines()[-1].strip()[:300]}") from None
+    return model.eval()

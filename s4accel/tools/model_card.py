@@ -26,6 +26,11 @@ def dataset_of(recipe: dict) -> tuple[str, str]:
     data = recipe.get("data", {})
     if data.get("source") == "ucr":
         return f"UCR {data.get('ucr_name')} (archive split)", f"ucr-{str(data.get('ucr_name')).lower()}"
+    if data.get("source") == "dataset" and not data.get("mixture"):  # a Hub dataset is named by its id
+        return str(data.get("path")), str(data.get("path"))
+    if data.get("mixture"):
+        return "a mixture of " + ", ".join(str(m.get("path") or (m.get("files") or ["?"])[0])
+                                           for m in data["mixture"]), "mixture"
     return DATASETS.get(data.get("source"), ("unknown", "unknown"))
 
 

@@ -32,4 +32,5 @@ def describe(recipe: Recipe, task, model) -> str:
         f"{config.d_input} feature(s) per step"
     if type(model).__name__.endswith("ForSequenceClassification"):
         inputs += f", {config.num_labels} label(s)"
-    return f"# model: {recipe.model.name} ({config.model_type}), {n_params:,} parameters, {inputs}"
+    name = recipe.model.name or recipe.model.pretrained
+    return f"# model: {name} ({config.model_type}), {n_params:,} parameters, {inputs}"

@@ -28,6 +28,7 @@ from .checkpoint import TrainState, checkpoint_step
 from .evaluate import evaluate, evaluate_and_report
 from .metrics import Meter
 from .preemption import StopSignals
+from .pretrained import freeze
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .run_dir import RunDir
 from .step import Stepper, agree, batch_stream, save_checked
@@ -223,6 +224,9 @@ def build(task: Task, context: TaskContext, recipe: Recipe):
     with context.accelerator.main_process_first():
         context.data = task.build_data()
     model = build_model(task, recipe)
+    if recipe.model.freeze:  # fixed parameters, out of the optimizer built next
+        frozen = freeze(model, recipe.model.freeze)
+        context.accelerator.print(f"model.freeze: {len(frozen)} parameter tensor(s) fixed")
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizers = check_optimizers(task.build_optimizers(model), task)  # schedules stay out of prepare()

@@ -37,11 +37,8 @@ DDP wrapper do not work); `step` does the averaging instead.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +47,7 @@ from typing import Any
 import torch
 
 from ..errors import RecipeError, did_you_mean
+from .imports import import_object
 
 
 @dataclass
@@ -299,17 +297,7 @@ def task_class(recipe) -> type[Task]:
     target, chosen by the data (text -> causal_lm, arrays -> classification). Errors name `task.target`."""
     target = recipe.task.target or ("causal_lm" if recipe.data.is_lm else "classification")
     target = BUILTIN_TASKS.get(target, target)
-    module_name, _, attr = target.partition(":")
-    try:
-        if module_name.endswith(".py"):
-            module = _module_from_file(Path(module_name))
-        else:
-            module = importlib.import_module(module_name)
-        obj = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as e:
-        raise RecipeError(f"task.target: cannot import {target!r} ({type(e).__name__}: {e})") from None
+    obj = import_object(target, "task.target")
     if not (inspect.isclass(obj) and issubclass(obj, Task)):
         raise RecipeError(f"task.target: {target} is not a task (subclass s4accel.Task)")
     return obj
@@ -324,6 +312,9 @@ def load_task(recipe, **extra) -> Task:
     except TypeError as e:
         raise RecipeError(f"task.args: {cls.__name__} does not take these arguments ({e})") from None
     check_metric_names(recipe, task)
+    if recipe.model.pretrained is not None and not type(task).__module__.startswith("s4accel."):
+        raise RecipeError(f"model.pretrained: {cls.__name__} builds its own model; load pretrained weights in its "
+                          f"build_model (s4accel.training.safe_load.load_model reads them safely)")
     return task
 
 
@@ -341,20 +332,3 @@ def check_metric_names(recipe, task: Task) -> None:
                               f"reports {', '.join(task.metric_names)}")
         if metric.startswith("ema_") and recipe.train.ema is None:
             raise RecipeError(f"{key}: {metric!r} needs train.ema (the EMA weights are evaluated only then)")
-
-
-def _module_from_file(path: Path):
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    name = f"s4accel_task_{path.stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look classes up here
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module

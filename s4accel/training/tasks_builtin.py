@@ -17,7 +17,30 @@ from ..errors import RecipeError
 from .task import Task, TaskData, count_items
 
 
-class CausalLMTask(Task):
+PREPROCESSING = "preprocessing.json"
+"""Written next to an exported model by the built-in tasks: how raw data becomes the model's input (the data kind,
+the columns read, the block or truncation length), for `s4accel predict` and `eval` to read new data the same way.
+The tokenizer is saved beside it, label names and input statistics live in the model's config."""
+
+
+def preprocessing(recipe) -> str:
+    import json
+
+    d = recipe.data
+    kind = "text" if d.is_lm else "labelled_text" if d.is_text else "arrays"
+    return json.dumps({"kind": kind, "text_field": d.text_field, "label_field": d.label_field, "seq_len": d.seq_len,
+                       "task": d.task if kind == "arrays" else "classification" if kind == "labelled_text" else
+                       "causal_lm"}, indent=1)
+
+
+class BuiltinTask(Task):
+    """What the built-in tasks share: the preprocessing record exported with the model."""
+
+    def export(self, model, out_dir, extra_files=None):
+        super().export(model, out_dir, {PREPROCESSING: preprocessing(self.recipe), **(extra_files or {})})
+
+
+class CausalLMTask(BuiltinTask):
     """Next-token prediction on documents (`data.source: shakespeare | files | dataset`, or a mixture, map-style or
     streamed) with an S4 or MoE causal LM. The loss is the mean over real target tokens; stateful training
     (`train.state`) carries the recurrent state across chunks. Bits per byte and per character are reported for a
@@ -55,7 +78,7 @@ class CausalLMTask(Task):
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
     def build_model(self):
-        return build_model(self.recipe, self.data)
+        return build_model(self.recipe, self.data, say=self.accelerator.print)
 
     def summary_model(self):
         return build_model(self.recipe, None, device="meta")
@@ -123,7 +146,7 @@ class CausalLMTask(Task):
         self.samples = write_samples(self.accelerator, model, self.data.tokenizer, self.recipe, self.run_dir)
 
 
-class SequenceClassificationTask(Task):
+class SequenceClassificationTask(BuiltinTask):
     """One label per sequence: labelled documents (`data.label_field`, token ids with padding masked) or sequences of
     numbers (`data.source: digits | ucr | arrays`); cross-entropy and accuracy, or for regression (`data.task:
     regression`) the mean squared error, with mse and mae."""
@@ -148,7 +171,7 @@ class SequenceClassificationTask(Task):
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
     def build_model(self):
-        return build_model(self.recipe, self.data)
+        return build_model(self.recipe, self.data, say=self.accelerator.print)
 
     def summary_model(self):
         return build_model(self.recipe, None, device="meta")
@@ -178,19 +201,35 @@ class SequenceClassificationTask(Task):
         return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n}
 
 
-def build_model(recipe, data, device=None):
-    """A freshly initialised model from the registry size + overrides, fitted to the data: a causal LM sized to the
-    tokenizer (text), or a sequence classifier/regressor sized to the features and labels (arrays). `data` None: what
-    the recipe alone tells (the byte tokenizer's or the BPE's size; array files are read); `device` "meta": shapes
-    only."""
+def build_model(recipe, data, device=None, say=None):
+    """The recipe's model fitted to the data: a causal LM sized to the tokenizer (documents), or a sequence classifier
+    or regressor sized to the labels (labelled documents, arrays). From the registry size + overrides, freshly
+    initialised; or with `model.pretrained`, the pretrained config and weights (`say` gets the one-line report of
+    what was loaded). `data` None: what the recipe alone tells (the byte tokenizer's or the BPE's size; labels and
+    array files are read); `device` "meta": shapes only, nothing loaded."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..data import data_spec
+    from .pretrained import load_pretrained, locate, pretrained_config
 
-    config = model_config(recipe.model, **data_spec(recipe.data, data))
+    spec = data_spec(recipe.data, data)
+    if recipe.model.pretrained is not None:
+        model_dir, root = locate(recipe.model)
+        config = pretrained_config(recipe.model, spec, model_dir)
+    else:
+        config = model_config(recipe.model, **spec)
     auto = AutoModelForCausalLM if recipe.data.is_lm else AutoModelForSequenceClassification
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return auto.from_config(config)
+        model = auto.from_config(config)
+    if recipe.model.pretrained is not None and device != "meta":
+        report = load_pretrained(model, recipe.model, model_dir, root, HEADS[recipe.data.is_lm])
+        if say is not None:
+            say(report)
+    return model
+
+
+HEADS = {True: ["lm_head.*"], False: ["score.*"]}
+"""The head of a causal LM and of a classifier: what may start untrained by default with `model.pretrained`."""
 
 
 def model_config(cfg: ModelCfg, **tokenizer_fields):

@@ -1,0 +1,214 @@
+"""`s4accel predict MODEL DATA --out FILE`: a trained model over new data, one output row per example, in the
+examples' order, with their ids.
+
+    classifier   id, predicted label (by name when the data had names), the probability of each class
+    regressor    id, predicted value
+    language     id, tokens, loss (nats per token), bits per byte (a byte-level tokenizer): per document; long
+    model        documents are read in windows of the training block length, each from a fresh state
+
+DATA is a data file or folder of any kind the data section reads (`.txt`, `.json`/`.jsonl`, `.csv`, `.parquet`,
+`.arrow`, a `save_to_disk` folder; `.npz`/`.csv` of numbers for a model of sequences of numbers), or a recipe
+(`.yaml`), whose evaluation split is used. The model says how to read it: `preprocessing.json` beside its weights
+(the columns, the length), its tokenizer, its config (label names, input statistics). Under `accelerate launch`
+every process predicts its share and the main process writes all rows once.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DataError, ModelError
+from ..training.safe_load import load_model
+
+ID_COLUMNS = ("id", "idx", "uid", "example_id")
+
+
+def read_preprocessing(model_dir: Path, model) -> dict:
+    """The model's preprocessing record; for a model exported before it existed, what its config implies (with a
+    warning, as its inputs' statistics, if any, were applied outside the model)."""
+    path = model_dir / "preprocessing.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    config = model.config
+    kind = "text" if not type(model).__name__.endswith("ForSequenceClassification") else \
+        "arrays" if getattr(config, "d_input", None) else "labelled_text"
+    warnings.warn(f"{model_dir} carries no preprocessing record (exported before s4accel saved one): reading the data "
+                  f"as {kind}{', inputs used as given (no standardisation statistics)' if kind == 'arrays' else ''}",
+                  stacklevel=2)
+    task = "regression" if getattr(config, "problem_type", None) == "regression" else "classification"
+    return {"kind": kind, "text_field": "text", "label_field": None, "seq_len": 1024,
+            "task": task if kind != "text" else "causal_lm"}
+
+
+def examples(data: str | Path, prep: dict, tokenizer) -> tuple[list, dict]:
+    """(ids, inputs): `inputs` a dict of per-example arrays/lists the model reads."""
+    path = Path(data)
+    if path.suffix in (".yaml", ".yml"):
+        return _recipe_examples(path, prep)
+    if prep["kind"] == "arrays":
+        from ..data.arrays import read_arrays
+
+        x, y, *_ = read_arrays([str(path)], prep["task"])
+        return list(range(len(x))), {"input_values": np.asarray(x, dtype=np.float32)}
+    from ..config import SourceCfg
+    from ..data.sources import is_saved_dataset, load_dataset_source, load_files
+
+    if is_saved_dataset(path):
+        raw = load_dataset_source(SourceCfg(source="dataset", path=str(path)), "train")
+    else:
+        raw = load_files([str(path)], "DATA", columns=None)
+    if prep["text_field"] not in raw.column_names:
+        raise DataError(f"DATA: no field {prep['text_field']!r} in {path} "
+                        f"(fields: {', '.join(raw.column_names)}); the "
+                        f"model was trained on that field")
+    column = next((c for c in ID_COLUMNS if c in raw.column_names), None)
+    ids = list(raw[column]) if column is not None else list(range(len(raw)))
+    return ids, {"text": [t or "" for t in raw[prep["text_field"]]]}  # every row, empty ones too: one output each
+
+
+def _recipe_examples(path: Path, prep: dict):
+    from ..config import load_recipe
+    from ..data import build_data
+
+    recipe = load_recipe(path)
+    data = build_data(recipe.data)
+    val = data.val
+    if prep["kind"] == "arrays":
+        return list(range(len(val))), {"input_values": np.asarray(val[:]["input_values"], dtype=np.float32)}
+    if prep["kind"] == "labelled_text":
+        return list(range(len(val))), {"input_ids": [np.asarray(v) for v in val["input_ids"]]}
+    return list(range(len(val))), {"input_ids": [np.asarray(v) for v in val[:]["input_ids"]]}
+
+
+def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int = 16, which: str = "final",
+            progress: bool = True) -> Path | None:
+    """Predict every example of `data`; the main process writes `out` (`.csv` or `.jsonl`) and gets its path."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    if out.suffix not in (".csv", ".jsonl"):
+        raise DataError(f"--out {out}: expected a .csv or .jsonl file")
+    model, tokenizer, model_dir = load_model(ref, which)
+    prep = read_preprocessing(model_dir, model)
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    with accelerator.main_process_first():
+        ids, inputs = examples(data, prep, tokenizer)
+    if not ids:
+        raise DataError(f"{data}: no example to predict")
+    rows = Rows(prep, model, tokenizer, inputs)
+    loader = torch.utils.data.DataLoader(range(len(ids)), batch_size=batch_size, collate_fn=rows.batch)
+    model, loader = accelerator.prepare(model, loader)
+    model.eval()
+    results = []
+    bar = tqdm(total=len(ids), desc="predict", disable=not (progress and accelerator.is_main_process))
+    with torch.no_grad():
+        for batch in loader:
+            values = rows.predict(model, batch)
+            gathered = accelerator.gather_for_metrics(values)  # drops the padded duplicates of the last batch
+            results.append(gathered.cpu())
+            bar.update(len(gathered))
+    bar.close()
+    if not accelerator.is_main_process:
+        return None
+    table = torch.cat(results).numpy()
+    table = table[np.argsort(table[:, 0], kind="stable")]  # the examples' order, whatever the processes did
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = [rows.record(ids[int(r[0])], r[1:]) for r in table]
+    if out.suffix == ".jsonl":
+        out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        with out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)
+    return out
+
+
+class Rows:
+    """How one kind of model turns examples into a batch, a batch into a row of numbers per example (the example's
+    index first), and a row into an output record."""
+
+    def __init__(self, prep: dict, model, tokenizer, inputs: dict):
+        self.kind, self.model_config, self.tokenizer, self.inputs = prep["kind"], model.config, tokenizer, inputs
+        self.seq_len = prep["seq_len"]
+        self.regression = getattr(model.config, "problem_type", None) == "regression"
+        self.names = [model.config.id2label[i] for i in range(model.config.num_labels)] \
+            if self.kind != "text" and not self.regression else []
+        if self.kind != "arrays" and tokenizer is None:
+            raise ModelError("the model has no tokenizer saved: it cannot read text")
+        if self.kind == "text":
+            from ..data.tokenize import token_byte_and_char_counts
+
+            self.counts = token_byte_and_char_counts(tokenizer)
+
+    def _ids(self, i: int) -> np.ndarray:
+        if "input_ids" in self.inputs:
+            return np.asarray(self.inputs["input_ids"][i], dtype=np.int64)
+        ids = self.tokenizer(self.inputs["text"][i], add_special_tokens=False)["input_ids"]
+        if self.kind == "text":
+            ids = ids + [self.tokenizer.eos_token_id]
+        return np.asarray(ids[: self.seq_len] if self.kind == "labelled_text" else ids, dtype=np.int64)
+
+    def batch(self, indices: list[int]) -> dict:
+        index = torch.tensor(indices, dtype=torch.long)
+        if self.kind == "arrays":
+            return {"index": index, "input_values": torch.from_numpy(self.inputs["input_values"][indices])}
+        seqs = [self._ids(i) for i in indices]
+        longest = max(len(s) for s in seqs)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)], mask[r, : len(s)] = torch.from_numpy(s), 1
+        return {"index": index, "input_ids": ids, "attention_mask": mask}
+
+    def predict(self, model, batch: dict) -> torch.Tensor:
+        index = batch["index"].double()[:, None]
+        if self.kind == "text":
+            return torch.cat([index, self._document_losses(model, batch)], dim=1)
+        inputs = {k: v for k, v in batch.items() if k != "index"}
+        logits = model(**inputs).logits.double()
+        values = logits if self.regression else torch.softmax(logits, dim=-1)
+        return torch.cat([index, values], dim=1)
+
+    def _document_losses(self, model, batch: dict) -> torch.Tensor:
+        """(B, 3): tokens predicted, summed NLL (nats), UTF-8 bytes of those tokens (-1: not a byte-level tokenizer),
+        reading each document in windows of `seq_len` tokens (each from a fresh state: the model was trained so)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        out = torch.zeros(ids.shape[0], 3, dtype=torch.float64, device=ids.device)
+        for start in range(0, ids.shape[1], self.seq_len):
+            window, real = ids[:, start: start + self.seq_len], mask[:, start: start + self.seq_len]
+            if window.shape[1] < 2 or not real[:, 1:].any():
+                continue
+            logits = model(input_ids=window, attention_mask=real).logits[:, :-1].float()
+            targets = window[:, 1:]
+            keep = real[:, 1:].bool()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+            out[:, 0] += keep.sum(1)
+            out[:, 1] += (nll * keep).sum(1)
+            if self.counts is not None:
+                out[:, 2] += (self.counts[0].to(targets.device)[targets] * keep).sum(1)
+        if self.counts is None:
+            out[:, 2] = -1
+        return out
+
+    def record(self, example_id, row: np.ndarray) -> dict:
+        if self.kind == "text":
+            tokens, nll, n_bytes = row[:3]
+            rec = {"id": example_id, "tokens": int(tokens), "loss": nll / max(tokens, 1)}
+            if n_bytes >= 0:
+                rec["bits_per_byte"] = nll / math.log(2) / max(n_bytes, 1)
+            return rec
+        if self.regression:
+            return {"id": example_id, "prediction": float(row[0])}
+        probs = row[: len(self.names)]
+        return {"id": example_id, "label": self.names[int(np.argmax(probs))],
+                **{f"prob_{name}": float(p) for name, p in zip(self.names, probs)}}
