@@ -12,6 +12,9 @@ over `--repeats` runs, each from an empty cache:
     baseline  `datasets.map` over `ByT5Tokenizer` (Python), then packing Python lists (on a `--baseline-mb` slice: it
               is slow)
     stream    data.streaming: blocks read from a JSON Lines copy of the corpus, tokenised and packed on the fly
+    subword_tokenizer_alone
+              the same BPE's Rust `encode_batch_fast` on the corpus's texts already in memory, nothing else: the
+              ceiling of any subword path on this CPU (on a `--baseline-mb` slice)
 Also: the cache's bytes per token (the blocks are stored as uint16), and how many times over the stream could feed
 the quick-start's training (its 400 steps of 16 x 256 tokens took 92 s on these machines: ~17,800 tokens/s).
 """
@@ -89,6 +92,17 @@ def baseline(docs, tokenizer, seq_len):
     return run
 
 
+def tokenizer_alone(docs, tokenizer):
+    """The Rust tokenizer by itself: texts in a Python list, ids discarded."""
+    texts = docs["text"]
+
+    def run():
+        for i in range(0, len(texts), 1000):
+            tokenizer.backend_tokenizer.encode_batch_fast(texts[i: i + 1000], add_special_tokens=False)
+
+    return run
+
+
 def cache_bytes_per_token(blocks, seq_len: int) -> float:
     files = {f["filename"] for f in blocks.cache_files}
     return sum(os.path.getsize(f) for f in files) / (len(blocks) * seq_len)
@@ -143,19 +157,23 @@ def main():
         t_byte, byte_blocks = timed(ours(docs, byte_tok, args.seq_len, cache), args.repeats)
         t_sub, sub_blocks = timed(ours(docs, bpe, args.seq_len, cache), args.repeats)
         t_base, base_blocks = timed(baseline(small, byte_tok, args.seq_len), args.repeats)
+        t_alone, _ = timed(tokenizer_alone(small, bpe), args.repeats)
         same = bool((byte_blocks[:8]["input_ids"] == base_blocks.with_format("numpy")[:8]["input_ids"]).all())
         stream = stream_rate(docs, mb, args.seq_len, tmp, args.repeats)
-        rates = {"byte": mb / t_byte, "subword": mb / t_sub, "baseline": mb_small / t_base}
+        rates = {"byte": mb / t_byte, "subword": mb / t_sub, "baseline": mb_small / t_base,
+                 "subword_tokenizer_alone": mb_small / t_alone}
         print(json.dumps({
             "mb_per_s": {k: round(v, 2) for k, v in rates.items()},
             "byte_over_baseline": round(rates["byte"] / rates["baseline"], 1),
+            "subword_over_tokenizer_alone": round(rates["subword"] / rates["subword_tokenizer_alone"], 2),
             "stream_mb_per_s": round(stream, 2),
             "stream_tokens_over_quickstart_need": round(stream * 1e6 / QUICKSTART_TOKENS_PER_S, 1),
             "cache_bytes_per_token": {"byte": round(cache_bytes_per_token(byte_blocks, args.seq_len), 3),
                                       "subword": round(cache_bytes_per_token(sub_blocks, args.seq_len), 3),
                                       "baseline": round(cache_bytes_per_token(base_blocks, args.seq_len), 3)},
             "same_blocks_as_baseline": same,
-            "mb": {"byte": round(mb, 1), "subword": round(mb, 1), "baseline": round(mb_small, 1)},
+            "mb": {"byte": round(mb, 1), "subword": round(mb, 1), "baseline": round(mb_small, 1),
+                   "subword_tokenizer_alone": round(mb_small, 1)},
             "subword_bytes_per_token": round(mb * 1e6 / (len(sub_blocks) * args.seq_len), 2),
             "repeats": args.repeats, "seq_len": args.seq_len, "threads": 1,
         }, indent=1))

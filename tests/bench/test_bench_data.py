@@ -17,6 +17,7 @@ def test_data_bench_reports_rates_and_the_same_blocks_as_the_old_way():
                            "--repeats", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert set(out["mb_per_s"]) == {"byte", "subword", "baseline"} and all(v > 0 for v in out["mb_per_s"].values())
+    assert set(out["mb_per_s"]) == {"byte", "subword", "baseline", "subword_tokenizer_alone"}
+    assert all(v > 0 for v in out["mb_per_s"].values())
     assert out["same_blocks_as_baseline"] and out["byte_over_baseline"] > 5
     assert out["cache_bytes_per_token"]["byte"] < 2.2  # uint16 ids, not int64 lists
