@@ -34,8 +34,8 @@ of each per round in a rotating order, after one warm-up pass each; the report g
 rounds, the ratio of medians, and the median of the per-round ratios (ours / other: below 1 means ours is faster).
 A baseline (attention, GRU) whose estimated time for warm-up plus the minimum rounds at a length (scaled from the
 previous length: L^2 for attention, L for the GRU), or whose warm-up, does not fit `--budget-s` is skipped there,
-with the reason. A slow S4 layer is never skipped but runs fewer rounds (never fewer than `--min-repeats`). The machine's load averages
-at start and end are in `machine`.
+with the reason. A slow S4 layer is never skipped but runs fewer rounds (never fewer than `--min-repeats`). The
+machine's load averages at start and end are in `machine`.
 
 The reference needs its two files exported outside this repository and `einops` and `scipy` importable:
     git clone --depth 1 https://github.com/state-spaces/s4 /tmp/s4-repo
@@ -77,7 +77,8 @@ def import_reference(ref_dir: str | Path, name: str) -> types.ModuleType:
     """Import `name` ("s4d" or "s4") from `ref_dir`. Raises ImportError with the reason when it cannot."""
     ref_dir = Path(ref_dir)
     if not (ref_dir / f"{name}.py").is_file():
-        raise ImportError(f"{ref_dir / (name + '.py')} not found (copy it from a clone of github.com/state-spaces/s4, see the module docs)")
+        raise ImportError(f"{ref_dir / (name + '.py')} not found (copy it from a clone of "
+                          "github.com/state-spaces/s4, see the module docs)")
     if str(ref_dir) not in sys.path:
         sys.path.insert(0, str(ref_dir))
     _stub_missing("src.models.nn", DropoutNd=_UnusedDropoutNd)  # s4d.py: used only with dropout > 0
@@ -455,7 +456,8 @@ def main(argv=None):
                    "reference": reference_note},
         "machine": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                     "loadavg_start": list(os.getloadavg()),
-                    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}},
+                    "malloc_env": {k: v for k, v in os.environ.items()
+                                   if k.startswith("MALLOC_") or k == "LD_PRELOAD"}},
     }
     unavailable = {"reference": reference_note} if reference is None and "reference" in args.models else {}
     sections = {"layer": lambda: bench_layers(args, build_models(args, reference), unavailable),

@@ -31,8 +31,7 @@ def dtw_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     prev1 = torch.full((n * m, L), float("inf"), dtype=a.dtype)  # diagonal k - 1
     idx = torch.arange(L)
     for k in range(2 * L - 1):
-        i = idx
-        j = k - idx
+        j = k - idx  # row i = idx
         valid = (j >= 0) & (j < L)
         jc = j.clamp(0, L - 1)
         cost = (x - y[:, jc]) ** 2  # (pairs, L): cost of cell (i, k - i)

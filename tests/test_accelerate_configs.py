@@ -33,7 +33,8 @@ def test_config_parses_and_builds_its_plugin(path):
             plugin = DeepSpeedPlugin()
         stage = int(path.stem[-1])
         assert plugin.zero_stage == stage and plugin.deepspeed_config["gradient_clipping"] == 1.0
-        assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] == (stage == 3)
+        zero = plugin.deepspeed_config["zero_optimization"]
+        assert zero["stage3_gather_16bit_weights_on_model_save"] == (stage == 3)
     elif args.use_fsdp:
         with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
             plugin = FullyShardedDataParallelPlugin()
@@ -44,7 +45,8 @@ def test_config_parses_and_builds_its_plugin(path):
 
 def test_the_templates_the_readme_promises_are_there():
     names = {p.stem for p in CONFIGS}
-    assert {"cpu_2proc", "single_gpu", "multi_gpu", "fsdp", "deepspeed_zero2", "deepspeed_zero3", "multi_node"} <= names
+    promised = {"cpu_2proc", "single_gpu", "multi_gpu", "fsdp", "deepspeed_zero2", "deepspeed_zero3", "multi_node"}
+    assert promised <= names
     args, _ = launch_args(REPO / "accelerate_configs" / "multi_node.yaml")
     assert args.num_machines == 2 and args.num_processes == 16 and args.main_process_port == 29500
 

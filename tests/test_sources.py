@@ -138,7 +138,8 @@ def test_a_tokenizer_folder_of_your_own_is_used_saved_and_sets_the_vocabulary(tm
     (tmp_path / "t.txt").write_text(" ".join(LINES))
     out = tmp_path / "run"
     result = train_in_process(TINY, [f"run.out_dir={out}", "data.source=files", f"data.files=[{tmp_path / 't.txt'}]",
-                                     f"data.tokenizer={tmp_path / 'wordlevel'}", "data.seq_len=16", "train.max_steps=2",
+                                     f"data.tokenizer={tmp_path / 'wordlevel'}", "data.seq_len=16",
+                                     "train.max_steps=2",
                                      "train.eval_every=0", "scheduler.warmup_steps=0", "log.progress_bar=false",
                                      "log.log_with=[jsonl]", "sample.prompts=[]"])
     from transformers import AutoConfig, AutoTokenizer
@@ -160,10 +161,11 @@ def test_a_tokenizer_with_no_way_to_end_a_document_is_refused(tmp_path, hf_cache
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "bare")
     (tmp_path / "t.txt").write_text(" ".join(LINES))
     with pytest.raises(DataError, match=r"data.tokenizer: .*bare has no eos_token \(nor sep_token\)"):
-        build(data_cfg("data.source=files", f"data.files=[{tmp_path / 't.txt'}]", f"data.tokenizer={tmp_path / 'bare'}"))
+        build(data_cfg("data.source=files", f"data.files=[{tmp_path / 't.txt'}]",
+                       f"data.tokenizer={tmp_path / 'bare'}"))
 
 
-# ---- labelled documents ----------------------------------------------------------------------------------------------
+# ---- labelled documents ------------------------------------------------------------------------------------------
 
 
 def test_labelled_documents_keep_label_names_pad_and_mask(tmp_path, hf_cache):
@@ -232,7 +234,8 @@ from s4accel.data import build_data
 cfg = load_recipe(sys.argv[1], ["data.source=dataset", "data.path=carol/plays", "data.val_split=test",
                                 "data.seq_len=16", "sample.prompts=[]"]).data
 data = build_data(cfg)
-print(json.dumps([len(data.train), len(data.val), data.tokenizer.decode(np.asarray(data.train[0]["input_ids"]).tolist())]))
+first = data.tokenizer.decode(np.asarray(data.train[0]["input_ids"]).tolist())
+print(json.dumps([len(data.train), len(data.val), first]))
 """
 
 

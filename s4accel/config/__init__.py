@@ -10,5 +10,5 @@ from .schema import ModelCfg, OptimCfg, Recipe, RunCfg, SchedulerCfg, TaskCfg, f
 from .sizes import MODEL_SIZES
 
 __all__ = ["RecipeError", "load_recipe", "validate_recipe", "Recipe", "RunCfg", "ModelCfg", "DataCfg", "OptimCfg",
-           "SchedulerCfg", "SourceCfg", "TrainCfg", "EMACfg", "EarlyStoppingCfg", "StateCfg", "CheckpointCfg", "CallbackCfg",
-           "LogCfg", "HubCfg", "TaskCfg", "SampleCfg", "flatten", "MODEL_SIZES"]
+           "SchedulerCfg", "SourceCfg", "TrainCfg", "EMACfg", "EarlyStoppingCfg", "StateCfg", "CheckpointCfg",
+           "CallbackCfg", "LogCfg", "HubCfg", "TaskCfg", "SampleCfg", "flatten", "MODEL_SIZES"]

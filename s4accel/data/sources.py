@@ -171,8 +171,8 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def load_dataset_source(src: SourceCfg, split: str, cache_dir=None, streaming: bool = False):
-    """`source: dataset`: a `save_to_disk` folder (`load_from_disk`, the split picked from a `DatasetDict`), or a Hub id
-    or local folder through `datasets.load_dataset`."""
+    """`source: dataset`: a `save_to_disk` folder (`load_from_disk`, the split picked from a `DatasetDict`), or a Hub
+    id or local folder through `datasets.load_dataset`."""
     import datasets
 
     path = Path(src.path)

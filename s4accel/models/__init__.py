@@ -14,4 +14,5 @@ from .modeling_moe import MoEForCausalLM, MoEModel, MoEPreTrainedModel
 from .modeling_s4 import S4Cache, S4ForCausalLM, S4ForSequenceClassification, S4Model, S4PreTrainedModel
 
 
-__all__ = ["MoEConfig", "MoEPreTrainedModel", "MoEModel", "MoEForCausalLM", "S4Config", "S4PreTrainedModel", "S4Model", "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache"]
+__all__ = ["MoEConfig", "MoEPreTrainedModel", "MoEModel", "MoEForCausalLM", "S4Config", "S4PreTrainedModel", "S4Model",
+           "S4ForCausalLM", "S4ForSequenceClassification", "S4Cache"]

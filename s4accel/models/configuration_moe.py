@@ -42,7 +42,8 @@ def check_moe_fields(config) -> None:
     if config.num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {config.num_experts}")
     if not 1 <= config.num_experts_per_tok <= config.num_experts:
-        raise ValueError(f"num_experts_per_tok must be in 1..num_experts={config.num_experts}, got {config.num_experts_per_tok}")
+        raise ValueError(f"num_experts_per_tok must be in 1..num_experts={config.num_experts}, "
+                         f"got {config.num_experts_per_tok}")
     if config.capacity_factor is not None and config.capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0 (or None for no limit), got {config.capacity_factor}")
     if config.moe_dispatch not in MOE_DISPATCHES:

@@ -62,9 +62,9 @@ class S4Config(PreTrainedConfig):
             the `"last"` real step.
         ffn (`str`): Feed-forward sub-block after each S4 layer (its own residual and norm): `"none"` (the S4 layer's
             GLU mixing only, the reference's block), `"mlp"` (a SwiGLU MLP of width `d_ffn`) or `"moe"` (a mixture of
-            SwiGLU experts; see `MoEConfig` for `num_experts`, `num_experts_per_tok`, `norm_topk_prob`, `router_jitter`,
-            `router_aux_loss_coef`, `router_z_loss_coef`, `capacity_factor`, `num_shared_experts`, `moe_dispatch`,
-            which mean the same here).
+            SwiGLU experts; see `MoEConfig` for `num_experts`, `num_experts_per_tok`, `norm_topk_prob`,
+            `router_jitter`, `router_aux_loss_coef`, `router_z_loss_coef`, `capacity_factor`, `num_shared_experts`,
+            `moe_dispatch`, which mean the same here).
         d_ffn (`int`): Hidden width of the feed-forward MLP, or of each expert.
         layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.

@@ -120,9 +120,10 @@ class MoEModelOutput(ModelOutput):
 @dataclass
 class MoECausalLMOutput(ModelOutput):
     """`loss` = language-model loss + `aux_loss` (the weighted router losses, included so that `loss.backward()`
-    trains the router); `balance_loss` and `z_loss` are the unweighted layer means (detached). `expert_counts (n_moe, E)`: routed (token, expert) pairs per MoE layer and expert, real
-    tokens only; `dropped_counts (n_moe,)`: pairs dropped by the capacity limit. `attentions`: each layer's attention
-    weights (B, h, L, S), with `output_attentions=True`."""
+    trains the router); `balance_loss` and `z_loss` are the unweighted layer means (detached).
+    `expert_counts (n_moe, E)`: routed (token, expert) pairs per MoE layer and expert, real tokens only;
+    `dropped_counts (n_moe,)`: pairs dropped by the capacity limit. `attentions`: each layer's attention weights
+    (B, h, L, S), with `output_attentions=True`."""
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None

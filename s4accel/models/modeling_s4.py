@@ -263,7 +263,8 @@ class S4DKernel(_SSMKernel):
         return 2 * (p["C"] * x).sum(-1).real, x
 
     def forward_state(self, u: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """The state after reading `u (B, H, L)` from `state` (zero if None): `x_L = dA^L x_0 + sum_k dA^(L-1-k) u_k`."""
+        """The state after reading `u (B, H, L)` from `state` (zero if None):
+        `x_L = dA^L x_0 + sum_k dA^(L-1-k) u_k`."""
         log_dA, _ = self.discretize()
         L = u.shape[-1]
         lo, hi = vandermonde_tables(log_dA, L)
@@ -274,7 +275,8 @@ class S4DKernel(_SSMKernel):
         return x if state is None else x + torch.exp(log_dA * L) * state
 
     def state_output(self, state: torch.Tensor, L: int) -> torch.Tensor:
-        """What an initial state adds to the next L outputs: `y_k += 2 Re(C~ dA^(k+1) x_0)`. (B, H, N/2) -> (B, H, L)."""
+        """What an initial state adds to the next L outputs: `y_k += 2 Re(C~ dA^(k+1) x_0)`.
+        (B, H, N/2) -> (B, H, L)."""
         log_dA, C_tilde = self.discretize()
         return vandermonde_product(state * C_tilde[0] * torch.exp(log_dA), log_dA, L)
 
@@ -336,12 +338,14 @@ class S4Kernel(_SSMKernel):
 
         k00, k01 = cauchy(C_tilde * B), cauchy(C_tilde * P)  # (c, H, F)
         k10, k11 = cauchy(P.conj() * B), cauchy(P.conj() * P)  # (H, F)
-        K_hat = k00 - b * k01 * k10 / (1 + b * k11)  # Woodbury: (R^-1 + b P P^*)^-1 = R - b R P (1 + b P^* R P)^-1 P^* R
+        # Woodbury: (R^-1 + b P P^*)^-1 = R - b R P (1 + b P^* R P)^-1 P^* R
+        K_hat = k00 - b * k01 * k10 / (1 + b * k11)
         return torch.fft.irfft(K_hat, n=Lk)[..., :L]
 
     # Dense form in the full eigenbasis (modes and conjugates): recurrence, state transfer, longer kernels
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bilinear `dA (H, N, N)` and `dB (H, N)`: `dA = (I - dt/2 A)^-1 (I + dt/2 A)`, `dB = (I - dt/2 A)^-1 dt B`."""
+        """Bilinear `dA (H, N, N)` and `dB (H, N)`:
+        `dA = (I - dt/2 A)^-1 (I + dt/2 A)`, `dB = (I - dt/2 A)^-1 dt B`."""
         dt, Lambda, P, B = self._ssm()
         Pf, Bf = _with_conjugates(P), _with_conjugates(B)
         A = torch.diag_embed(_with_conjugates(Lambda)) - Pf[:, :, None] * Pf.conj()[:, None, :]

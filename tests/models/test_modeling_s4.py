@@ -111,7 +111,7 @@ def test_block_mask_zeroes_ssm_input(tiny_config):
     torch.testing.assert_close(out_masked[:, 2:], out_plain, rtol=1e-5, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------------------------------- recurrent decoding
+# ------------------------------------------------------------------------------------------------ recurrent decoding
 
 
 @pytest.fixture(params=["s4d", "s4"])
