@@ -3,6 +3,7 @@ and recipe errors answer at once."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +15,9 @@ from .errors import S4AccelError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train S4 and mixture-of-experts sequence models with HuggingFace Accelerate.")
 
-RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)]
+RecipeArg = Annotated[Path, typer.Argument(
+    help="Recipe YAML file (see recipes/), or a run directory (its recipe.yaml; the run stays there).",
+    show_default=False)]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="SECTION.KEY=VALUE", show_default=False,
     help="Override a recipe value (YAML-parsed), e.g. --set optim.lr=1e-3; repeatable.")]
@@ -51,8 +54,9 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     if not result.is_main_process:
         return
     if result.preempted:
+        # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else.
         typer.echo(f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
-                   f"continue with: s4accel train {recipe} --resume")
+                   f"continue with: s4accel train {shlex.quote(str(result.run_dir))} --resume")
         return
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
     why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
@@ -91,6 +95,9 @@ def generate(
 ):
     """Continue a prompt with a trained language model (safetensors weights only, no remote code)."""
     from .tools.inference import generate_text
+    from .training.console import quiet_libraries
+
+    quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
     try:
         text = generate_text(model, prompt, max_new_tokens, temperature, top_p, top_k, seed)
@@ -113,6 +120,9 @@ def eval_(
 
     from .config import load_recipe
     from .tools.inference import evaluate_model
+    from .training.console import quiet_libraries
+
+    quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
     try:
         metrics = evaluate_model(model, load_recipe(recipe, overrides or []), data=data)
@@ -136,6 +146,9 @@ def predict(
 ):
     """Predict every example of DATA with a trained model: labels and probabilities, values, or per-document loss."""
     from .tools.predict import predict as run_predict
+    from .training.console import quiet_libraries
+
+    quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
     try:
         path = run_predict(model, data, out, batch_size=batch_size)
@@ -238,10 +251,11 @@ def main(argv: list[str] | None = None):
 
 def bare_resume_to_latest(argv: list[str]) -> list[str]:
     """`--resume` takes an optional value, which click options cannot: a bare `--resume` (last, or followed by an
-    option or by the recipe, a .yaml file) becomes `--resume=latest`."""
+    option or by the recipe, a .yaml file or a run directory) becomes `--resume=latest`."""
     out = list(argv)
     for i, arg in enumerate(out):
         nxt = out[i + 1] if i + 1 < len(out) else None
-        if arg == "--resume" and (nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml"))):
+        if arg == "--resume" and (nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml"))
+                                  or (Path(nxt) / "recipe.yaml").is_file()):
             out[i] = "--resume=latest"
     return out

@@ -12,10 +12,11 @@ TINY = RECIPES / "s4_tiny_debug.yaml"
 
 
 def run_cli(*args, env=None, timeout=600, cwd=REPO):
-    """`python -m s4accel ARGS` in a subprocess, offline; returns the CompletedProcess."""
+    """`python -m s4accel ARGS` in a subprocess, offline; returns the CompletedProcess. `env` adds to this process's
+    environment; a value of None removes that variable."""
     import subprocess
 
-    full_env = {**os.environ, **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     return subprocess.run([sys.executable, "-m", "s4accel", *map(str, args)], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=cwd)
 

@@ -49,15 +49,20 @@ def _count_values(tree, limit: int) -> int:
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply `section.key=value` overrides (values parsed as YAML), validate.
 
+    `path` may be a run directory: its resolved `recipe.yaml` is read and the run stays in that directory, wherever
+    the command runs from and whatever `--set` items started it (so `s4accel train RUN_DIR --resume` continues it).
+
     Raises `RecipeError` naming the file, the key path and what is allowed.
     """
     path = Path(path)
+    run_dir = path if path.is_dir() and (path / "recipe.yaml").is_file() else None
     try:
-        raw = yaml.load(path.read_text(), Loader=_RecipeLoader)
+        raw = yaml.load((path / "recipe.yaml" if run_dir else path).read_text(), Loader=_RecipeLoader)
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe file not found") from None
     except IsADirectoryError:
-        raise RecipeError(f"{path}: is a directory, not a recipe file") from None
+        raise RecipeError(f"{path}: is a directory without a recipe.yaml (neither a recipe file nor a run "
+                          f"directory)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read recipe ({e})") from None
     except yaml.YAMLError as e:
@@ -71,9 +76,12 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if _count_values(raw, MAX_RECIPE_VALUES) > MAX_RECIPE_VALUES:
         raise RecipeError(f"{path}: the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases "
                           f"repeating aliases?); refusing to load it")
+    if run_dir is not None and isinstance(raw.get("run"), dict):
+        # The run continues where it is; `overwrite` belonged to the command that started it, not to a continuation.
+        raw["run"].update(out_dir=str(run_dir), overwrite=False)
     for item in overrides:
         _apply_override(raw, item)
-    return validate_recipe(raw, source=str(path))
+    return validate_recipe(raw, source=str(path / "recipe.yaml" if run_dir else path))
 
 
 def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:

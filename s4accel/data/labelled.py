@@ -16,6 +16,7 @@ import torch
 
 from ..config import DataCfg
 from ..errors import DataError
+from .progress import bars_for
 from .sources import load_documents as load_source
 from .tokenize import build_tokenizer, encode, token_dtype
 
@@ -84,8 +85,9 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
         return pa.table({"input_ids": ids, "labels": labels})
 
     def prepare(ds, what):
-        out = ds.with_format("arrow").map(tokenize, batched=True, remove_columns=ds.column_names,
-                                          num_proc=cfg.num_proc, desc=f"tokenizing {what}")
+        with bars_for(len(ds)):
+            out = ds.with_format("arrow").map(tokenize, batched=True, remove_columns=ds.column_names,
+                                              num_proc=cfg.num_proc, desc=f"tokenizing {what}")
         return out.with_format("numpy")
 
     unknown = set(val["label"]) - set(index) if not hasattr(train.features["label"], "names") else set()

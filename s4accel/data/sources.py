@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config import SourceCfg
 from ..errors import DataError
+from .progress import bars_for
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
             ".arrow": "arrow"}
@@ -112,7 +113,8 @@ def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming
                                      streaming=streaming, **kwargs)
 
     try:
-        return load(files)
+        with bars_for(0):  # local files: nothing is downloaded, and reading them is quick next to training
+            return load(files)
     except DatasetGenerationError:
         for f in files:  # find the culprit, to name it
             try:
@@ -225,8 +227,9 @@ def load_documents(src: SourceCfg, split: str | None = None, label_field: str | 
         ds = load_dataset_source(src, split or src.split, cache_dir, streaming)
     where = src.label if files is None else files[0]
     ds = select_text(ds, src.text_field, label_field, where)
-    ds = ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True,
-                   **({} if streaming else {"desc": "dropping empty documents"}))
+    with bars_for(None if streaming else len(ds)):
+        ds = ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True,
+                       **({} if streaming else {"desc": "dropping empty documents"}))
     if not streaming and len(ds) == 0:
         raise DataError(f"data: {where}{f' (split {split})' if split else ''} holds no text (no document, or all "
                         f"documents are empty)")

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import DataCfg, SourceCfg
 from ..errors import DataError
+from .progress import bars_for
 from .sources import load_documents as load_source
 from .tokenize import blocks_table, build_tokenizer, encode, pack, token_dtype
 
@@ -65,9 +66,10 @@ def to_blocks(docs, tokenizer, seq_len: int, num_proc: int | None = None, desc: 
     def tokenize_and_pack(table):
         return blocks_table(pack(encode(table["text"], tokenizer, eos, dtype), seq_len))
 
-    blocks = docs.with_format("arrow").map(tokenize_and_pack, batched=True, batch_size=PACK_BATCH,
-                                           remove_columns=docs.column_names, num_proc=num_proc,
-                                           desc=f"tokenizing and packing {seq_len}{desc}")
+    with bars_for(len(docs)):
+        blocks = docs.with_format("arrow").map(tokenize_and_pack, batched=True, batch_size=PACK_BATCH,
+                                               remove_columns=docs.column_names, num_proc=num_proc,
+                                               desc=f"tokenizing and packing {seq_len}{desc}")
     return blocks.with_format("numpy")
 
 

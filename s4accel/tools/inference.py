@@ -66,7 +66,7 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
         model = _own_model(task, model_dir)
     _, val_dl = task.dataloaders(context.data)
     model, val_dl = accelerator.prepare(model, val_dl)
-    return evaluate(accelerator, task, model, val_dl)
+    return evaluate(accelerator, task, model, val_dl, progress=True)
 
 
 def _scoring(recipe: Recipe, data) -> Recipe:

@@ -5,6 +5,7 @@ console."""
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from .callbacks import CallbackList, RunContext, improved
 from .step import agree
@@ -12,11 +13,12 @@ from .task import Task
 
 
 @torch.no_grad()
-def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -> tuple[dict, int] | None:
+def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False,
+                  progress: bool = False) -> tuple[dict, int] | None:
     """Sum `per_sample(model, batch) -> {name: (B,) or (B, k)}` over the whole evaluation split on all processes:
     the rows go through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns the sums
     (floats, or lists for (B, k) values) and the number of samples; None when `abort()` (a stop signal) becomes true on
-    any process, checked before each batch.
+    any process, checked before each batch. `progress`: a bar on the main process (it goes when done).
 
     The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
     how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
@@ -26,7 +28,9 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -
         model.eval()
         totals, widths = None, None
         try:
-            for batch in val_dl:
+            bar = tqdm(val_dl, desc="eval", leave=False, dynamic_ncols=True,
+                       disable=not (progress and accelerator.is_main_process))
+            for batch in bar:
                 if agree(accelerator, None, signal=abort()).signal:
                     return None
                 with accelerator.autocast():  # a model copy that did not go through prepare() (EMA) gets it too
@@ -48,9 +52,9 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False) -
     return sums, int(parts[-1])
 
 
-def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False) -> dict | None:
+def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False, progress: bool = False) -> dict | None:
     """The task's metrics over the whole validation split, gathered over processes (None if a stop cut it short)."""
-    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort)
+    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort, progress)
     return None if out is None else task.compute_metrics(*out)
 
 

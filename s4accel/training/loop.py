@@ -25,6 +25,7 @@ from ..config import Recipe, flatten, load_recipe
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState, checkpoint_step
+from .console import quiet_libraries
 from .evaluate import evaluate, evaluate_and_report
 from .metrics import Meter
 from .preemption import StopSignals
@@ -71,6 +72,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     cfg, run_dir = recipe.train, recipe.run.dir
+    quiet_libraries(recipe.log.progress_bar)
     # 0. Checks that need no compute: the task imported and built, tracker arguments, the checkpoint to resume from
     # (verified by the main process, the same for all) and the recipe against it, the run directory, callbacks.
     task = load_task(recipe)
@@ -104,7 +106,8 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         resume_from(accelerator, ckpt, saved, optimizers, changed)
     signals = StopSignals()
     run = RunContext(accelerator, model, optimizers[0].optimizer, optimizers[0].scheduler, state, recipe, run_dir,
-                     context.data.tokenizer, lambda m: evaluate(accelerator, task, m, val_dl, signals.interrupted),
+                     context.data.tokenizer,
+                     lambda m: evaluate(accelerator, task, m, val_dl, signals.interrupted, recipe.log.progress_bar),
                      task.export, task=task, optimizers=optimizers)
     callbacks.on_train_start(run)
     start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
@@ -212,6 +215,14 @@ def setup_warnings(accelerator) -> list[str]:
         if os.environ.get(f"ACCELERATE_USE_{kind}", "").lower() == "true" and accelerator.distributed_type != kind:
             out.append(f"the accelerate config asks for {kind}, but Accelerate runs "
                        f"{accelerator.distributed_type.value} here (it uses {kind} only on GPUs)")
+    on_machine = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if accelerator.device.type == "cpu" and on_machine > cores:
+        # A GPU launch config on a machine without GPUs starts its processes on the CPU, where they share the cores:
+        # every step is many times slower than with one process per core.
+        out.append(f"{on_machine} processes on {cores} CPU cores and no GPU (a GPU launch config on this machine?): "
+                   f"expect every step to be many times slower; use --num_processes {cores} or "
+                   f"accelerate_configs/cpu_2proc.yaml")
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         warnings.warn("fp16 mixed precision has no effect on CPU (Accelerate runs float32 there, without a "
                       "GradScaler); use train.mixed_precision=bf16 for half precision on CPU", stacklevel=3)

@@ -48,6 +48,8 @@ class RunDir:
     def check(self) -> str | None:
         """Refuse a directory holding another run unless resuming it or overwriting it; returns a warning to print,
         if any. Reads only."""
+        if self.resume_requested and not self.resuming and not self.earlier:
+            return f"--resume: no checkpoint in {self.path} (nothing was run there); starting a fresh run"
         if not self.earlier or self.resuming or self.overwrite:
             return None
         if not self.resume_requested:

@@ -36,5 +36,12 @@ def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) 
         samples.append(tokenizer.decode(out[0], skip_special_tokens=True))
     write_atomic(run_dir / "samples.txt", "\n\n".join(f"--- sample {i}\n{s}" for i, s in enumerate(samples)) + "\n")
     for s in samples:
-        accelerator.print(f"--- sample\n{s}")
+        accelerator.print(f"--- sample\n{printable(s)}")
     return samples
+
+
+def printable(text: str) -> str:
+    """`text` safe for a terminal: a byte-level model can sample control bytes (escape sequences, carriage returns,
+    bells) that would garble or hijack the console; each becomes a visible escape (`\\x1b`). `samples.txt` keeps
+    the text as generated."""
+    return "".join(c if c in "\n\t" or c.isprintable() else c.encode("unicode_escape").decode() for c in text)
