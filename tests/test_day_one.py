@@ -117,3 +117,27 @@ def test_datasets_bars_show_only_for_data_that_takes_a_while(monkeypatch):
     assert datasets.is_progress_bar_enabled()  # restored
     with bars_for(BIG), bars_for(None):
         assert datasets.is_progress_bar_enabled()
+
+
+def test_epoch_hooks_run_at_each_pass_over_the_data(tmp_path):
+    from helpers import callback_override, short_epochs, train_in_process
+
+    text, log = small_text_file(tmp_path), tmp_path / "epochs.jsonl"
+    train_in_process(TINY, short_epochs(text, tmp_path / "run", "train.max_steps=24", "checkpoint.every_steps=100",
+                                        callback_override("testing_callbacks:EpochRecorder", path=str(log))))
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["event"], e["epoch"]) for e in events] == [
+        ("epoch_start", 0), ("epoch_end", 0), ("epoch_start", 1), ("epoch_end", 1), ("epoch_start", 2)]
+    per_epoch = {e["batches"] for e in events if e["event"] == "epoch_end"}
+    assert len(per_epoch) == 1 and per_epoch.pop() > 0  # every micro-batch of the pass was consumed
+    assert all(e["batches"] == 0 for e in events if e["event"] == "epoch_start")
+
+
+def test_a_method_named_like_a_hook_that_is_not_one_is_a_recipe_error(tmp_path):
+    text = small_text_file(tmp_path)
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{text}]",
+                                        "callbacks=[{target: 'testing_callbacks:LightningNamed'}]"), env=TESTS_ON_PATH)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "LightningNamed.on_train_epoch_end is not a hook" in proc.stderr
+    assert "did you mean on_epoch_end?" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ call `run.request_stop(reason)`: the loop agrees on it across processes, saves a
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import json
 import math
@@ -32,6 +33,14 @@ class Callback:
     """Base class: override the hooks you need. `run` is the `RunContext` of the training run."""
 
     def on_train_start(self, run: RunContext) -> None: ...
+
+    def on_epoch_start(self, run: RunContext) -> None:
+        """Before the first micro-batch of each pass over the training data (also of an epoch a resume continues).
+        `run.state.epoch` counts the passes from 0."""
+
+    def on_epoch_end(self, run: RunContext) -> None:
+        """When the training data is used up, before the next pass starts (a run that reaches `train.max_steps`
+        mid-epoch does not end that epoch; an endless stream has no epochs)."""
 
     def on_step_end(self, run: RunContext) -> None:
         """After each optimizer step (`run.state.step` counts them), before logging, evaluation and saving."""
@@ -114,6 +123,14 @@ def load_callback(target: str, args: dict, where: str) -> Callback:
         raise RecipeError(f"{where}.args: {target} does not take these arguments ({e})") from None
     if not all(callable(getattr(cb, hook, None)) for hook in HOOKS):
         raise RecipeError(f"{where}.target: {target} is not a callback (subclass s4accel.Callback)")
+    # A method named like a hook but not one (Lightning's `on_train_epoch_end`, a typo) would never be called.
+    for name in dir(cb):
+        if name.startswith("on_") and name not in HOOKS and callable(getattr(cb, name)):
+            lightning = name.replace("_train_epoch_", "_epoch_").replace("_validation_end", "_eval_end")
+            close = [lightning] if lightning in HOOKS else difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise RecipeError(f"{where}.target: {target}.{name} is not a hook and would never be called ({hint}"
+                              f"hooks: {', '.join(HOOKS)})")
     return cb
 
 

@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -115,7 +116,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 
     # 3. The loop: one iteration per optimizer step.
     step = Stepper(accelerator, model, task, optimizers, recipe, signals)
-    batches, meter = batch_stream(accelerator, train_dl, state), Meter(accelerator, state, recipe.log)
+    batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
+                           partial(callbacks.on_epoch_end, run))
+    meter = Meter(accelerator, state, recipe.log)
     bar = tqdm(total=cfg.max_steps, initial=state.step, desc="train", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
@@ -160,7 +163,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         callbacks.on_train_end(run)  # writes final_ema/ and the like before a push reads them
     # 5. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
     # all are still here, then the group is destroyed. Freed after one process had exited, it waited forever for it.
-    del model, run, step
+    del model, run, step, batches
     context.optimizers = {}
     finish(accelerator)
     return result

@@ -21,13 +21,15 @@ from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, count_items
 
 
-def batch_stream(accelerator, train_dl, state: TrainState):
+def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda: None, on_epoch_end=lambda: None):
     """Micro-batches forever, epoch after epoch; `set_epoch` reshuffles each epoch identically on every rank. After a
     mid-epoch resume, the first epoch skips the batches the checkpointed run had consumed: with the seedable sampler
     this replays exactly the batches an uninterrupted run sees (with any other sampler setup, or without
-    `set_epoch`, a resumed epoch is shuffled differently)."""
+    `set_epoch`, a resumed epoch is shuffled differently). The epoch hooks run before an epoch's first micro-batch
+    and once its last one was consumed."""
     skip = state.batch_in_epoch
     while True:
+        on_epoch_start()
         if hasattr(train_dl, "set_epoch"):  # a prepared (sharded, device-placing) loader
             train_dl.set_epoch(state.epoch)
             batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
@@ -40,6 +42,7 @@ def batch_stream(accelerator, train_dl, state: TrainState):
         for batch in batches:
             state.batch_in_epoch += 1
             yield batch
+        on_epoch_end()
         skip = 0
         state.epoch += 1
         state.batch_in_epoch = 0
