@@ -20,3 +20,8 @@ class SignalAtMicroBatch(CausalLMTask):
         if self.calls == self.call:
             os.kill(os.getpid(), signal.SIGTERM)
         return super().training_step(model, batch, step)
+
+
+def halve_every_3(step: int) -> float:
+    """A learning-rate multiplier for `scheduler.name: lambda` (the optimizer steps since the warmup)."""
+    return 0.5 ** (step // 3)

@@ -129,12 +129,24 @@ class OptimCfg(_Section):
 
 
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "inverse_sqrt",
-              "polynomial", "warmup_stable_decay")
+              "polynomial", "warmup_stable_decay", "step", "exponential", "cosine_annealing", "lambda")
+
+TORCH_SCHEDULES = {
+    "step": {"step_size": None, "gamma": 0.1},  # torch's StepLR
+    "exponential": {"gamma": None},  # ExponentialLR
+    "cosine_annealing": {"T_max": "the steps after warmup", "eta_min": 0.0},  # CosineAnnealingLR
+    "lambda": {"target": None},  # LambdaLR: `module:function` or `file.py:function`, step -> multiplier
+}
+"""The schedules of `torch.optim.lr_scheduler` a recipe names, with their `scheduler.kwargs` and defaults (None:
+required)."""
 
 
 class SchedulerCfg(_Section):
     name: Literal[SCHEDULERS] = "cosine"  # type: ignore[valid-type]
-    """A `transformers.get_scheduler` schedule, stepped once per optimizer step."""
+    """A `transformers.get_scheduler` schedule, or one of torch's: `step` (StepLR: `kwargs: {step_size, gamma}`),
+    `exponential` (ExponentialLR: `{gamma}`), `cosine_annealing` (CosineAnnealingLR: `{T_max, eta_min}`, T_max the
+    steps after warmup by default), `lambda` (`{target: module:function}`, the learning-rate multiplier as a
+    function of the step). Torch's count their steps from the end of the warmup. Stepped once per optimizer step."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup length in optimizer steps."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
@@ -146,6 +158,18 @@ class SchedulerCfg(_Section):
     def _one_warmup(self):
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        spec = TORCH_SCHEDULES.get(self.name)
+        if spec is not None:
+            unknown = sorted(set(self.kwargs) - set(spec))
+            missing = [k for k, v in spec.items() if v is None and k not in self.kwargs]
+            if unknown or missing:
+                what = f"unknown {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
+                raise ValueError(f"kwargs: {what} for {self.name} (takes {', '.join(spec)})")
+            numbers = {k: v for k, v in self.kwargs.items() if k != "target"}
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers.values()):
+                raise ValueError(f"kwargs: {self.name} takes non-negative numbers, got {numbers}")
+            if self.kwargs.get("step_size", 1) < 1 or self.kwargs.get("T_max", 1) < 1:
+                raise ValueError("kwargs: step_size and T_max must be at least 1")
         return self
 
 
