@@ -233,6 +233,9 @@ def find_batch_size_cmd(
         raise typer.Exit(1)
     typer.echo(f"largest batch size within {memory_mb:,.0f} MiB on {result.device}: {result.batch_size} "
                f"(set data.batch_size, with train.grad_accum for a larger effective batch)")
+    if result.capped:
+        typer.echo(f"note: {result.batch_size} is the --max-batch cap, not a memory limit: larger sizes were not "
+                   f"tried (raise --max-batch to look further)")
 
 
 @app.command()

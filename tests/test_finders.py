@@ -47,7 +47,7 @@ def test_find_batch_size_doubles_within_the_budget_and_says_when_nothing_fits(tm
     proc = run_cli("find-batch-size", "recipes/s4_tiny_debug.yaml", *common, "--memory-mb", "100000",
                    "--max-batch", "4")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = [line for line in proc.stdout.strip().splitlines() if not line.startswith("note:")]  # the cap's note
     assert [line.split(":")[0] for line in lines[:-1]] == ["batch     1", "batch     2", "batch     4"]
     assert lines[-1].startswith("largest batch size within 100,000 MiB on cpu: 4")
 
@@ -64,3 +64,19 @@ def test_bisection_returns_the_largest_size_that_fits(monkeypatch):
     result = finders.find_batch_size(recipe=None, memory_mb=100 + 10 * 37 + 5, max_batch=128)
     assert result.batch_size == 37
     assert list(result.peak_mb)[:7] == [1, 2, 4, 8, 16, 32, 64]  # doubled until 64 did not fit, then bisected
+
+
+def test_the_cap_is_tried_and_an_answer_at_the_cap_says_so(monkeypatch, tmp_path, text):
+    from s4accel.tools import finders
+
+    monkeypatch.setattr(finders, "_trial", lambda recipe, b: 10.0 * b)
+    result = finders.find_batch_size(recipe=None, memory_mb=1e9, max_batch=100)
+    assert result.batch_size == 100 and result.capped  # not 64: doubling stepped over the cap
+    result = finders.find_batch_size(recipe=None, memory_mb=10.0 * 90, max_batch=100)
+    assert result.batch_size == 90 and not result.capped
+    monkeypatch.undo()
+    proc = run_cli("find-batch-size", "recipes/s4_tiny_debug.yaml", "--set", "data.source=files", "--set",
+                   f"data.files=[{text}]", "--set", "data.seq_len=32", "--memory-mb", "100000", "--max-batch", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == ("note: 2 is the --max-batch cap, not a memory limit: larger "
+                                                     "sizes were not tried (raise --max-batch to look further)")

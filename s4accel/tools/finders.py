@@ -157,6 +157,7 @@ class BatchSizeResult:
     peak_mb: dict[int, float | None] = field(default_factory=dict)  # batch size -> peak memory (None: out of memory)
     batch_size: int | None = None  # the largest tried batch size whose training step fits the budget
     device: str = "cpu"
+    capped: bool = False  # the answer is the `max_batch` cap: larger sizes were not tried
 
 
 def probe_step(recipe: Recipe, batch_size: int) -> float:
@@ -211,11 +212,17 @@ def find_batch_size(recipe: Recipe, memory_mb: float, max_batch: int = 1024) -> 
             bad = b
             break
         good, b = b, b * 2
+    if bad is None and 0 < good < max_batch:  # doubling stepped over the cap: the cap itself is the last candidate
+        if fits(max_batch):
+            good = max_batch
+        else:
+            bad = max_batch
     if bad is not None:
         while bad - good > 1 and good > 0:
             mid = (good + bad) // 2
             good, bad = (mid, bad) if fits(mid) else (good, mid)
     result.batch_size = good or None
+    result.capped = good == max_batch
     return result
 
 
