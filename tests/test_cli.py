@@ -70,7 +70,8 @@ def test_rerun_into_a_finished_run_is_refused_unless_overwrite(finished_run):
     proc = run_cli("train", TINY, "--set", f"run.out_dir={run_dir}", "--set", "train.max_steps=2")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {run_dir} already holds a run (final, checkpoints, metrics.jsonl, tensorboard, samples.txt); "
+        f"error: {run_dir} already holds a run (final, checkpoints, metrics.jsonl, tensorboard, samples.txt, "
+        f"train.log); "
         "resume it with --resume, choose another run.out_dir, or set run.overwrite=true to replace it"]
     assert (run_dir / "final" / "model.safetensors").exists()  # untouched
 

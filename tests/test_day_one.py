@@ -216,3 +216,37 @@ def test_a_torch_schedule_is_checkpointed_and_a_resumed_run_follows_it(tmp_path)
     resumed = train_in_process(TINY, short_epochs(text, cut, *sched), resume="latest", force=True)
     again = {r["step"]: r["train/lr_decay"] for r in read_metrics(resumed.run_dir) if "train/lr_decay" in r}
     assert {s: again[s] for s in range(6, 13)} == {s: lrs[s] for s in range(6, 13)}
+
+
+def test_everything_the_run_prints_is_in_train_log_too(tmp_path):
+    text = small_text_file(tmp_path)
+    run = tmp_path / "run"
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={run}", "data.source=files", f"data.files=[{text}]",
+                                        "data.seq_len=32", "train.max_steps=4", "train.eval_every=2",
+                                        "checkpoint.every_steps=2", "train.mixed_precision=fp16"))  # fp16 on CPU warns
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (run / "train.log").read_text()
+    assert "CausalLMTask" in log and "step 2: loss" in log and "step 4: loss" in log and "--- sample" in log
+    assert "fp16 mixed precision has no effect on CPU" in log
+    assert "\r" not in log and "it/s" not in log  # no progress-bar redraws
+    first = log
+    resumed = run_cli("train", run, "--resume", "--set", "train.max_steps=6", "--force")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    log = (run / "train.log").read_text()
+    assert log.startswith(first) and "step 6: loss" in log  # a resumed run appends
+
+
+def test_train_log_prefixes_the_other_processes_stderr_with_their_rank(tmp_path):
+    from s4accel.training.console import RunLog
+
+    log = RunLog()
+    log.begin(is_main=False, rank=1)
+    try:
+        log.add("warning: early\n", "stderr")  # before the run directory exists: kept
+        log.add("printed\n", "stdout")  # the main process prints the run's lines
+        log.add("\rtrain:  50%|#####     |", "stderr")
+        log.open(tmp_path / "train.log")
+        log.add("warning: later\n", "stderr")
+    finally:
+        log.end()
+    assert (tmp_path / "train.log").read_text() == "[rank 1] warning: early\n[rank 1] warning: later\n"

@@ -82,7 +82,7 @@ def test_overwrite_replaces_the_previous_run_and_retrains_its_tokenizer(text, tm
     assert len(AutoTokenizer.from_pretrained(result.final_dir)) == 320  # not the old run's tokenizer
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == [1, 2, 3, 4]
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "final", "metrics.jsonl", "recipe.yaml",
-                                                     "tokenizer"]
+                                                     "tokenizer", "train.log"]
 
 
 # ---- 2, 5, 8. damaged and forged checkpoints --------------------------------------------------------------------

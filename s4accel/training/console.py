@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 
 class _DropTiedWeightsNote(logging.Filter):
@@ -27,3 +29,72 @@ def quiet_libraries(progress_bars: bool) -> None:
     hf_logging.disable_progress_bar()
     if not progress_bars:
         datasets.disable_progress_bars()
+
+
+class RunLog:
+    """`<run_dir>/train.log`: what the run prints, so a run on a cluster can be read afterwards. The main process
+    logs everything it prints; the others log what they write to stderr (warnings, errors), prefixed with their
+    rank. Lines printed before the run directory exists are kept and written first. Progress-bar redraws (carriage
+    returns) are left out. One per process (`RUN_LOG`): `begin` at each run's start, `open` once the run directory
+    is in place, `end` when it finishes."""
+
+    def __init__(self):
+        self.file, self.path = None, None
+        self.pending: list[str] = []
+        self.active, self.is_main, self.rank = False, True, 0
+
+    def begin(self, is_main: bool, rank: int) -> None:
+        self.end()
+        self.active, self.is_main, self.rank, self.pending = True, is_main, rank, []
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if not (isinstance(stream, _Tee) and stream.log is self):
+                setattr(sys, name, _Tee(stream, self, name))
+
+    def open(self, path: Path) -> None:
+        self.path = path
+        if self.active and (self.is_main or self.pending):
+            self._write("")
+
+    def _write(self, text: str) -> None:
+        if self.file is None:
+            try:
+                self.file = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
+            except OSError:  # the folder is gone or not writable: the console still has everything
+                self.active = False
+                return
+            text, self.pending = "".join(self.pending) + text, []
+        self.file.write(text)
+        self.file.flush()
+
+    def end(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.file, self.path, self.active, self.pending = None, None, False, []
+
+    def add(self, text: str, stream: str) -> None:
+        if not self.active or "\r" in text or not text or (not self.is_main and stream == "stdout"):
+            return
+        if not self.is_main:
+            text = "".join(f"[rank {self.rank}] {line}" for line in text.splitlines(keepends=True))
+        if self.path is None:
+            self.pending.append(text)
+        else:
+            self._write(text)
+
+
+class _Tee:
+    """A stream that writes through to the terminal and to the run's log."""
+
+    def __init__(self, stream, log: RunLog, name: str):
+        self.stream, self.log, self.name = stream, log, name
+
+    def write(self, text):
+        self.log.add(text, self.name)
+        return self.stream.write(text)
+
+    def __getattr__(self, attr):  # flush, isatty, fileno, encoding, ...: the terminal's
+        return getattr(self.stream, attr)
+
+
+RUN_LOG = RunLog()

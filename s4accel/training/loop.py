@@ -26,7 +26,7 @@ from ..config import Recipe, flatten, load_recipe
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState, checkpoint_step
-from .console import quiet_libraries
+from .console import RUN_LOG, quiet_libraries
 from .evaluate import evaluate, evaluate_and_report
 from .metrics import Meter
 from .preemption import StopSignals
@@ -286,6 +286,7 @@ def finish(accelerator) -> None:
     gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    RUN_LOG.end()
 
 
 def build_model(task: Task, recipe: Recipe):

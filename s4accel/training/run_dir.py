@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 from ..errors import RunDirError
+from .console import RUN_LOG
 
-RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer")
+RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer",
+               "train.log")
 """What a run writes; a directory holding any of them holds a run."""
 
 
@@ -44,6 +46,7 @@ class RunDir:
         self._created: list[Path] = []
         self.earlier = [name for name in RUN_OUTPUTS if (path / name).exists()]
         """Outputs of an earlier run found in the directory."""
+        RUN_LOG.begin(is_main, int(os.environ.get("RANK", 0)))  # what this run prints from now on
 
     def check(self) -> str | None:
         """Refuse a directory holding another run unless resuming it or overwriting it; returns a warning to print,
@@ -92,6 +95,7 @@ class RunDir:
     def commit(self, recipe_yaml: str) -> None:
         """Every check has passed: move an earlier run's outputs aside, the staged files in, write the recipe."""
         if not self.is_main:
+            RUN_LOG.open(self.path / "train.log")  # opened at its first line (the main process makes the folder)
             return
         try:
             if not self.resuming and self.earlier:
@@ -107,6 +111,7 @@ class RunDir:
                 self.staging.rmdir()
             self.path.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path / "recipe.yaml", recipe_yaml)
+            RUN_LOG.open(self.path / "train.log")
         except OSError as e:
             raise RunDirError(f"cannot write to run directory {self.path}: {e.strerror or e}") from None
 
