@@ -143,33 +143,30 @@ def test_a_method_named_like_a_hook_that_is_not_one_is_a_recipe_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def lrs_of(name, kwargs, warmup, steps, bases=(1e-2, 3e-3)):
+def rates(make_schedule, steps, bases=(1e-2, 3e-3)):
+    """Each step's learning rate of two parameter groups under the schedule `make_schedule(optimizer)`."""
     import torch
 
+    opt = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": b} for b in bases])
+    sched = make_schedule(opt)
+    out = []
+    for _ in range(steps):
+        out.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    return out
+
+
+def lrs_of(name, kwargs, warmup, steps):
     from s4accel.config.schema import SchedulerCfg
     from s4accel.training.optim import build_scheduler
 
-    opt = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": b} for b in bases])
-    sched = build_scheduler(opt, SchedulerCfg(name=name, warmup_steps=warmup, kwargs=kwargs), warmup, steps)
-    out = []
-    for _ in range(steps):
-        out.append([g["lr"] for g in opt.param_groups])
-        opt.step()
-        sched.step()
-    return out
+    cfg = SchedulerCfg(name=name, warmup_steps=warmup, kwargs=kwargs)
+    return rates(lambda opt: build_scheduler(opt, cfg, warmup, steps), steps)
 
 
-def torch_lrs(cls, kwargs, steps, bases=(1e-2, 3e-3)):
-    import torch
-
-    opt = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": b} for b in bases])
-    sched = cls(opt, **kwargs)
-    out = []
-    for _ in range(steps):
-        out.append([g["lr"] for g in opt.param_groups])
-        opt.step()
-        sched.step()
-    return out
+def torch_lrs(cls, kwargs, steps):
+    return rates(lambda opt: cls(opt, **kwargs), steps)
 
 
 def test_torch_schedules_follow_torchs_own_classes_after_a_linear_warmup():
