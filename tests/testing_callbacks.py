@@ -130,7 +130,8 @@ class SameWeightsOnAllRanks(Callback):
 
 
 class EpochRecorder(Callback):
-    """Writes each epoch hook call with the epoch and the micro-batches consumed in it (main process)."""
+    """Writes each epoch hook call with the epoch and the micro-batches consumed in it, and the end of training (main
+    process)."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -146,6 +147,9 @@ class EpochRecorder(Callback):
 
     def on_epoch_end(self, run):
         self._write(run, "epoch_end")
+
+    def on_train_end(self, run):
+        self._write(run, "train_end")
 
 
 class LightningNamed(Callback):

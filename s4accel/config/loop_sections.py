@@ -46,8 +46,13 @@ class StateCfg(_Section):
 
 
 class TrainCfg(_Section):
-    max_steps: int = Field(1000, ge=1)
-    """Number of optimizer steps."""
+    max_steps: int | None = Field(None, ge=1)
+    """Number of optimizer steps (1000 when neither this nor `max_epochs` is set). With `max_epochs` too, the run
+    ends at whichever comes first."""
+    max_epochs: int | None = Field(None, ge=1)
+    """Passes over the training data. Worked out into optimizer steps once the data is built:
+    ceil(max_epochs x batches per process and epoch / grad_accum), so every batch of the last pass is trained on (a
+    window spanning the pass's end takes its missing micro-batches from the next pass). Not for a streamed source."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step; the loss is normalised by the real token count of the whole window."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
@@ -83,6 +88,15 @@ class TrainCfg(_Section):
     tf32: bool = False
     """On CUDA: float32 matmuls and convolutions in TF32 (`torch.set_float32_matmul_precision("high")`, Ampere or
     newer), faster at ~1e-3 relative precision. Nothing changes on CPU."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_length(cls, data):
+        """Without either length, the 1000 steps of old; resolved here (not a field default) so that a recipe
+        giving only `max_epochs` has no step cap."""
+        if isinstance(data, dict) and data.get("max_steps") is None and data.get("max_epochs") is None:
+            data = {**data, "max_steps": 1000}
+        return data
 
     @model_validator(mode="after")
     def _one_clip(self):

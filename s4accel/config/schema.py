@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ..errors import did_you_mean as _did_you_mean
 from .base import Section as _Section
@@ -225,6 +225,10 @@ class Recipe(_Section):
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
 
+    _batches_per_epoch: int | None = PrivateAttr(None)
+    """Training batches per process and pass, known once the data is built (`set_epoch_length`); turns
+    `train.max_epochs` into steps."""
+
     @model_validator(mode="after")
     def _state_needs_text(self):
         if self.train.state.mode != "none" and not self.data.is_lm:
@@ -254,11 +258,43 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _warmup_fits(self):
-        if self.warmup_steps > self.train.max_steps:
-            key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
-            raise ValueError(f"{key}: {self.warmup_steps} warmup steps are more than train.max_steps="
-                             f"{self.train.max_steps}")
+        if self.train.max_epochs is None:  # with epochs: checked once the length is known (set_epoch_length)
+            self._check_warmup()
         return self
+
+    @model_validator(mode="after")
+    def _epochs_need_an_end(self):
+        if self.train.max_epochs is not None and self.data.streaming:
+            raise ValueError("train.max_epochs: a streamed source is read without knowing its length, so it has no "
+                             "epochs; set train.max_steps instead")
+        return self
+
+    def _check_warmup(self):
+        if self.warmup_steps > self.total_steps:
+            key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
+            limit = (f"train.max_steps={self.total_steps}" if self.train.max_epochs is None else
+                     f"the {self.total_steps} steps of train.max_epochs={self.train.max_epochs}")
+            raise ValueError(f"{key}: {self.warmup_steps} warmup steps are more than {limit}")
+
+    def set_epoch_length(self, batches_per_epoch: int) -> None:
+        """Training batches per process and pass over the data, once the data is built: `total_steps` follows
+        from `train.max_epochs`. A ValueError when the warmup is then longer than the run."""
+        self._batches_per_epoch = batches_per_epoch
+        if self.train.max_epochs is not None:
+            self._check_warmup()
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the run trains for: `train.max_steps`, or what `train.max_epochs` comes to (the smaller
+        when both are set)."""
+        cfg = self.train
+        if cfg.max_epochs is None:
+            return cfg.max_steps
+        if self._batches_per_epoch is None:
+            raise RuntimeError("train.max_epochs: the number of steps is known once the data is built "
+                               "(Recipe.set_epoch_length)")
+        by_epochs = max(1, math.ceil(cfg.max_epochs * self._batches_per_epoch / cfg.grad_accum))
+        return by_epochs if cfg.max_steps is None else min(by_epochs, cfg.max_steps)
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -268,7 +304,9 @@ class Recipe(_Section):
 
     @property
     def warmup_steps(self) -> int:
-        return self.scheduler.warmup_steps or math.ceil(self.scheduler.warmup_ratio * self.train.max_steps)
+        if self.scheduler.warmup_steps or not self.scheduler.warmup_ratio:
+            return self.scheduler.warmup_steps
+        return math.ceil(self.scheduler.warmup_ratio * self.total_steps)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -39,8 +39,9 @@ class Callback:
         `run.state.epoch` counts the passes from 0."""
 
     def on_epoch_end(self, run: RunContext) -> None:
-        """When the training data is used up, before the next pass starts (a run that reaches `train.max_steps`
-        mid-epoch does not end that epoch; an endless stream has no epochs)."""
+        """When the training data is used up, before the next pass starts, or with the run's last step when that
+        step used it up (`train.max_epochs`); a run that ends mid-epoch does not end that epoch, and an endless
+        stream has no epochs."""
 
     def on_step_end(self, run: RunContext) -> None:
         """After each optimizer step (`run.state.step` counts them), before logging, evaluation and saving."""

@@ -33,7 +33,7 @@ from .preemption import StopSignals
 from .pretrained import freeze
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .run_dir import RunDir
-from .step import Stepper, agree, batch_stream, save_checked
+from .step import Stepper, agree, batch_stream, save_checked, set_epoch_length
 from .task import Task, TaskContext, TrainOptimizer, load_task
 from .tracking import build_trackers, check_tracker_kwargs
 
@@ -55,7 +55,7 @@ class TrainResult:
     samples: list[str] = field(default_factory=list)
     is_main_process: bool = True
     stop_reason: str | None = None
-    """Why training ended before train.max_steps (a signal, early stopping, a callback); None if it ran to the end."""
+    """Why training ended early (a signal, early stopping, a callback); None if it ran to the end."""
     checkpoint: Path | None = None
     """The last checkpoint written."""
     preempted: bool = False
@@ -119,12 +119,13 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
     meter = Meter(accelerator, state, recipe.log)
-    bar = tqdm(total=cfg.max_steps, initial=state.step, desc="train", dynamic_ncols=True,
+    total = recipe.total_steps  # train.max_steps, or what train.max_epochs comes to
+    bar = tqdm(total=total, initial=state.step, desc="train", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
     t_start = time.perf_counter()
     with signals, frozen_setup_objects():
-        while state.step < cfg.max_steps and stop_reason is None:
+        while state.step < total and stop_reason is None:
             # a. The micro-batch window, clipping, the agreement of every process, the update (step.py).
             out = step(batches, state, stop_requested=run.stop_reason is not None)
             if out.skipped:  # non-finite numbers: the update was dropped (or the run stopped, by policy)
@@ -134,9 +135,9 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                 meter.add(**out.scalars)
                 bar.update(1)
                 callbacks.on_step_end(run)
-                if due(state.step, recipe.log.log_every, cfg.max_steps):
+                if due(state.step, recipe.log.log_every, total):
                     meter.log(run, callbacks, optimizers, bar)  # the loop's only host sync besides the agreement
-                if due(state.step, cfg.eval_every, cfg.max_steps):
+                if due(state.step, cfg.eval_every, total):
                     eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                     task.on_validation_end()
                     flags = flags.merge(agree(accelerator, None, signal=signals.interrupted(),
@@ -149,6 +150,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
                 last_ckpt = save_checked(accelerator, model, run_dir, state.step, recipe)
                 callbacks.on_save(run, last_ckpt)
                 step.clock.reset()
+    batches.close()  # ends a pass the last step completed (its on_epoch_end), as the next batch would have
     bar.close()
     result = TrainResult(run_dir, None, state.step, eval_metrics, time.perf_counter() - t_start, [],
                          accelerator.is_main_process, stop_reason, last_ckpt, preempted)
@@ -243,8 +245,9 @@ def build(task: Task, context: TaskContext, recipe: Recipe):
         context.accelerator.print(f"model.freeze: {len(frozen)} parameter tensor(s) fixed")
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)
+    train_dl, val_dl = task.dataloaders(context.data)  # before the schedules: train.max_epochs counts its batches
+    set_epoch_length(recipe, train_dl, context.accelerator.num_processes, task.prepare_train_loader)
     optimizers = check_optimizers(task.build_optimizers(model), task)  # schedules stay out of prepare()
-    train_dl, val_dl = task.dataloaders(context.data)
     return model, optimizers, train_dl, val_dl
 
 

@@ -15,10 +15,34 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, RecipeError
 from ..models.moe import ROUTER_LOSSES, router_outputs
 from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, count_items
+
+
+def set_epoch_length(recipe, train_dl, num_processes: int, sharded: bool) -> None:
+    """Tell the recipe how many batches each process draws per pass (`train.max_epochs` becomes steps), before the
+    schedules are built. A loader that `accelerator.prepare` shards deals its batches out in turn and, unless the
+    loader drops the last partial batch, pads the last round so that every process draws as many (Accelerate's
+    `even_batches`); an unsharded loader is this process's own already."""
+    if recipe.train.max_epochs is None:
+        return
+    try:
+        batches = len(train_dl)
+    except TypeError:
+        raise RecipeError("train.max_epochs: this task's training data has no length (a stream has no epochs); set "
+                          "train.max_steps instead") from None
+    if sharded and num_processes > 1:
+        drop_last = getattr(getattr(train_dl, "batch_sampler", None), "drop_last", False)
+        batches = batches // num_processes + (0 if drop_last or batches % num_processes == 0 else 1)
+    if batches == 0:
+        raise RecipeError("train.max_epochs: the training data makes no full batch per process; lower "
+                          "data.batch_size or set train.max_steps")
+    try:
+        recipe.set_epoch_length(batches)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda: None, on_epoch_end=lambda: None):
@@ -39,13 +63,26 @@ def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda
         else:  # the stream loader of stateful training: in order, on the CPU
             batches = ({k: v.to(accelerator.device) for k, v in b.items()}
                        for b in itertools.islice(train_dl, skip, None))
-        for batch in batches:
-            state.batch_in_epoch += 1
-            yield batch
+        try:
+            for batch in batches:
+                state.batch_in_epoch += 1
+                yield batch
+        except GeneratorExit:  # the loop closes the stream when the run ends: a pass whose last batch the last step
+            # consumed (train.max_epochs) has ended too, though no batch of the next was asked for
+            if state.batch_in_epoch == _length(train_dl):
+                on_epoch_end()
+            raise
         on_epoch_end()
         skip = 0
         state.epoch += 1
         state.batch_in_epoch = 0
+
+
+def _length(loader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # a stream
+        return None
 
 
 def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0,

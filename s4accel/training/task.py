@@ -161,11 +161,11 @@ class Task:
         return [TrainOptimizer("main", optimizer, self.schedule(optimizer))]
 
     def schedule(self, optimizer):
-        """The recipe's schedule (`scheduler`, warmup, `train.max_steps`) for an optimizer of your own."""
+        """The recipe's schedule (`scheduler`, warmup, the run's length) for an optimizer of your own."""
         from .optim import build_scheduler
 
         r = self.recipe
-        return build_scheduler(optimizer, r.scheduler, r.warmup_steps, r.train.max_steps)
+        return build_scheduler(optimizer, r.scheduler, r.warmup_steps, r.total_steps)
 
     def dataloaders(self, data: TaskData):
         """(train, validation) loaders: shuffled full batches of `data.batch_size` with a seeded generator, and the
