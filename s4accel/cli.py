@@ -65,10 +65,11 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
 
 
 @app.command()
-def show(recipe: RecipeArg, overrides: SetOpt = None):
-    """Print the resolved recipe and the model's parameter count, without training."""
+def show(recipe: RecipeArg, overrides: SetOpt = None,
+         depth: Annotated[int, typer.Option("--depth", min=0, help="Levels of the per-layer summary (0: none).")] = 2):
+    """Print the resolved recipe, a per-layer summary and the model's parameter count, without training."""
     from .config import load_recipe
-    from .tools.summary import describe, summary_model
+    from .tools.summary import describe, layer_table, summary_model
 
     try:
         resolved = load_recipe(recipe, overrides or [])
@@ -76,6 +77,8 @@ def show(recipe: RecipeArg, overrides: SetOpt = None):
     except S4AccelError as e:
         raise _fail(e) from None
     typer.echo(resolved.to_yaml(), nl=False)
+    for line in layer_table(model, depth) if depth else []:
+        typer.echo(line)
     typer.echo(describe(resolved, task, model))
 
 

@@ -312,3 +312,50 @@ def test_max_epochs_is_refused_before_compute_where_there_are_no_epochs(tmp_path
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "scheduler.warmup_steps: 500 warmup steps are more than the" in proc.stderr
     assert "train.max_epochs=1" in proc.stderr and not (tmp_path / "run2").exists()
+
+
+def test_show_prints_a_per_layer_summary_whose_top_rows_add_up():
+    import yaml
+
+    proc = run_cli("show", TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["model"]["name"] == "s4-tiny"  # still YAML: the table is comments
+    rows = [line[2:] for line in proc.stdout.splitlines() if line.startswith("# ") and not line.startswith("# model")]
+    assert rows[0].split() == ["layer", "type", "parameters"]
+    table = {r.split()[0]: (r.split()[1], int(r.split()[2].replace(",", ""))) for r in rows[1:]}
+    assert table["backbone.layers.0"] == ("S4Block", 10_624) and table["backbone.layers.1"] == ("S4Block", 10_624)
+    assert "backbone.layers" not in table  # a container is no level: its blocks are
+    top = [r for r in rows[1:] if not r.startswith(" ")]
+    assert sum(int(r.split()[2].replace(",", "")) for r in top) == 37_952  # the total on the last line
+    lm_head = next(r for r in rows if r.startswith("lm_head"))
+    assert "(shares backbone.embeddings.weight)" in lm_head  # tied to the input embedding, counted once
+
+    deeper = run_cli("show", TINY, "--depth", "3").stdout
+    assert "backbone.layers.0.layer " in deeper and "backbone.layers.0.layer " not in proc.stdout
+    assert not any(line.startswith("# layer") for line in run_cli("show", TINY, "--depth", "0").stdout.splitlines())
+
+
+def test_profile_traces_the_chosen_steps_into_the_run_directory(tmp_path):
+    from helpers import short_epochs, train_in_process
+
+    text = small_text_file(tmp_path)
+    run = tmp_path / "run"
+    train_in_process(TINY, short_epochs(text, run, "train.max_steps=7", "checkpoint.every_steps=100",
+                                        "train.profile={wait: 2, warmup: 1, active: 2}"))
+    traces = list((run / "profile").glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    assert steps == ["ProfilerStep#3", "ProfilerStep#4"]  # optimizer steps 4 and 5: after 2 waited, 1 warmed up
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the model's operators are in it
+    assert "Self CPU" in (run / "profile" / "summary.txt").read_text()
+    log = (run / "train.log").read_text()
+    assert f"profile: steps 4-5 traced into {run / 'profile'}" in log
+
+    # a run that ends before the schedule's active steps: nothing half-written, the run ends normally
+    short = tmp_path / "short"
+    result = train_in_process(TINY, short_epochs(text, short, "train.max_steps=3", "checkpoint.every_steps=100",
+                                                 "train.profile={wait: 2, warmup: 1, active: 2}"))
+    assert result.steps == 3 and not list((short / "profile").glob("*.json"))
+    assert "profile: the run ended before step 5, the last one to profile; no trace written" in (
+        short / "train.log").read_text()

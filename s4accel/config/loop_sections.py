@@ -21,6 +21,21 @@ class EMACfg(_Section):
     """Update the average every N optimizer steps."""
 
 
+class ProfileCfg(_Section):
+    wait: int = Field(1, ge=0)
+    """Optimizer steps run before profiling starts (the first steps pay for warm-up work a steady run does not)."""
+    warmup: int = Field(1, ge=0)
+    """Steps traced but discarded (the profiler's own start-up cost)."""
+    active: int = Field(3, ge=1)
+    """Steps recorded into the trace."""
+    record_shapes: bool = False
+    """Record each operator's input shapes (larger trace)."""
+    profile_memory: bool = False
+    """Record tensor allocations and frees."""
+    with_stack: bool = False
+    """Record the Python stack of each operator (much larger trace)."""
+
+
 class EarlyStoppingCfg(_Section):
     metric: str = "loss"
     """Eval metric to monitor (see EVAL_METRICS)."""
@@ -76,6 +91,9 @@ class TrainCfg(_Section):
     """Stop when an eval metric stops improving (`null`: off)."""
     state: StateCfg = Field(default_factory=StateCfg)
     """Stateful training over long streams (`mode: none` by default)."""
+    profile: ProfileCfg | None = None
+    """`torch.profiler` over a few optimizer steps: a trace per process in `<run_dir>/profile/` (TensorBoard's
+    profiler plugin or ui.perfetto.dev open it) and the operators' totals in `profile/summary.txt` (`null`: off)."""
     compile: bool = False
     """`torch.compile` the model (inductor) through Accelerate's dynamo plugin, block by block: Accelerate's regional
     compilation compiles each distinct repeated block once. Checkpoints and exports keep plain parameter names."""

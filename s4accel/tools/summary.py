@@ -34,3 +34,33 @@ def describe(recipe: Recipe, task, model) -> str:
         inputs += f", {config.num_labels} label(s)"
     name = recipe.model.name or recipe.model.pretrained
     return f"# model: {name} ({config.model_type}), {n_params:,} parameters, {inputs}"
+
+
+CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
+"""Modules that only hold others: not a level of the summary (the blocks of `layers` are one level, not two)."""
+
+
+def layer_table(model, depth: int = 2) -> list[str]:
+    """A per-layer summary as `#` lines (the output of `show` stays YAML): each module with parameters down to
+    `depth` levels (containers are no level), indented under its parent, with its type and parameter count. A tensor
+    shared by two modules (tied input and output embeddings) counts where it first appears; the other row names it.
+    The top-level rows add up to the model's total."""
+    first = {id(p): name for name, p in model.named_parameters()}  # named_parameters yields a shared tensor once
+    rows, width = [], 0
+    for name, module in model.named_modules():
+        if not name or type(module).__name__ in CONTAINERS:
+            continue
+        parts = name.split(".")
+        level = sum(1 for i in range(len(parts)) if type(model.get_submodule(".".join(parts[:i + 1])))
+                    .__name__ not in CONTAINERS)
+        params = list(module.parameters())
+        if level > depth or not params:
+            continue
+        own = sum(p.numel() for p in params if first[id(p)].startswith(name + "."))
+        shared = sorted({first[id(p)] for p in params if not first[id(p)].startswith(name + ".")})
+        label = "  " * (level - 1) + name
+        width = max(width, len(label))
+        rows.append((label, type(module).__name__, own, f"  (shares {', '.join(shared)})" if shared else ""))
+    width = max(width, len("layer"))
+    return [f"# {'layer':<{width}}  {'type':<24} {'parameters':>12}",
+            *(f"# {label:<{width}}  {kind:<24} {own:>12,}{note}" for label, kind, own, note in rows)]

@@ -30,6 +30,7 @@ from .console import RUN_LOG, quiet_libraries
 from .evaluate import evaluate, evaluate_and_report
 from .metrics import Meter
 from .preemption import StopSignals
+from .profiling import Profile
 from .pretrained import freeze
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .run_dir import RunDir
@@ -314,6 +315,8 @@ def build_callbacks(recipe: Recipe) -> CallbackList:
     ck = recipe.checkpoint
     if ck.keep_best:
         cbs.append(KeepBest(ck.keep_best, ck.best_metric, ck.best_mode, ema=ema))
+    if recipe.train.profile is not None:
+        cbs.append(Profile(**recipe.train.profile.model_dump()))
     cbs += [load_callback(c.target, c.args, f"callbacks.{i}") for i, c in enumerate(recipe.callbacks)]
     return CallbackList(cbs)
 

@@ -21,7 +21,7 @@ from ..errors import RunDirError
 from .console import RUN_LOG
 
 RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer",
-               "train.log")
+               "train.log", "profile")
 """What a run writes; a directory holding any of them holds a run."""
 
 
