@@ -359,3 +359,39 @@ def test_profile_traces_the_chosen_steps_into_the_run_directory(tmp_path):
     assert result.steps == 3 and not list((short / "profile").glob("*.json"))
     assert "profile: the run ended before step 5, the last one to profile; no trace written" in (
         short / "train.log").read_text()
+
+
+def test_relative_paths_in_a_recipe_mean_files_next_to_it_and_set_ones_the_current_directory(tmp_path):
+    """A project folder (recipe, text, callback file) trained from elsewhere; a --set path is the shell's."""
+    import yaml
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "data" / "text.txt").write_text(small_text_file(tmp_path).read_text())
+    (project / "hooks.py").write_text(
+        "import json\nfrom s4accel import Callback\n\n\nclass Note(Callback):\n"
+        "    def on_train_end(self, run):\n        (run.run_dir / 'note.json').write_text(json.dumps(run.state.step))\n")
+    recipe = yaml.safe_load((REPO / "recipes" / "s4_tiny_debug.yaml").read_text())
+    recipe.update(data={**recipe["data"], "source": "files", "files": ["data/*.txt"], "seq_len": 32},
+                  train={**recipe["train"], "max_steps": 3}, callbacks=[{"target": "hooks.py:Note"}],
+                  sample={"prompts": []})
+    (project / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    run = tmp_path / "run"
+    proc = run_cli("train", project / "recipe.yaml", *sets(f"run.out_dir={run}", "log.progress_bar=false"),
+                   cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run / "note.json").read_text()) == 3  # the callback from the recipe's folder ran
+    kept = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert kept["data"]["files"] == [str(project / "data" / "*.txt")]  # absolute: resumable from anywhere
+    assert kept["callbacks"][0]["target"] == f"{project / 'hooks.py'}:Note"
+
+    # --set paths are the current directory's: a text in `elsewhere`, none of that name next to the recipe
+    (elsewhere / "other.txt").write_text((project / "data" / "text.txt").read_text())
+    proc = run_cli("show", project / "recipe.yaml", *sets("data.files=[other.txt]"), cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["data"]["files"] == [str(elsewhere / "other.txt")]
+    # a path found nowhere stays as written, for the data code to report
+    proc = run_cli("train", project / "recipe.yaml", *sets(f"run.out_dir={tmp_path / 'r2'}", "data.files=[nope.txt]"),
+                   cwd=elsewhere)
+    assert proc.returncode == 2 and "nope.txt" in proc.stderr and proc.stderr.strip().count("\n") == 0

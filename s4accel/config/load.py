@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import RecipeError, did_you_mean as _did_you_mean
+from .paths import anchor_paths
 from .schema import Recipe
 
 MAX_RECIPE_VALUES = 100_000
@@ -81,7 +82,18 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raw["run"].update(out_dir=str(run_dir), overwrite=False)
     for item in overrides:
         _apply_override(raw, item)
+    # The recipe's own relative paths mean files next to it; --set ones, files relative to where the command runs.
+    # A run directory's recipe.yaml holds them made absolute already.
+    overridden = [tuple(item.partition("=")[0].strip().split(".")) for item in overrides]
+    anchor_paths(raw, lambda key: Path.cwd() if any(_under(key, o) for o in overridden) else
+                 None if run_dir else path.parent)
     return validate_recipe(raw, source=str(path / "recipe.yaml" if run_dir else path))
+
+
+def _under(key: tuple, prefix: tuple) -> bool:
+    """Whether the recipe value at `key` (its list indices dropped) is at or under the `--set` key `prefix`."""
+    names = tuple(str(part) for part in key if not isinstance(part, int))
+    return names[:len(prefix)] == prefix
 
 
 def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:

@@ -140,15 +140,16 @@ class CheckpointCfg(_Section):
 
 class CallbackCfg(_Section):
     target: str
-    """`package.module:Class` of a `s4accel.Callback`, importable where training runs."""
+    """A `s4accel.Callback` as `package.module:Class` (importable where training runs) or `path/file.py:Class`
+    (relative to the recipe's folder)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the class."""
 
     @field_validator("target")
     @classmethod
     def _import_path(cls, target):
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target):
-            raise ValueError(f"expected 'package.module:Class', got {target!r}")
+        if not re.fullmatch(r"([A-Za-z_][\w.]*|[^:\s]+\.py):[A-Za-z_][\w.]*", target):
+            raise ValueError(f"expected 'package.module:Class' or 'path/file.py:Class', got {target!r}")
         return target
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
 import json
 import math
 import shutil
@@ -27,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import RecipeError
+from .imports import import_object
 
 
 class Callback:
@@ -110,14 +110,9 @@ class CallbackList:
 
 
 def load_callback(target: str, args: dict, where: str) -> Callback:
-    """`package.module:Class` + keyword arguments -> an instance; import and argument errors name the recipe key."""
-    module_name, _, attr = target.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise RecipeError(f"{where}.target: cannot import {target!r} ({e})") from None
+    """`package.module:Class` or `path/file.py:Class` + keyword arguments -> an instance; import and argument errors
+    name the recipe key."""
+    obj = import_object(target, f"{where}.target")
     try:
         cb = obj(**args)
     except TypeError as e:
