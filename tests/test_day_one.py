@@ -395,3 +395,12 @@ def test_relative_paths_in_a_recipe_mean_files_next_to_it_and_set_ones_the_curre
     proc = run_cli("train", project / "recipe.yaml", *sets(f"run.out_dir={tmp_path / 'r2'}", "data.files=[nope.txt]"),
                    cwd=elsewhere)
     assert proc.returncode == 2 and "nope.txt" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_a_bad_model_override_is_reported_before_the_data_is_read(tmp_path):
+    # the data file does not exist: an error about it would mean the data was read first
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "data.source=files",
+                                        f"data.files=[{tmp_path / 'missing.txt'}]", "model.overrides={d_model: -3}"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert proc.stderr.startswith("error: model.overrides") and "d_model" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -96,7 +96,8 @@ def test_val_files_are_a_validation_set_of_their_own(tmp_path, hf_cache):
     (["data.source=files", "data.files=[DIR]"], r"data.files: the directory .* holds no .txt, .json"),
     (["data.source=files", "data.files=[DIR/*.nope]"], r"data.files: no file matches"),
     (["data.source=files", "data.files=[DIR/x.csv]", "data.text_field=txt"],
-     r"data.text_field: no field 'txt' in .*x.csv \(fields: body, n\)"),
+     r"data.text_field: no field 'txt' in .*x.csv \(fields: body, n\); a .csv file's first line names its columns: "
+     r"add a header line such as 'txt', or set data.text_field$"),
     (["data.source=dataset", "data.path=DIR/none"], r"data.path: no such folder: .*none"),
     (["data.source=dataset", "data.path=DIR/empty_split"], r"holds no text"),
     (["data.source=files", "data.files=[DIR/x.csv]", "data.text_field=body", "data.tokenizer=DIR/no_tok"],

@@ -154,7 +154,10 @@ def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = 
         missing = [c for c in columns if names and c not in names]
         if missing:
             field = "data.text_field" if missing[0] == columns[0] else "data.label_field"
-            raise DataError(f"{field}: no field {missing[0]!r} in {group[0]} (fields: {', '.join(names)})")
+            # a CSV's first line is its header: a file without one has its first row taken for column names
+            hint = (f"; a .csv file's first line names its columns: add a header line such as "
+                    f"{','.join(columns)!r}, or set {field}") if builder == "csv" else ""
+            raise DataError(f"{field}: no field {missing[0]!r} in {group[0]} (fields: {', '.join(names)}){hint}")
         parts.append(part.select_columns(list(columns)) if names else part)
     if len(parts) == 1:
         return parts[0]

@@ -34,7 +34,15 @@ def preprocessing(recipe) -> str:
 
 
 class BuiltinTask(Task):
-    """What the built-in tasks share: the preprocessing record exported with the model."""
+    """What the built-in tasks share: the model's config checked when the task is made, the preprocessing record
+    exported with the model."""
+
+    def __init__(self, recipe, **args):
+        super().__init__(recipe, **args)
+        if recipe.model.pretrained is None:
+            # The config class checks the overrides' types and values: a bad one is a recipe error now, before the
+            # data is read and tokenised (the sizes the data fixes, such as the vocabulary, are not overrides).
+            model_config(recipe.model)
 
     def export(self, model, out_dir, extra_files=None):
         super().export(model, out_dir, {PREPROCESSING: preprocessing(self.recipe), **(extra_files or {})})
