@@ -371,7 +371,8 @@ def test_relative_paths_in_a_recipe_mean_files_next_to_it_and_set_ones_the_curre
     (project / "data" / "text.txt").write_text(small_text_file(tmp_path).read_text())
     (project / "hooks.py").write_text(
         "import json\nfrom s4accel import Callback\n\n\nclass Note(Callback):\n"
-        "    def on_train_end(self, run):\n        (run.run_dir / 'note.json').write_text(json.dumps(run.state.step))\n")
+        "    def on_train_end(self, run):\n"
+        "        (run.run_dir / 'note.json').write_text(json.dumps(run.state.step))\n")
     recipe = yaml.safe_load((REPO / "recipes" / "s4_tiny_debug.yaml").read_text())
     recipe.update(data={**recipe["data"], "source": "files", "files": ["data/*.txt"], "seq_len": 32},
                   train={**recipe["train"], "max_steps": 3}, callbacks=[{"target": "hooks.py:Note"}],
