@@ -405,3 +405,16 @@ def test_a_bad_model_override_is_reported_before_the_data_is_read(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith("error: model.overrides") and "d_model" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_model_on_a_recipe_of_another_kind_is_one_line(tmp_path):
+    from helpers import RECIPES, short_epochs, train_in_process
+
+    text = small_text_file(tmp_path)
+    train_in_process(TINY, short_epochs(text, tmp_path / "lm", "train.max_steps=2", "checkpoint.every_steps=100"))
+    for recipe, wanted in [("shakespeare_genre.yaml", "a sequence classifier of text"),
+                           ("digits.yaml", "a sequence classifier of number sequences")]:
+        proc = run_cli("eval", tmp_path / "lm", RECIPES / recipe)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
+        assert "a language model of text (S4ForCausalLM) cannot be scored with this recipe" in proc.stderr
+        assert f"which trains {wanted}" in proc.stderr

@@ -49,6 +49,8 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     if builtin and recipe.data.is_text and recipe.data.tokenizer == "bpe" and \
             not (model_dir / "tokenizer.json").is_file():
         raise ModelError(f"{model_dir}: the recipe uses a BPE tokenizer but the model has none saved")
+    if builtin:
+        check_model_kind(model_dir, recipe)
     task = load_task(recipe, **({"tokenizer_dir": model_dir} if builtin and recipe.data.is_text else {}))
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
@@ -67,6 +69,28 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     _, val_dl = task.dataloaders(context.data)
     model, val_dl = accelerator.prepare(model, val_dl)
     return evaluate(accelerator, task, model, val_dl, progress=True)
+
+
+def check_model_kind(model_dir: Path, recipe: Recipe) -> None:
+    """A model of another kind than the recipe trains (a language model scored on a classifier's recipe, a text
+    model on number sequences) is one line, from its config.json alone, before the data is read."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # loading the model reports it
+    heads = " ".join(config.get("architectures") or [])
+    model = ("a language model" if "ForCausalLM" in heads else "a sequence classifier" if
+             "ForSequenceClassification" in heads else None)
+    model_input = "number sequences" if config.get("d_input") is not None else "text"
+    wanted = "a language model" if recipe.data.is_lm else "a sequence classifier"
+    recipe_input = "text" if recipe.data.is_text else "number sequences"
+    if model is None or (model, model_input) == (wanted, recipe_input):
+        return
+    raise ModelError(f"{model_dir}: {model} of {model_input} ({heads}) cannot be scored with this recipe, which "
+                     f"trains {wanted} of {recipe_input} (data.source {recipe.data.source!r}); use the recipe it was "
+                     f"trained with (its run directory's recipe.yaml)")
 
 
 def _scoring(recipe: Recipe, data) -> Recipe:
