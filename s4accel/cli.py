@@ -53,15 +53,18 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         raise _fail(e) from None
     if not result.is_main_process:
         return
+    from .training.console import append_to_log
+
     if result.preempted:
         # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else.
-        typer.echo(f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
-                   f"continue with: s4accel train {shlex.quote(str(result.run_dir))} --resume")
-        return
-    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
-    why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
-    typer.echo(f"done: {result.steps} steps in {result.loop_seconds:.1f}s{why}; {metrics}; model in "
-               f"{result.final_dir}")
+        line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
+                f"continue with: s4accel train {shlex.quote(str(result.run_dir))} --resume")
+    else:
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
+        why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
+        line = f"done: {result.steps} steps in {result.loop_seconds:.1f}s{why}; {metrics}; model in {result.final_dir}"
+    typer.echo(line)
+    append_to_log(result.run_dir, line)
 
 
 @app.command()

@@ -98,3 +98,12 @@ class _Tee:
 
 
 RUN_LOG = RunLog()
+
+
+def append_to_log(run_dir: Path, line: str) -> None:
+    """A line printed after the run ended (the command's summary) added to its train.log as well."""
+    try:
+        with open(Path(run_dir) / "train.log", "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:  # the run directory is gone or read-only: the console has the line
+        pass
