@@ -1,0 +1,143 @@
+"""Long Range Arena: each task's data read from small files in exactly the release's layout (ListOps and Retrieval
+`.tsv` files, Pathfinder/Path-X folders with their metadata; IMDB and CIFAR-10 as `datasets` folders), with the
+papers' lengths, vocabularies and splits."""
+
+import numpy as np
+import pytest
+
+from helpers import RECIPES
+from lra_files import AAN, LISTOPS, pathfinder_image, write_aan, write_image_dataset, write_imdb, write_listops, \
+    write_pathfinder
+from s4accel.config import load_recipe
+from s4accel.errors import DataError
+
+LRA = RECIPES / "lra"
+
+
+def lra_data(recipe: str, folder, *overrides):
+    """The data an LRA recipe builds, reading `folder` instead of the release."""
+    from s4accel.data import build_data
+
+    return build_data(load_recipe(LRA / f"{recipe}.yaml", [f"data.path={folder}", *overrides]).data)
+
+
+def test_listops_reads_symbols_without_brackets_ten_classes_and_the_release_splits(tmp_path, hf_cache):
+    data = lra_data("listops", write_listops(tmp_path / "listops"))
+    tok = data.tokenizer
+    assert len(tok) == 18 and data.num_labels == 10 and data.class_names == [str(d) for d in range(10)]
+    first = data.train[0]
+    assert tok.convert_ids_to_tokens(first["input_ids"].tolist()) == ["[MAX", "2", "9", "]"]
+    assert first["labels"] == 9
+    assert [len(x) for x in data.train["input_ids"]] == [4, 8, 4, 9]  # symbols only: no '(' or ')'
+    assert tok.unk_token_id not in np.concatenate(data.train["input_ids"])
+    assert list(data.val["labels"]) == [v for _, v in LISTOPS]
+    test = lra_data("listops", tmp_path / "listops", "data.val_split=test")  # the test file, written reversed
+    assert list(test.val["labels"]) == [v for _, v in LISTOPS[::-1]]
+    short = lra_data("listops", tmp_path / "listops", "data.seq_len=5")  # the recipe's length is the cut
+    assert max(len(x) for x in short.train["input_ids"]) == 5
+
+
+def test_retrieval_pairs_become_one_document_each_side_cut_to_its_half(tmp_path, hf_cache):
+    from s4accel.data.lra_text import PAIR_SEPARATOR
+
+    data = lra_data("retrieval", write_aan(tmp_path / "aan"), "data.seq_len=21")  # 10 bytes of each document
+    assert data.num_labels == 2 and list(data.train["labels"]) == [1, 0, 1, 0]  # "1", "0", "1.0", "0.0"
+    for (_, t1, t2), ids in zip(AAN, data.train["input_ids"]):
+        text = bytes(int(i) - 3 for i in ids).decode()
+        assert text == t1.encode()[:10].decode("utf-8", "ignore") + PAIR_SEPARATOR + t2.encode()[:10].decode(
+            "utf-8", "ignore")
+        assert len(ids) <= 21
+    # "caf\u00e9" cut inside the two bytes of its last letter: the partial character is dropped, not mangled
+    assert bytes(int(i) - 3 for i in data.train["input_ids"][1]).decode().endswith("An unrelat")
+    whole = lra_data("retrieval", tmp_path / "aan")  # the recipe's 4,000 bytes each: every text whole
+    assert bytes(int(i) - 3 for i in whole.val["input_ids"][0]).decode() == AAN[0][1] + PAIR_SEPARATOR + AAN[0][2]
+
+
+def test_text_reads_imdb_from_a_datasets_folder_byte_by_byte(tmp_path, hf_cache):
+    data = lra_data("text", write_imdb(tmp_path / "imdb"), f"data.cache_dir={tmp_path / 'cache'}")
+    assert data.class_names == ["neg", "pos"] and len(data.tokenizer) == 259
+    assert bytes(int(i) - 3 for i in data.train[1]["input_ids"]).decode().startswith("Review 1: great film")
+
+
+def test_pathfinder_folders_become_pixel_sequences_split_80_10_10_by_seed(tmp_path):
+    folder = write_pathfinder(tmp_path / "pf", n=40, size=32, empty=3)
+    parts = {s: lra_data("pathfinder", folder, f"data.val_split={s}") for s in ("val", "test")}
+    data = parts["val"]
+    assert (data.seq_len, data.d_input, data.num_labels) == (1024, 1, 2)
+    ids = {s: sorted(int(v) for v in d.val[:]["input_values"][:, 0, 0]) for s, d in parts.items()}
+    train_ids = sorted(int(v) for v in data.train[:]["input_values"][:, 0, 0])  # each image's first pixel is its index
+    assert len(ids["val"]) == len(ids["test"]) == 4 and len(train_ids) == 31  # 39 images: the empty one is skipped
+    assert sorted(train_ids + ids["val"] + ids["test"]) == [i for i in range(40) if i != 3]
+    row = data.train[0]
+    np.testing.assert_array_equal(row["input_values"][:, 0].numpy(), pathfinder_image(train_ids[0], 32).reshape(-1))
+    assert row["labels"] == train_ids[0] % 2  # field 3 of the metadata line
+    again = lra_data("pathfinder", folder)
+    assert sorted(int(v) for v in again.val[:]["input_values"][:, 0, 0]) == ids["val"]
+    other = lra_data("pathfinder", folder, "data.split_seed=1")
+    assert sorted(int(v) for v in other.val[:]["input_values"][:, 0, 0]) != ids["val"]
+    x = (data.train[:]["input_values"] - data.input_mean[0]) / data.input_std[0]
+    assert abs(float(x.mean())) < 1e-4 and abs(float(x.std()) - 1) < 1e-2  # standardised by the model with these
+
+
+def test_path_x_is_16384_steps(tmp_path):
+    data = lra_data("pathx", write_pathfinder(tmp_path / "px", n=10, size=128, empty=None))
+    assert data.seq_len == 128 * 128 and data.train[0]["input_values"].shape == (16384, 1)
+
+
+def test_image_datasets_become_grayscale_pixels_row_by_row(tmp_path, hf_cache):
+    import datasets
+    import torch
+
+    folder = write_image_dataset(tmp_path / "cifar", n_train=30, n_test=10)
+    data = lra_data("image", folder)
+    assert (len(data.train), len(data.val), data.seq_len, data.num_labels) == (27, 3, 1024, 10)
+    assert data.class_names[:2] == ["airplane", "automobile"]
+    source = datasets.load_from_disk(str(folder))
+    grays = {np.asarray(im.convert("L")).tobytes() for im in source["train"]["img"]}
+    assert data.train.features["input_values"].feature.feature.dtype == "uint8"  # stored small: float when collated
+    assert all(x[:, 0].numpy().astype(np.uint8).tobytes() in grays for x in data.train[:]["input_values"])
+    test = lra_data("image", folder, "data.val_split=test")
+    assert len(test.val) == 10
+    from s4accel.data import collate_arrays
+
+    assert collate_arrays([data.train[0], data.train[1]])["input_values"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe, folder, overrides, message", [
+    ("listops", "missing", [], "data.path: no such folder"),
+    ("listops", "empty", ["data.split=dev"], "data.split: LRA splits are train, val, test"),
+    ("listops", "empty", ["data.tokenizer=byte"], "tokenizer listops"),
+    ("text", "empty", ["data.tokenizer=listops"], "listops reads ListOps expressions"),
+    ("listops", "empty", ["data.val_split=train"], "is the training split too"),
+    ("listops", "empty", ["data.label_field=Target"], "gives its own `text` and `label`"),
+    ("retrieval", "empty", ["data.val_files=[a.tsv]"], "data.val_files"),
+    ("pathfinder", "empty", [], "no metadata/<n>.npy"),
+])
+def test_bad_lra_settings_are_one_line_errors(tmp_path, recipe, folder, overrides, message):
+    from s4accel.config import RecipeError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises((DataError, RecipeError), match=message) as e:
+        lra_data(recipe, tmp_path / folder, *overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_broken_release_files_are_one_line_errors(tmp_path, hf_cache):
+    folder = write_listops(tmp_path / "lo")
+    (folder / "basic_val.tsv").unlink()
+    with pytest.raises(DataError, match="has no basic_val.tsv"):
+        lra_data("listops", folder)
+    write_listops(folder, [("( ( [MAX 2 ) ] )", 12)])
+    with pytest.raises(DataError, match="label '12' is not one of 0, 1"):
+        lra_data("listops", folder)
+    (folder / "basic_train.tsv").write_text("src\ttgt\n( ( [MAX 2 ) ] )\t2\n")
+    with pytest.raises(DataError, match="ListOps files start with Source<TAB>Target"):
+        lra_data("listops", folder)
+    pf = write_pathfinder(tmp_path / "pf", n=10)
+    (pf / "metadata" / "0.npy").write_text("imgs/0 sample_0.png 0\n")
+    with pytest.raises(DataError, match="line 1 is not '<folder> <file> <\\?> <label 0\\|1>"):
+        lra_data("pathfinder", pf)
+    (pf / "metadata" / "0.npy").write_text("imgs/0 missing.png 0 1\n" * 10)
+    with pytest.raises(DataError, match="missing.png, named in the metadata, does not exist"):
+        lra_data("pathfinder", pf)
+
