@@ -1,6 +1,6 @@
 """Long Range Arena: each task's data read from small files in exactly the release's layout (ListOps and Retrieval
 `.tsv` files, Pathfinder/Path-X folders with their metadata; IMDB and CIFAR-10 as `datasets` folders), with the
-papers' lengths, vocabularies and splits."""
+papers' lengths, vocabularies and splits; the ListOps generator, checked by an evaluator of its own."""
 
 import numpy as np
 import pytest
@@ -141,3 +141,102 @@ def test_broken_release_files_are_one_line_errors(tmp_path, hf_cache):
     with pytest.raises(DataError, match="missing.png, named in the metadata, does not exist"):
         lra_data("pathfinder", pf)
 
+
+# --------------------------------------------------------------------------------------------------------------------
+# The ListOps generator
+
+
+def stack_value(tokens: list[str]) -> tuple[int, int]:
+    """An evaluator of its own, unlike the generator's recursion over a tree: one left-to-right pass over the tokens
+    with a stack of open operators and the values each has collected. Returns (value, deepest operator nesting)."""
+    import statistics
+
+    stack, deepest = [("top", [])], 0
+    for token in tokens:
+        if token in ("(", ")"):
+            continue
+        if token.startswith("["):
+            stack.append((token, []))
+            deepest = max(deepest, len(stack) - 1)
+        elif token == "]":
+            op, args = stack.pop()
+            assert len(args) >= 2, "an operator takes at least two arguments"
+            value = {"[MAX": max, "[MIN": min, "[SM": lambda a: sum(a) % 10,
+                     "[MED": lambda a: int(statistics.median(a))}[op](args)
+            stack[-1][1].append(value)
+        else:
+            stack[-1][1].append(int(token))
+    assert len(stack) == 1 and len(stack[0][1]) == 1
+    return stack[0][1][0], deepest
+
+
+def generate_with_the_cli(out, *args):
+    from typer.testing import CliRunner
+
+    from s4accel.cli import app
+
+    result = CliRunner().invoke(app, ["listops", str(out), *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def read_tsv(path) -> list[tuple[str, int]]:
+    lines = path.read_bytes().decode().split("\r\n")
+    assert lines[0] == "Source\tTarget" and lines[-1] == ""
+    return [(source, int(target)) for source, target in (line.split("\t") for line in lines[1:-1])]
+
+
+def test_generated_listops_evaluates_to_its_labels_within_bounds_by_seed_and_reads_back(tmp_path, hf_cache):
+    bounds = ["--train", 60, "--val", 10, "--test", 10, "--min-length", 20, "--max-length", 80, "--max-depth", 4]
+    out = generate_with_the_cli(tmp_path / "a", *bounds, "--seed", 7)
+    assert "wrote 60 / 10 / 10 expressions" in out
+    files = {split: read_tsv(tmp_path / "a" / f"basic_{split}.tsv") for split in ("train", "val", "test")}
+    assert [len(rows) for rows in files.values()] == [60, 10, 10]
+    rows = [row for split in files.values() for row in split]
+    assert len({source for source, _ in rows}) == 80  # distinct expressions, across the splits too
+    for source, target in rows:
+        tokens = source.split()
+        length = sum(t not in "()" for t in tokens)
+        value, deepest = stack_value(tokens)
+        assert value == target, source
+        assert 20 <= length <= 80 and 1 <= deepest <= 3  # depth 4: operators nest at most 3 deep
+        assert tokens.count("(") == tokens.count(")") == length - 1  # one pair per argument and per closing bracket
+    assert {t for s, _ in rows for t in s.split() if t.startswith("[")} == {"[MAX", "[MIN", "[MED", "[SM"}
+    assert len({target for _, target in rows}) >= 5
+    generate_with_the_cli(tmp_path / "b", *bounds, "--seed", 7)
+    generate_with_the_cli(tmp_path / "c", *bounds, "--seed", 8)
+    for name in ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+        assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "c" / name).read_bytes()
+    data = lra_data("listops", tmp_path / "a", "data.split=test", "data.val_split=val")
+    assert [len(ids) for ids in data.train["input_ids"]] == [sum(t not in "()" for t in s.split())
+                                                             for s, _ in files["test"]]
+    assert list(data.val["labels"]) == [target for _, target in files["val"]]
+
+
+def test_bounds_the_generator_cannot_meet_are_one_line_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from s4accel.cli import app
+
+    for args, message in ((["--min-length", 90, "--max-length", 80], "need 1 <= min <= max"),
+                          (["--min-length", 100, "--max-depth", 2], "has 12 symbols")):
+        result = CliRunner().invoke(app, ["listops", str(tmp_path), *map(str, args)])
+        assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1
+
+
+def test_a_classifier_trains_on_generated_listops_and_exports_its_tokenizer(tmp_path, hf_cache):
+    from transformers import AutoTokenizer
+
+    from helpers import train_in_process
+
+    generate_with_the_cli(tmp_path / "data", "--train", 64, "--val", 16, "--test", 16, "--min-length", 10,
+                          "--max-length", 40, "--max-depth", 4)
+    result = train_in_process(LRA / "listops.yaml", [
+        f"data.path={tmp_path / 'data'}", f"run.out_dir={tmp_path / 'run'}", "data.seq_len=40", "data.batch_size=16",
+        "model.overrides={kernel: s4d, l_max: 40, d_model: 16, n_layer: 1, d_state: 8, bidirectional: true, "
+        "norm: batch}", "train.max_steps=4", "train.eval_every=4", "checkpoint.every_steps=0", "log.log_every=2",
+        "log.progress_bar=false"])
+    assert set(result.eval_metrics) == {"loss", "accuracy"}
+    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
+    assert tok("( ( [MAX 2 ) 9 ) ] )", add_special_tokens=False).input_ids == [13, 5, 12, 17]
