@@ -142,6 +142,22 @@ def test_broken_release_files_are_one_line_errors(tmp_path, hf_cache):
         lra_data("pathfinder", pf)
 
 
+
+def test_an_lra_recipe_reloads_as_written_scores_its_own_splits_and_names_its_data(tmp_path):
+    import yaml
+
+    from s4accel.config import validate_recipe
+    from s4accel.errors import ModelError
+    from s4accel.tools.inference import _scoring
+    from s4accel.tools.model_card import dataset_of
+
+    recipe = load_recipe(LRA / "retrieval.yaml")
+    assert (recipe.data.label_field, recipe.data.val_split) == ("label", "val")  # filled in, and written back
+    assert validate_recipe(yaml.safe_load(recipe.to_yaml())) == recipe
+    with pytest.raises(ModelError, match="--set data.val_split=test"):  # --data cannot stand in for its splits
+        _scoring(recipe, tmp_path / "new_aan_pairs.test.tsv")
+    assert dataset_of(recipe.to_dict())[1] == "lra-retrieval"
+
 # --------------------------------------------------------------------------------------------------------------------
 # The ListOps generator
 
