@@ -245,6 +245,33 @@ def find_batch_size_cmd(
 
 
 @app.command()
+def listops(
+    out_dir: Annotated[Path, typer.Argument(help="Folder for basic_train.tsv, basic_val.tsv, basic_test.tsv.",
+                                            show_default=False)],
+    train: Annotated[int, typer.Option("--train", min=1, help="Training expressions.")] = 96_000,
+    val: Annotated[int, typer.Option("--val", min=1, help="Validation expressions.")] = 2_000,
+    test: Annotated[int, typer.Option("--test", min=1, help="Test expressions.")] = 2_000,
+    min_length: Annotated[int, typer.Option("--min-length", min=1, help="Fewest symbols (brackets aside).")] = 500,
+    max_length: Annotated[int, typer.Option("--max-length", min=1, help="Most symbols (brackets aside).")] = 2_000,
+    max_depth: Annotated[int, typer.Option("--max-depth", min=1, help="Tree depth: operators nest at most one "
+                                           "less deep.")] = 10,
+    max_args: Annotated[int, typer.Option("--max-args", min=2, help="Most arguments of an operator.")] = 10,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+):
+    """Generate ListOps as the Long Range Arena paper did, in its release's format (read by data.source:
+    lra_listops). The defaults are the paper's."""
+    from .tools.listops import write_listops
+
+    try:
+        lengths = write_listops(out_dir, train, val, test, min_length, max_length, max_depth, max_args, seed)
+    except S4AccelError as e:
+        raise _fail(e) from None
+    every = [n for split in lengths.values() for n in split]
+    typer.echo(f"wrote {train:,} / {val:,} / {test:,} expressions to {out_dir} (symbols per expression: "
+               f"{min(every)} to {max(every)}, mean {sum(every) / len(every):.0f})")
+
+
+@app.command()
 def models():
     """List the named model sizes a recipe's model.name can take."""
     from .config.sizes import MODEL_SIZES

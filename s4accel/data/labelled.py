@@ -56,13 +56,16 @@ def label_names(train, val) -> tuple[list[str], dict]:
 def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> LabelledTextData:
     """Documents with labels -> tokenizer -> each document's first `seq_len` token ids -> (train, val)."""
     src = cfg.sources()[0]
-    docs = load_source(src, label_field=cfg.label_field, cache_dir=cfg.cache_dir)
+    # lra_retrieval: each document of a pair gets half the sequence, less the separator between them
+    doc_len = (cfg.seq_len - 1) // 2 if cfg.source == "lra_retrieval" else None
+    docs = load_source(src, label_field=cfg.label_field, cache_dir=cfg.cache_dir, doc_len=doc_len)
     if cfg.val_files:
         val = load_source(src, files=cfg.val_files, key="data.val_files", label_field=cfg.label_field,
                           cache_dir=cfg.cache_dir)
         train = docs
     elif cfg.val_split:
-        val = load_source(src, split=cfg.val_split, label_field=cfg.label_field, cache_dir=cfg.cache_dir)
+        val = load_source(src, split=cfg.val_split, label_field=cfg.label_field, cache_dir=cfg.cache_dir,
+                          doc_len=doc_len)
         train = docs
     else:
         n_val = max(1, round(len(docs) * cfg.val_fraction))

@@ -1,7 +1,7 @@
 """Every source of documents behind one function, all through `datasets`: the built-in plays, your files (by
-extension, directories and globs), and anything `datasets.load_dataset` or `load_from_disk` reads. The result has a
-`text` column (and `label` for labelled documents); each problem is one `DataError` naming the key and saying what
-was found."""
+extension, directories and globs), anything `datasets.load_dataset` or `load_from_disk` reads, and the Long Range
+Arena release's ListOps and Retrieval files (lra_text.py). The result has a `text` column (and `label` for labelled
+documents); each problem is one `DataError` naming the key and saying what was found."""
 
 from __future__ import annotations
 
@@ -217,12 +217,19 @@ def load_dataset_source(src: SourceCfg, split: str, cache_dir=None, streaming: b
 
 
 def load_documents(src: SourceCfg, split: str | None = None, label_field: str | None = None, cache_dir=None,
-                   streaming: bool = False, files: list[str] | None = None, key: str = "data.files"):
+                   streaming: bool = False, files: list[str] | None = None, key: str = "data.files",
+                   doc_len: int | None = None):
     """The documents of a source as a dataset with a `text` column (and `label` with `label_field`), empty documents
-    dropped. `split`: another split of a `source: dataset` (validation); `files`: other files of the same kind."""
+    dropped. `split`: another split of a `source: dataset` or an LRA source (validation); `files`: other files of the
+    same kind; `doc_len`: `lra_retrieval`'s bytes kept of each of a pair's documents."""
     columns = (src.text_field, *([label_field] if label_field else []))
     if files is not None or src.source == "files":
         ds = load_files(files if files is not None else src.files, key, cache_dir, streaming, columns)
+    elif src.source in ("lra_listops", "lra_retrieval"):
+        from .lra_text import lra_documents
+
+        ds = lra_documents(src.source, src.path, split or src.split, cache_dir, doc_len)
+        ds = ds.to_iterable_dataset() if streaming else ds
     elif src.source == "shakespeare":
         ds = shakespeare(src.name)
         ds = ds.to_iterable_dataset() if streaming else ds

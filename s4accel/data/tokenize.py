@@ -29,14 +29,19 @@ BYTE_OFFSET = 3  # ByT5: ids 0-2 special (pad, eos, unk), byte b -> b + 3
 
 
 def build_tokenizer(cfg: DataCfg, docs, save_dir: Path | None = None):
-    """`byte`: `ByT5Tokenizer(extra_ids=0)`; `bpe`: a byte-level BPE trained on the documents before the validation
-    tail (`docs`: a dataset with a `text` column), loaded from `save_dir` if already trained there (resume, other
-    processes); anything else: `AutoTokenizer.from_pretrained` (a folder or a Hub id; no remote code). A tokenizer
-    without an end-of-document token is refused; one without a pad token pads with its end-of-document token."""
+    """`byte`: `ByT5Tokenizer(extra_ids=0)`; `listops`: the ListOps symbols, a word-level tokenizer (lra_text.py);
+    `bpe`: a byte-level BPE trained on the documents before the validation tail (`docs`: a dataset with a `text`
+    column), loaded from `save_dir` if already trained there (resume, other processes); anything else:
+    `AutoTokenizer.from_pretrained` (a folder or a Hub id; no remote code). A tokenizer without an end-of-document
+    token is refused; one without a pad token pads with its end-of-document token."""
     if cfg.tokenizer == "byte":
         from transformers import ByT5Tokenizer
 
         return ByT5Tokenizer(extra_ids=0)
+    if cfg.tokenizer == "listops":
+        from .lra_text import listops_tokenizer
+
+        return listops_tokenizer()
     from transformers import AutoTokenizer
 
     if cfg.tokenizer == "bpe":

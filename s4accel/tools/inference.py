@@ -98,6 +98,9 @@ def _scoring(recipe: Recipe, data) -> Recipe:
     updates = {"train": recipe.train.model_copy(update={"eval_max_batches": None})}
     if data is not None:
         d = recipe.data
+        if d.source.startswith("lra_"):
+            raise ModelError(f"--data: data.source {d.source!r} reads the LRA release's own splits; score its test "
+                             f"split with --set data.val_split=test")
         if d.is_text:
             new = d.model_copy(update={"val_files": [str(data)], "val_split": None})
         elif d.source == "arrays":

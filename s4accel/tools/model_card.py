@@ -12,6 +12,10 @@ DATASETS = {  # data.source -> (dataset name for the card, dataset type)
     "files": ("user text files", "text"),
     "digits": ("scikit-learn digits, 64-step pixel sequences", "sklearn-digits"),
     "arrays": ("user arrays", "arrays"),
+    "lra_listops": ("Long Range Arena ListOps", "lra-listops"),
+    "lra_retrieval": ("Long Range Arena Retrieval (AAN pairs, joined into one sequence)", "lra-retrieval"),
+    "lra_image": ("Long Range Arena Image (grayscale pixel sequences)", "lra-image"),
+    "lra_pathfinder": ("Long Range Arena Pathfinder / Path-X", "lra-pathfinder"),
 }
 METRIC_NAMES = {"loss": "Validation loss", "ppl": "Validation perplexity", "bits_per_byte": "Bits per byte",
                 "bits_per_char": "Bits per character", "accuracy": "Accuracy", "mse": "MSE", "mae": "MAE"}
