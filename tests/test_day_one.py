@@ -227,6 +227,7 @@ def test_everything_the_run_prints_is_in_train_log_too(tmp_path):
     assert "CausalLMTask" in log and "step 2: loss" in log and "step 4: loss" in log and "--- sample" in log
     assert "fp16 mixed precision has no effect on CPU" in log
     assert "\r" not in log and "it/s" not in log  # no progress-bar redraws
+    assert "\x1b" not in log and "\n\n\n" not in log  # nor the evaluation bar's cursor moves and line feeds
     assert log.splitlines()[-1].startswith("done: 4 steps")  # the command's summary line too
     first = log
     resumed = run_cli("train", run, "--resume", "--set", "train.max_steps=6", "--force")

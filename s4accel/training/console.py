@@ -35,17 +35,20 @@ class RunLog:
     """`<run_dir>/train.log`: what the run prints, so a run on a cluster can be read afterwards. The main process
     logs everything it prints; the others log what they write to stderr (warnings, errors), prefixed with their
     rank. Lines printed before the run directory exists are kept and written first. Progress-bar redraws (carriage
-    returns) are left out. One per process (`RUN_LOG`): `begin` at each run's start, `open` once the run directory
+    returns, cursor movements) are left out, and so is the line feed a bar below another writes to reach its
+    row. One per process (`RUN_LOG`): `begin` at each run's start, `open` once the run directory
     is in place, `end` when it finishes."""
 
     def __init__(self):
         self.file, self.path = None, None
         self.pending: list[str] = []
         self.active, self.is_main, self.rank = False, True, 0
+        self.held_newline, self.at_line_start = False, True
 
     def begin(self, is_main: bool, rank: int) -> None:
         self.end()
         self.active, self.is_main, self.rank, self.pending = True, is_main, rank, []
+        self.at_line_start = True
         for name in ("stdout", "stderr"):
             stream = getattr(sys, name)
             if not (isinstance(stream, _Tee) and stream.log is self):
@@ -69,14 +72,26 @@ class RunLog:
 
     def end(self) -> None:
         if self.file is not None:
+            if self.held_newline:
+                self.file.write("\n")
             self.file.close()
+        self.held_newline = False
         self.file, self.path, self.active, self.pending = None, None, False, []
 
     def add(self, text: str, stream: str) -> None:
-        if not self.active or "\r" in text or not text or (not self.is_main and stream == "stdout"):
+        if not self.active or not text or (not self.is_main and stream == "stdout"):
             return
+        if text == "\n" and self.at_line_start:  # an empty line, or tqdm moving down to a nested bar's row: the
+            self.held_newline = True  # next write says which
+            return
+        if "\r" in text or "\x1b[" in text:  # a bar drawn or the cursor moved back up: not a line of the run
+            self.held_newline = False
+            return
+        self.at_line_start = text.endswith("\n")
         if not self.is_main:
             text = "".join(f"[rank {self.rank}] {line}" for line in text.splitlines(keepends=True))
+        if self.held_newline:
+            text, self.held_newline = "\n" + text, False
         if self.path is None:
             self.pending.append(text)
         else:
