@@ -28,11 +28,10 @@ def set_epoch_length(recipe, train_dl, num_processes: int, sharded: bool) -> Non
     `even_batches`); an unsharded loader is this process's own already."""
     if recipe.train.max_epochs is None:
         return
-    try:
-        batches = len(train_dl)
-    except TypeError:
+    batches = _length(train_dl)
+    if batches is None:
         raise RecipeError("train.max_epochs: this task's training data has no length (a stream has no epochs); set "
-                          "train.max_steps instead") from None
+                          "train.max_steps instead")
     if sharded and num_processes > 1:
         drop_last = getattr(getattr(train_dl, "batch_sampler", None), "drop_last", False)
         batches = batches // num_processes + (0 if drop_last or batches % num_processes == 0 else 1)
