@@ -211,7 +211,7 @@ def test_input_statistics_travel_with_the_model(tmp_path):
 
     model = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
     mean, std = x.mean(axis=(0, 1)), x.std(axis=(0, 1))
-    assert model.config.input_mean == pytest.approx(mean.tolist()) and model.config.input_std == pytest.approx(
+    assert model.config.input_mean == pytest.approx(mean.tolist()) and model.config.input_scale == pytest.approx(
         std.tolist(), rel=1e-5)
     encoder = model.backbone.encoder
     seen = {}

@@ -23,7 +23,7 @@ from .data_sections import DataCfg
 from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
 from .sizes import MODEL_SIZES, config_fields
 
-TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input", "input_mean", "input_std")
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input", "input_mean", "input_scale")
 
 
 class RunCfg(_Section):

@@ -58,7 +58,7 @@ def data_spec(cfg: DataCfg, data=None) -> dict:
     if not cfg.is_text:
         spec["d_input"] = data.d_input
         if data.input_mean is not None:  # the model standardises raw inputs itself (see arrays.py)
-            spec.update(input_mean=data.input_mean, input_std=data.input_std)
+            spec.update(input_mean=data.input_mean, input_scale=data.input_std)
     spec.update(num_labels=data.num_labels,
                 problem_type="regression" if data.num_labels == 1 else "single_label_classification")
     if data.class_names:

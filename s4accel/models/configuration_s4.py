@@ -31,9 +31,12 @@ class S4Config(PreTrainedConfig):
         d_input (`int`, *optional*): Features per time step of real-valued inputs (`input_values (B, L, d_input)`,
             e.g. a multivariate time series), encoded by a linear layer instead of a token embedding.
         input_mean (`list[float]`, *optional*): With `d_input`: each feature's mean over the training data. With
-            `input_std`, the model standardises raw `input_values` itself, `(x - input_mean) / input_std`, so the
+            `input_scale`, the model standardises raw `input_values` itself, `(x - input_mean) / input_scale`, so the
             training-time transform travels with the saved model (to `from_pretrained` users too).
-        input_std (`list[float]`, *optional*): Each feature's standard deviation (see `input_mean`).
+        input_scale (`list[float]`, *optional*): Each feature's standard deviation over the training data (see
+            `input_mean`). Formerly `input_std`, a name transformers' test tooling reads as a scalar initialisation
+            scale (it sets every `*_std` and `*_range` attribute to a small float); a config saved with `input_std`
+            still loads.
         d_model (`int`): Width `H` of the residual stream; each channel has its own SSM.
         n_layer (`int`): Number of S4 blocks.
         d_state (`int`): State size `N` of each SSM, stored as `N/2` complex modes plus their implied conjugates, so
@@ -89,7 +92,7 @@ class S4Config(PreTrainedConfig):
     vocab_size: int = 259
     d_input: int | None = None
     input_mean: list[float] | None = None
-    input_std: list[float] | None = None
+    input_scale: list[float] | None = None
     d_model: int = 256
     n_layer: int = 4
     d_state: int = 64
@@ -125,6 +128,10 @@ class S4Config(PreTrainedConfig):
     use_cache: bool = True
 
     def __post_init__(self, **kwargs):
+        if "input_std" in kwargs:  # a config saved before the rename
+            if self.input_scale is not None:
+                raise ValueError("input_std is the old name of input_scale: give only input_scale")
+            self.input_scale = kwargs.pop("input_std")
         refuse_misspelt_keywords(self, kwargs)
         super().__post_init__(**kwargs)
 
@@ -140,15 +147,15 @@ class S4Config(PreTrainedConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_input is not None and self.d_input < 1:
             raise ValueError(f"d_input must be >= 1 (or None for token ids), got {self.d_input}")
-        for name in ("input_mean", "input_std"):
+        for name in ("input_mean", "input_scale"):
             stats = getattr(self, name)
             if stats is not None and (self.d_input is None or len(stats) != self.d_input):
                 raise ValueError(f"{name} needs d_input set and one value per feature (d_input={self.d_input}), "
                                  f"got {len(stats)}")
-        if (self.input_mean is None) != (self.input_std is None):
-            raise ValueError("input_mean and input_std go together")
-        if self.input_std is not None and min(self.input_std) <= 0:
-            raise ValueError("input_std must be positive")
+        if (self.input_mean is None) != (self.input_scale is None):
+            raise ValueError("input_mean and input_scale go together")
+        if self.input_scale is not None and min(self.input_scale) <= 0:
+            raise ValueError("input_scale must be positive")
         if self.d_state < 2 or self.d_state % 2:
             raise ValueError(f"d_state must be an even number >= 2 (N/2 complex modes), got {self.d_state}")
         if self.n_ssm is not None and (self.n_ssm < 1 or self.d_model % self.n_ssm):

@@ -14,7 +14,7 @@ z-loss, averaged over MoE layers); `router_logits` holds each MoE layer's `(B L,
 `expert_counts (n_moe, E)` / `dropped_counts (n_moe,)` the routing statistics a trainer logs.
 
 This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch, transformers and
-its siblings `configuration_moe.py` and `moe.py`.
+its siblings `cache_names.py`, `configuration_moe.py` and `moe.py`.
 """
 
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils import can_return_tuple
 
+from .cache_names import cache_field, one_cache
 from .configuration_moe import MoEConfig
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
@@ -103,10 +104,11 @@ class MoEBlock(GradientCheckpointingLayer):
         return x + self.dropout(h), aux, weights
 
 
+@cache_field("past_key_values")  # the field's name before transformers 5.24
 @dataclass
 class MoEModelOutput(ModelOutput):
     last_hidden_state: torch.FloatTensor | None = None
-    past_key_values: DynamicCache | None = None
+    cache: DynamicCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
@@ -117,6 +119,7 @@ class MoEModelOutput(ModelOutput):
     dropped_counts: torch.LongTensor | None = None
 
 
+@cache_field("past_key_values")
 @dataclass
 class MoECausalLMOutput(ModelOutput):
     """`loss` = language-model loss + `aux_loss` (the weighted router losses, included so that `loss.backward()`
@@ -127,7 +130,7 @@ class MoECausalLMOutput(ModelOutput):
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
-    past_key_values: DynamicCache | None = None
+    cache: DynamicCache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
@@ -183,16 +186,19 @@ class MoEModel(MoEPreTrainedModel):
         self.embeddings = new_embeddings
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, output_hidden_states=None, output_attentions=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, output_hidden_states=None, output_attentions=None, past_key_values=None,
                 **kwargs) -> MoEModelOutput:
         r"""
-        use_cache (`bool`, *optional*): Return the key/value cache (`past_key_values`, updated in place when one was
-            given). Default: `config.use_cache` when continuing from `past_key_values`, else False (no cache is
-            built for a plain forward, e.g. in training or evaluation).
+        cache (`DynamicCache`, *optional*): The keys and values of the positions before these ones.
+        use_cache (`bool`, *optional*): Return the key/value cache (`cache`, updated in place when one was given).
+            Default: `config.use_cache` when continuing from `cache`, else False (no cache is built for a plain
+            forward, e.g. in training or evaluation).
         output_hidden_states, output_attentions (`bool`, *optional*): Default: the config's. Attention weights come
             from attention written out (`eager_attention`), the same maths as the SDPA kernel used otherwise.
+        past_key_values (`DynamicCache`, *optional*): The name of `cache` before transformers 5.24, still accepted.
         """
+        cache = one_cache(cache, past_key_values=past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds")
         if output_hidden_states is None:
@@ -200,13 +206,13 @@ class MoEModel(MoEPreTrainedModel):
         if output_attentions is None:
             output_attentions = self.config.output_attentions
         if use_cache is None:
-            use_cache = self.config.use_cache and past_key_values is not None
+            use_cache = self.config.use_cache and cache is not None
         eager = bool(output_attentions) or self.config._attn_implementation == "eager"
         x = self.embeddings(input_ids) if input_ids is not None else inputs_embeds  # (B, L, D)
         B, L, _ = x.shape
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
         S = past + L
         if attention_mask is not None and attention_mask.shape[1] != S:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, expected {S}")
@@ -222,7 +228,7 @@ class MoEModel(MoEPreTrainedModel):
         for block in self.layers:
             if hidden is not None:
                 hidden.append(x)
-            x, aux, weights = block(x, position_ids, mask4, past_key_values, token_mask, eager)
+            x, aux, weights = block(x, position_ids, mask4, cache, token_mask, eager)
             if aux is not None:
                 auxes.append(aux)
             if attentions is not None:
@@ -230,7 +236,7 @@ class MoEModel(MoEPreTrainedModel):
         x = self.norm_f(x)
         if hidden is not None:
             hidden.append(x)
-        return MoEModelOutput(last_hidden_state=x, past_key_values=past_key_values if use_cache else None,
+        return MoEModelOutput(last_hidden_state=x, cache=cache if use_cache else None,
                               hidden_states=tuple(hidden) if hidden else None,
                               attentions=tuple(attentions) if attentions else None, **moe_losses(auxes, self.config))
 
@@ -259,10 +265,12 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         self.lm_head = new_embeddings
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None, output_attentions=None,
-                logits_to_keep: int = 0, num_items_in_batch=None, **kwargs) -> MoECausalLMOutput:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, output_hidden_states=None, output_attentions=None, logits_to_keep: int = 0,
+                num_items_in_batch=None, past_key_values=None, **kwargs) -> MoECausalLMOutput:
         r"""
+        cache (`DynamicCache`, *optional*): The keys and values of the positions before these ones (see `MoEModel`);
+            `past_key_values`, its name before transformers 5.24, is still accepted.
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Targets, usually
             `input_ids`; shifted inside (position t predicts t+1); -100 is ignored.
         num_items_in_batch (`int` or `torch.Tensor`, *optional*): The language-model loss is `sum of token losses /
@@ -272,9 +280,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
             shifted, as context-parallel training gives them) or `ignore_index`.
         """
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                         return_dict=True)
+                         cache=one_cache(cache, past_key_values=past_key_values), inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, output_hidden_states=output_hidden_states,
+                         output_attentions=output_attentions, return_dict=True)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -285,7 +293,7 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
                                       num_items_in_batch=num_items_in_batch, **kwargs)
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
-        return MoECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+        return MoECausalLMOutput(loss=loss, logits=logits, cache=out.cache,
                                  hidden_states=out.hidden_states, attentions=out.attentions,
                                  **{k: getattr(out, k) for k in MOE_OUTPUTS})
 

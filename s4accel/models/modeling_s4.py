@@ -39,6 +39,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
 from transformers.utils import can_return_tuple
 
+from .cache_names import cache_field, one_cache
 from .configuration_s4 import S4Config
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
@@ -519,7 +520,7 @@ class S4Block(GradientCheckpointingLayer):
 
 
 class S4Cache:
-    """The recurrent state of every layer, carried between `generate()` steps (as `cache_params`) or between the
+    """The recurrent state of every layer, carried between `generate()` steps (as `cache`) or between the
     chunks of a long sequence (stateful training). `states[i]`: layer i's SSM state after the last position read;
     `seqlen_offset`: how many positions (padding included) the states have read, so that `generate()` continuing from
     this cache with the whole sequence feeds only the positions after them, and a forward given an `attention_mask`
@@ -532,6 +533,13 @@ class S4Cache:
         self.states = states
         self.seqlen_offset = seqlen_offset
         self.step_params: list[dict] | None = None  # discrete (dA, dB, C) of each layer, computed once per decode
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer: a recurrent state, not keys and values (all of them). `generate()` (transformers >= 5.24) asks
+        before trimming the positions a cache has read from a continued prompt; `prepare_inputs_for_generation`
+        trims them here."""
+        return [True] * len(self.states or ())
 
     @property
     def has_previous_state(self) -> bool:
@@ -550,13 +558,14 @@ class S4Cache:
             self.states = [s.index_select(0, beam_idx.to(s.device)) for s in self.states]
 
 
+@cache_field("cache_params")  # the field's name before transformers 5.24
 @dataclass
 class S4ModelOutput(ModelOutput):
     """With `ffn="moe"`: `aux_loss` (weighted router losses), `router_logits` per MoE layer, `expert_counts
     (n_layer, E)` and `dropped_counts (n_layer,)` (see `MoECausalLMOutput`)."""
 
     last_hidden_state: torch.FloatTensor | None = None
-    cache_params: S4Cache | None = None
+    cache: S4Cache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
     balance_loss: torch.FloatTensor | None = None
@@ -566,13 +575,14 @@ class S4ModelOutput(ModelOutput):
     dropped_counts: torch.LongTensor | None = None
 
 
+@cache_field("cache_params")
 @dataclass
 class S4CausalLMOutput(ModelOutput):
     """`loss` includes `aux_loss` (the weighted router losses) when the model has MoE blocks."""
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
-    cache_params: S4Cache | None = None
+    cache: S4Cache | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
     balance_loss: torch.FloatTensor | None = None
@@ -635,7 +645,7 @@ class S4Model(S4PreTrainedModel):
             self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         else:
             self.encoder = nn.Linear(config.d_input, config.d_model)
-        self._input_stats = None  # (mean, std) on the inputs' device, made from the config when first needed
+        self._input_stats = None  # (mean, scale) on the inputs' device, made from the config when first needed
         self.layers = nn.ModuleList([S4Block(config) for _ in range(config.n_layer)])
         self.norm_f = _norm(config) if config.prenorm else nn.Identity()
         self.post_init()
@@ -648,7 +658,7 @@ class S4Model(S4PreTrainedModel):
         buffer would be saved with them, or, not persistent, left uninitialised by `from_pretrained`)."""
         if self._input_stats is None or self._input_stats[0].device != device:
             self._input_stats = tuple(torch.tensor(v, dtype=torch.float32, device=device)
-                                      for v in (self.config.input_mean, self.config.input_std))
+                                      for v in (self.config.input_mean, self.config.input_scale))
         return self._input_stats
 
     def set_input_embeddings(self, new_embeddings):
@@ -661,10 +671,11 @@ class S4Model(S4PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         input_values: torch.Tensor | None = None,
-        cache_params: S4Cache | None = None,
+        cache: S4Cache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        cache_params: S4Cache | None = None,
         **kwargs,
     ) -> S4ModelOutput:
         r"""
@@ -672,16 +683,18 @@ class S4Model(S4PreTrainedModel):
             Real-valued inputs, for a model with `d_input` set.
         attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): 0 marks padding, whose
             SSM input reads as zero (so left padding leaves the state as no padding does). Continuing from
-            `cache_params`, it may also cover the positions the cache has read (`seqlen_offset + sequence_length`
+            `cache`, it may also cover the positions the cache has read (`seqlen_offset + sequence_length`
             columns); only the new columns are used.
-        cache_params (`S4Cache`, *optional*): Every layer's state before the first position (None: zeros). A single
+        cache (`S4Cache`, *optional*): Every layer's state before the first position (None: zeros). A single
             position with a cache runs the recurrent step (O(1) per token); longer inputs run the convolution from
             that state. The positions given are the ones after those the cache has read.
-        use_cache (`bool`, *optional*): Return the states after the last position in `cache_params` (updated in
-            place when one was given). Default: `config.use_cache` when continuing from `cache_params`, else False
-            (the state after a convolution costs a second pass over the sequence).
+        use_cache (`bool`, *optional*): Return the states after the last position in `cache` (updated in place when
+            one was given). Default: `config.use_cache` when continuing from `cache`, else False (the state after a
+            convolution costs a second pass over the sequence).
         output_attentions (`bool`, *optional*): Refused: an S4 model has no attention weights.
+        cache_params (`S4Cache`, *optional*): The name of `cache` before transformers 5.24, still accepted.
         """
+        cache = one_cache(cache, cache_params=cache_params)
         if output_attentions or (output_attentions is None and self.config.output_attentions):
             raise ValueError("S4 models have no attention weights: output_attentions is not supported")
         if sum(t is not None for t in (input_ids, inputs_embeds, input_values)) != 1:
@@ -690,8 +703,8 @@ class S4Model(S4PreTrainedModel):
             if self.config.d_input is None:
                 raise ValueError("input_values needs a model with d_input set; this one reads input_ids")
             if self.config.input_mean is not None:  # (B, L, d_input) raw -> standardised per feature
-                mean, std = self._stats(input_values.device)
-                input_values = (input_values - mean) / std
+                mean, scale = self._stats(input_values.device)
+                input_values = (input_values - mean) / scale
             x = self.encoder(input_values)
         elif input_ids is not None:
             if self.config.d_input is not None:
@@ -703,12 +716,12 @@ class S4Model(S4PreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         if use_cache is None:
-            use_cache = self.config.use_cache and cache_params is not None
-        states = cache_params.states if cache_params is not None and cache_params.has_previous_state else None
+            use_cache = self.config.use_cache and cache is not None
+        states = cache.states if cache is not None and cache.has_previous_state else None
         if (use_cache or states is not None) and self.config.bidirectional:
             raise ValueError("a bidirectional S4 model reads whole sequences: it has no recurrent state")
         L = x.shape[1]
-        seen = cache_params.get_seq_length() if states is not None else 0
+        seen = cache.get_seq_length() if states is not None else 0
         if attention_mask is not None and attention_mask.shape[1] != L:
             if attention_mask.shape[1] != seen + L:
                 raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions: expected {L} (the new "
@@ -717,11 +730,11 @@ class S4Model(S4PreTrainedModel):
         all_hidden = [] if output_hidden_states else None
         new_states, auxes = [], []
         if states is not None and L == 1:  # decode one position recurrently
-            if cache_params.step_params is None:
-                cache_params.step_params = [block.layer.kernel.step_params() for block in self.layers]
+            if cache.step_params is None:
+                cache.step_params = [block.layer.kernel.step_params() for block in self.layers]
             h = x[:, 0]
             mask = attention_mask[:, 0] if attention_mask is not None else None
-            for block, state, params in zip(self.layers, states, cache_params.step_params):
+            for block, state, params in zip(self.layers, states, cache.step_params):
                 if all_hidden is not None:
                     all_hidden.append(h[:, None])
                 h, state, aux = block.step(h, state, params, mask)
@@ -739,11 +752,10 @@ class S4Model(S4PreTrainedModel):
         x = self.norm_f(x)
         if all_hidden is not None:
             all_hidden.append(x)
-        cache = None
         if use_cache:
-            cache = cache_params if cache_params is not None else S4Cache()
+            cache = cache if cache is not None else S4Cache()
             cache.states, cache.seqlen_offset = new_states, seen + L
-        return S4ModelOutput(last_hidden_state=x, cache_params=cache,
+        return S4ModelOutput(last_hidden_state=x, cache=cache if use_cache else None,
                              hidden_states=tuple(all_hidden) if all_hidden else None,
                              **moe_losses([a for a in auxes if a is not None], self.config))
 
@@ -784,14 +796,16 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         # An SSM has no key/value cache: generate() must not build a DynamicCache; forward() builds an S4Cache.
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache_params=None,
-                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
-        cached = cache_params is not None and cache_params.has_previous_state
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, cache_params=None, **kwargs):
+        # generate() hands the cache over as `cache` from transformers 5.24, as `cache_params` before.
+        cache = one_cache(cache, cache_params=cache_params)
+        cached = cache is not None and cache.has_previous_state
         if not cached:
             next_sequence_length = None  # no state yet (prefill, or use_cache=False): read the whole sequence
         elif next_sequence_length is None:
             # The prefill of a generate() continuing from a cache. transformers trims the positions a cache has read
-            # only for `past_key_values`, so do it here: feed the positions after the cache's `seqlen_offset`. Only
+            # only for key/value caches, so do it here: feed the positions after the cache's `seqlen_offset`. Only
             # when the inputs are the whole sequence (embeddings, or ids as long as the mask); ids shorter than the
             # mask are only the new tokens already.
             if inputs_embeds is not None and is_first_iteration:
@@ -800,16 +814,19 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
                 total = input_ids.shape[1]
             else:
                 total = None
-            seen = cache_params.get_seq_length()
+            seen = cache.get_seq_length()
             if total is not None:
                 if total <= seen:
                     raise ValueError(f"the cache has already read {seen} positions and the input has {total}: "
                                      "pass the whole sequence including at least one new token")
                 next_sequence_length = total - seen
+        # The cache is not handed to transformers' preparation (its keyword changed in 5.24 and it only reads key/value
+        # caches) but added to the model's inputs after it.
         inputs = super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
-                                                       cache_params=cache_params, attention_mask=attention_mask,
-                                                       inputs_embeds=inputs_embeds,
+                                                       attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                                                        is_first_iteration=is_first_iteration, **kwargs)
+        if cache is not None:
+            inputs["cache"] = cache
         if cached and not is_first_iteration:
             inputs["attention_mask"] = None  # decoding: generated tokens are never padding
         return inputs
@@ -820,24 +837,26 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params: S4Cache | None = None,
+        cache: S4Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: torch.Tensor | int | None = None,
+        cache_params: S4Cache | None = None,
         **kwargs,
     ) -> S4CausalLMOutput:
         r"""
-        cache_params (`S4Cache`, *optional*): Every layer's recurrent state before the first position (see `S4Model`).
-        use_cache (`bool`, *optional*): Return every layer's state after the last position in `cache_params`.
+        cache (`S4Cache`, *optional*): Every layer's recurrent state before the first position (see `S4Model`).
+        use_cache (`bool`, *optional*): Return every layer's state after the last position in `cache`.
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Targets, usually `input_ids`; shifted inside (position t predicts t+1); -100 is ignored.
         logits_to_keep (`int`): compute logits only for the last `logits_to_keep` positions (0 = all).
         num_items_in_batch (`int` or `torch.Tensor`, *optional*):
             When given, the loss is `sum of token losses / num_items_in_batch` rather than a mean over this batch, so
             a trainer can normalise by the real token count of a whole accumulation window across processes.
+        cache_params (`S4Cache`, *optional*): The name of `cache` before transformers 5.24, still accepted.
         kwargs: Passed on to `self.loss_function`, e.g. `shift_labels` (targets already shifted, as context-parallel
             training gives them) or `ignore_index`.
         """
@@ -845,7 +864,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            cache_params=cache_params,
+            cache=one_cache(cache, cache_params=cache_params),
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
@@ -861,7 +880,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
                                       num_items_in_batch=num_items_in_batch, **kwargs)
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
-        return S4CausalLMOutput(loss=loss, logits=logits, cache_params=out.cache_params,
+        return S4CausalLMOutput(loss=loss, logits=logits, cache=out.cache,
                                 hidden_states=out.hidden_states, **_moe_fields(out))
 
 

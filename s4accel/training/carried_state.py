@@ -42,13 +42,13 @@ class CarriedState:
             cache = None
             with torch.no_grad():  # rebuild the context's state with the current weights
                 for ids in self.context:
-                    cache = model(input_ids=ids, cache_params=cache, use_cache=True).cache_params
+                    cache = model(input_ids=ids, cache=cache, use_cache=True).cache
             self.context.append(batch["input_ids"])
         else:
             cache = self.cache
-        out = model(**batch, cache_params=cache, use_cache=True, **kwargs)
+        out = model(**batch, cache=cache, use_cache=True, **kwargs)
         if self.mode != "bptt":
-            self.cache = out.cache_params.detach()  # gradients stop at the chunk boundary
+            self.cache = out.cache.detach()  # gradients stop at the chunk boundary
             self.chunks += 1
         return out
 

@@ -46,7 +46,7 @@ def pretrained_config(model_cfg, spec: dict, model_dir: Path):
             raise RecipeError(f"model.pretrained: {cfg.pretrained} was trained with {key}={getattr(config, key, None)}"
                               f" but this data gives {spec[key]} (another tokenizer or other features?)")
     for key, value in {**cfg.overrides, **{k: v for k, v in spec.items() if k in CLASSIFIER_FIELDS or
-                                           k in ("input_mean", "input_std")}}.items():
+                                           k in ("input_mean", "input_scale")}}.items():
         setattr(config, key, value)
     config.architectures = None  # the new model's class decides
     return config

@@ -4,6 +4,7 @@ applies to. Outputs as tuples or dataclasses, hidden states and attention weight
 caches (cached vs uncached generation, continuing `generate()` from a returned cache, a cached multi-token forward),
 stateful generation, `inputs_embeds`, save/`from_pretrained`, batching, left padding and config keyword typos."""
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -13,13 +14,15 @@ from torch.nn import functional as F
 
 from s4accel import (MoEConfig, MoEForCausalLM, MoEModel, S4Config, S4ForCausalLM, S4ForSequenceClassification,
                      S4Model)
+from s4accel.models.cache_names import CACHE_RENAMED
 
 VOCAB = 40
 
 
 @dataclass
 class ModelTester:
-    """One model variant: its config fields and classes. `cache_name`: the keyword its causal LM reads a cache from."""
+    """One model variant: its config fields and classes. `old_cache_name`: the cache's name before transformers 5.24
+    (the models take `cache` on every version)."""
 
     name: str
     config_class: type
@@ -27,7 +30,7 @@ class ModelTester:
     lm_class: type
     base_class: type
     classifier_class: type | None
-    cache_name: str
+    old_cache_name: str
     stateful: bool
     batch: int = 2
     length: int = 9
@@ -44,6 +47,11 @@ class ModelTester:
             overrides = {"num_labels": 3, **overrides}
         torch.manual_seed(seed)
         return cls(self.config(**overrides)).eval()
+
+    @property
+    def generate_cache_name(self):
+        """The keyword the installed `generate()` takes a cache under (and the field its output returns it in)."""
+        return "cache" if CACHE_RENAMED else self.old_cache_name
 
     def classes(self):
         return [c for c in (self.lm_class, self.base_class, self.classifier_class) if c is not None]
@@ -246,9 +254,31 @@ def test_use_cache_is_a_config_field_and_is_honoured(tester):
     # A forward continuing from a cache returns the updated cache unless the config says no.
     with torch.no_grad():
         for model, returned in ((cached, True), (uncached, False)):
-            cache = getattr(model(prompt[:, :5], use_cache=True), tester.cache_name)
-            out = model(prompt[:, 5:], **{tester.cache_name: cache})
-            assert (getattr(out, tester.cache_name) is cache) is returned
+            cache = model(prompt[:, :5], use_cache=True).cache
+            out = model(prompt[:, 5:], cache=cache)
+            assert (out.cache is cache) is returned
+
+
+def test_the_cache_goes_in_as_cache_or_its_old_name_and_comes_back_where_generate_reads_it(tester):
+    """transformers 5.24 renamed `past_key_values` / `cache_params` to `cache`: the forward takes either name (old
+    callers, and `generate()` before 5.24, pass the old one), the output returns it in the field the installed
+    `generate()` carries from step to step, and `output.cache` reads it on every version."""
+    from transformers.generation import utils as generation_utils
+
+    model = tester.model()
+    prompt = tester.ids()
+    with torch.no_grad():
+        first = model(prompt[:, :5], use_cache=True)
+        field = "cache" if CACHE_RENAMED else tester.old_cache_name
+        assert field in first and field in generation_utils.ALL_CACHE_NAMES  # what generate() carries
+        full = model(prompt).logits[:, 5:]
+        for name in ("cache", tester.old_cache_name):
+            cache = model(prompt[:, :5], use_cache=True).cache
+            out = model(prompt[:, 5:], **{name: cache})
+            torch.testing.assert_close(out.logits, full, rtol=0, atol=1e-5)
+            assert out.cache is cache and out.cache.get_seq_length() == prompt.shape[1]
+        with pytest.raises(ValueError, match="cache was given twice"):
+            model(prompt[:, 5:], cache=first.cache, **{tester.old_cache_name: first.cache})
 
 
 def test_cached_and_uncached_greedy_generation_agree_on_a_left_padded_batch(tester):
@@ -268,8 +298,9 @@ def test_continuing_generate_from_the_returned_cache_equals_one_uninterrupted_ca
     first = model.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     mask = torch.cat([mask, torch.ones(ids.shape[0], 3, dtype=mask.dtype)], dim=1)
     lengths, hook = embedding_lengths(model)
+    returned = first.cache if CACHE_RENAMED else first.past_key_values
     second = model.generate(first.sequences, attention_mask=mask, max_new_tokens=1,
-                            **{tester.cache_name: first.past_key_values}, **kwargs)
+                            **{tester.generate_cache_name: returned}, **kwargs)
     hook.remove()
     assert lengths == [1]
     assert torch.equal(second.sequences, once.sequences)
@@ -282,19 +313,19 @@ def test_cached_multi_token_forward_with_the_full_attention_mask_equals_one_forw
     k = tester.pad + 2
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
-        cache = getattr(model(ids[:, :k], attention_mask=mask[:, :k], use_cache=True), tester.cache_name)
-        rest = model(ids[:, k:], attention_mask=mask, use_cache=True, **{tester.cache_name: cache})  # mask: past + new
+        cache = model(ids[:, :k], attention_mask=mask[:, :k], use_cache=True).cache
+        rest = model(ids[:, k:], attention_mask=mask, use_cache=True, cache=cache)  # mask: past + new
     torch.testing.assert_close(rest.logits, full[:, k:], rtol=0, atol=1e-5)
-    assert getattr(rest, tester.cache_name).get_seq_length() == ids.shape[1]
+    assert rest.cache.get_seq_length() == ids.shape[1]
 
 
 def test_s4_attention_mask_of_any_other_length_is_refused(s4_tester):
     model = s4_tester.model()
     ids = s4_tester.ids()
     with torch.no_grad():
-        cache = model(ids[:, :4], use_cache=True).cache_params
+        cache = model(ids[:, :4], use_cache=True).cache
         with pytest.raises(ValueError, match="attention_mask covers 7 positions: expected 5"):
-            model(ids[:, 4:], attention_mask=torch.ones(ids.shape[0], 7, dtype=torch.long), cache_params=cache)
+            model(ids[:, 4:], attention_mask=torch.ones(ids.shape[0], 7, dtype=torch.long), cache=cache)
 
 
 def test_s4_models_are_stateful_so_assisted_and_prompt_lookup_decoding_are_refused(s4_tester):
@@ -378,3 +409,41 @@ def test_transformers_own_config_keywords_and_unrelated_ones_are_accepted(config
     loaded = config_class.from_pretrained(tmp_path).to_dict()
     assert loaded.pop("_name_or_path") != "here"  # the path it was read from; everything else as saved
     assert loaded == {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+
+
+# transformers' shared model tests (`_config_zero_init`) set every config attribute whose name contains one of these
+# to a small float, to make initialisation visible: such a name must hold a scalar initialisation scale.
+INIT_SCALE_MARKS = ("_range", "_std", "initializer_factor", "layer_scale")
+
+
+@pytest.mark.parametrize("config", [
+    S4Config(d_input=2, input_mean=[0.5, -1.0], input_scale=[2.0, 0.25], num_labels=3, ffn="moe"),
+    MoEConfig(),
+], ids=["s4", "moe"])
+def test_config_names_transformers_reads_as_init_scales_hold_scalars_and_zeroing_them_still_builds(config):
+    named_like_scales = {k: v for k, v in config.to_dict().items() if any(m in k for m in INIT_SCALE_MARKS)}
+    assert named_like_scales and all(isinstance(v, float) for v in named_like_scales.values()), named_like_scales
+    zeroed = config.__class__(**{**config.to_dict(), **{k: 1e-10 for k in named_like_scales}})
+    if isinstance(config, S4Config):
+        model, inputs = S4ForSequenceClassification(zeroed), {"input_values": torch.ones(1, 4, 2)}
+    else:
+        model, inputs = MoEForCausalLM(zeroed), {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    assert torch.isfinite(model.eval()(**inputs).logits).all()
+
+
+def test_a_model_saved_with_the_old_input_std_name_loads_with_the_same_outputs(tmp_path):
+    torch.manual_seed(0)
+    model = S4ForSequenceClassification(S4Config(d_model=16, n_layer=1, d_state=8, d_input=2, num_labels=3,
+                                                 input_mean=[0.5, -1.0], input_scale=[2.0, 0.25])).eval()
+    model.save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["input_std"] = saved.pop("input_scale")  # as a model folder written before the rename has it
+    config_file.write_text(json.dumps(saved))
+    loaded = S4ForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert loaded.config.input_scale == [2.0, 0.25] and "input_std" not in loaded.config.to_dict()
+    x = torch.randn(2, 5, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_values=x).logits, model(input_values=x).logits)
+    with pytest.raises(ValueError, match="old name of input_scale"):
+        S4Config(d_input=1, input_mean=[0.0], input_scale=[1.0], input_std=[1.0])

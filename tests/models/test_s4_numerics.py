@@ -221,7 +221,7 @@ def test_model_chunks_with_carried_state_equal_the_whole_sequence(kernel):
         whole = model(ids).logits
         cache, chunks = None, []
         for part in ids.split(25, dim=1):
-            out = model(part, cache_params=cache, use_cache=True)
-            cache = out.cache_params
+            out = model(part, cache=cache, use_cache=True)
+            cache = out.cache
             chunks.append(out.logits)
     assert rel_err(torch.cat(chunks, dim=1), whole) <= 1e-10
