@@ -55,7 +55,12 @@ def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda
         on_epoch_start()
         if hasattr(train_dl, "set_epoch"):  # a prepared (sharded, device-placing) loader
             train_dl.set_epoch(state.epoch)
-            batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
+            batches = train_dl
+            if skip:
+                batches = accelerator.skip_first_batches(train_dl, skip)
+                # Accelerate before 1.15 builds the skipping loader with its epoch counter at 0, and a loader sets
+                # its sampler's epoch from that counter when iterated: the resumed epoch would be shuffled as epoch 0.
+                batches.set_epoch(state.epoch)
         elif getattr(train_dl.dataset, "resumable", False):  # a data stream (data.streaming): endless, it resumes at
             # the position restored from the checkpoint, so nothing is skipped
             batches = ({k: v.to(accelerator.device) for k, v in b.items()} for b in train_dl)
