@@ -2,6 +2,7 @@
 in again on every step."""
 
 import os
+import statistics
 import subprocess
 import sys
 
@@ -40,9 +41,12 @@ def probe(mode, **env):
 
 
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
-    _, plain = probe("plain")
-    applied, tuned = probe("tuned")
-    assert applied == "True"
+    # Medians of three: the kernel's own page handling varies the counts between runs (within a full suite, once
+    # 10k plain against 2.6k tuned), while the tuning's effect is several-fold.
+    plain = statistics.median(probe("plain")[1] for _ in range(3))
+    runs = [probe("tuned") for _ in range(3)]
+    tuned = statistics.median(faults for _, faults in runs)
+    assert all(applied == "True" for applied, _ in runs)
     assert plain > 10 * 1000  # thousands of pages faulted in again on every step (24k measured)
     assert tuned < plain / 5  # 1.5k measured
 
