@@ -34,3 +34,8 @@ worst = max(((p.grad - r.grad).norm() / r.grad.norm()).item()
             for p, r in zip(acc.unwrap_model(model).parameters(), reference.parameters()))
 if acc.is_main_process:
     print(json.dumps({"max_rel_diff": worst, "num_processes": acc.num_processes}))
+# Leave as the loop does: the wrapped model (its DDP reducer holds the process group) freed on every rank, then the
+# group destroyed together. Left to interpreter exit, gloo's threads sometimes died mid-teardown (SIGABRT).
+del model
+acc.wait_for_everyone()
+acc.end_training()
