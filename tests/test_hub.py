@@ -193,3 +193,29 @@ def test_push_uploads_only_regular_files_inside_the_run_and_says_which_links_it_
     assert "notes.txt" not in files and "generation_config.json" not in files
     for name in ("notes.txt", "generation_config.json", "events.out.tfevents.0.evil"):
         assert f"skipping {name}: a symbolic link" in proc.stderr, proc.stderr
+
+
+def test_no_file_push_reads_follows_a_link_out_of_the_run_best_metrics_recipe_or_metrics_log(run, hub, tmp_path):
+    """A cloud key is JSON: linked as best/step_*/metrics.json, it used to be parsed and uploaded as the metrics."""
+    import shutil
+
+    secret = tmp_path / "service-account.json"
+    secret.write_text(json.dumps({"loss": -1.0, "step": 0, "private_key": "KEY-MUST-NEVER-LEAVE"}))
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    best = next((copy / "best").glob("step_*"))
+    (best / "metrics.json").unlink()
+    (best / "metrics.json").symlink_to(secret)
+    proc = run_cli("push", copy, "--repo-id", "alice/best-link", "--best", env=hub_env(hub.url))
+    assert proc.returncode != 0 and "metrics.json is not a regular file inside the run directory" in proc.stderr
+    assert "alice/best-link" not in hub.state.repos or not any(
+        b"KEY-MUST-NEVER-LEAVE" in data for data in hub.files("alice/best-link").values())
+
+    for name in ("recipe.yaml", "metrics.jsonl"):  # read for the card, the metrics and the curve
+        (copy / name).unlink()
+        (copy / name).symlink_to(secret)
+    proc = run_cli("push", copy, "--repo-id", "alice/final-links", env=hub_env(hub.url))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(b"KEY-MUST-NEVER-LEAVE" in data for data in hub.files("alice/final-links").values())
+    for name in ("recipe.yaml", "metrics.jsonl"):
+        assert f"skipping {name}: a symbolic link" in proc.stderr, proc.stderr

@@ -32,37 +32,54 @@ def _is_transport_error(e: Exception) -> bool:
 
 def model_dir_of(run_dir: Path, which: str) -> tuple[Path, dict]:
     """The directory of the `which` model of a run (`final`, `best`, `ema`) and its evaluation metrics."""
-    from .model_card import read_metrics
-
     if which == "best":
         from ..training.callbacks import KeepBest
 
-        best = _recipe(run_dir).get("checkpoint", {})
+        best = _recipe(_read(run_dir / "recipe.yaml", run_dir)).get("checkpoint", {})
         ranked = KeepBest(1, best.get("best_metric", "loss"), best.get("best_mode", "min")).ranked(run_dir)
         if not ranked:
             raise HubError(f"{run_dir}: no best model (train with checkpoint.keep_best >= 1)")
-        path = ranked[0][1]
-        return path, json.loads((path / "metrics.json").read_text())
-    path = run_dir / ("final_ema" if which == "ema" else "final")
+        path = _inside(ranked[0][1], run_dir)
+        metrics = _read(path / "metrics.json", run_dir)
+        if metrics is None:
+            raise HubError(f"{path}: its metrics.json is not a regular file inside the run directory")
+        return path, json.loads(metrics)
+    path = _inside(run_dir / ("final_ema" if which == "ema" else "final"), run_dir)
     if not (path / "config.json").is_file():
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
         raise HubError(f"{run_dir}: no {path.name}/ model{hint}")
     prefix = "eval_ema/" if which == "ema" else "eval/"
-    last = next((r for r in reversed(read_metrics(run_dir)) if any(k.startswith(prefix) for k in r)), {})
+    last = next((r for r in reversed(_metrics(run_dir)) if any(k.startswith(prefix) for k in r)), {})
     metrics = {"step": last.get("step")} | {k.removeprefix(prefix): v for k, v in last.items() if k.startswith(prefix)}
     return path, metrics
 
 
-def _recipe(run_dir: Path) -> dict:
+def _inside(model_dir: Path, run_dir: Path) -> Path:
+    if model_dir.is_symlink() or not model_dir.resolve().is_relative_to(run_dir.resolve()):
+        raise HubError(f"{model_dir}: a symbolic link out of the run directory; push uploads only what is inside it")
+    return model_dir
+
+
+def _read(path: Path, run_dir: Path) -> str | None:
+    """The text of a regular file inside the run directory, else None: whatever push reads (metrics, recipe, the
+    card's sources) may end up in the repository, so a link to a key file is never followed."""
+    return path.read_text() if _regular(path, run_dir) else None
+
+
+def _recipe(text: str | None) -> dict:
     import yaml
 
-    path = run_dir / "recipe.yaml"
-    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return (yaml.safe_load(text) if text else None) or {}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    text = _read(run_dir / "metrics.jsonl", run_dir) or ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _regular(path: Path, run_dir: Path) -> bool:
     """A regular file inside the run directory: a symbolic link (to a token file, say) is never uploaded, nor read."""
-    if path.is_symlink():
+    if path.is_symlink() or any(p.is_symlink() for p in path.parents if p != run_dir and p.is_relative_to(run_dir)):
         print(f"warning: skipping {path.name}: a symbolic link ({path}); push uploads only regular files inside the "
               f"run directory", file=sys.stderr)
         return False
@@ -72,17 +89,15 @@ def _regular(path: Path, run_dir: Path) -> bool:
 def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     """Everything to upload, laid out as the repository: model files, README.md (card), recipe.yaml, metrics.json,
     training_curve.png, runs/ (TensorBoard event files). Only regular files inside the run directory are read."""
-    from .model_card import model_card, read_metrics, render_training_curve
+    from .model_card import model_card, render_training_curve
 
     model_dir, metrics = model_dir_of(run_dir, which)
-    if model_dir.is_symlink() or not model_dir.resolve().is_relative_to(run_dir.resolve()):
-        raise HubError(f"{model_dir}: a symbolic link out of the run directory; push uploads only what is inside it")
     for f in sorted(model_dir.iterdir()):
         if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
-    recipe_yaml = (run_dir / "recipe.yaml").read_text() if _regular(run_dir / "recipe.yaml", run_dir) else ""
+    recipe_yaml = _read(run_dir / "recipe.yaml", run_dir) or ""
     (out / "recipe.yaml").write_text(recipe_yaml)
-    records = read_metrics(run_dir)
+    records = _metrics(run_dir)
     (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
                                                   "train_last": next((r for r in reversed(records)
                                                                       if "train/loss" in r), {})}, indent=1))
@@ -95,9 +110,9 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
             target = out / "runs" / f.relative_to(tb)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, target)
-    config = json.loads((model_dir / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
     n_params = _count_params(out / "model.safetensors")  # the staged copy: a regular file, or none
-    (out / "README.md").write_text(model_card(repo_id, config, _recipe(run_dir), recipe_yaml, metrics, which,
+    (out / "README.md").write_text(model_card(repo_id, config, _recipe(recipe_yaml), recipe_yaml, metrics, which,
                                               n_params, has_curve))
     return out
 
