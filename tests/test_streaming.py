@@ -172,3 +172,24 @@ def test_a_mixture_run_resumes_exactly(tmp_path, hf_cache, streaming):
                             callback_override("testing_callbacks:SignalAt", step=4)])
     train_in_process(TINY, [f"run.out_dir={tmp_path / 'cut'}", *common], resume="latest")
     assert same(tmp_path / "ref", tmp_path / "cut")
+
+
+@pytest.mark.parametrize("case", ["one document, read by the validation head", "training file shorter than a block"])
+def test_a_stream_with_less_than_one_training_block_is_one_line_before_training_not_a_hang(tmp_path, case):
+    from helpers import run_cli
+
+    train = tmp_path / "train.txt"
+    if case.startswith("one document"):
+        train.write_text("ROMEO. But soft, what light through yonder window breaks? " * 4)
+        extra = ["--set", "data.val_blocks=1"]
+    else:
+        train.write_text("short")
+        val = tmp_path / "val.txt"
+        val.write_text("A validation document long enough for a block or two. " * 8)
+        extra = ["--set", f"data.val_files=[{val}]"]
+    args = [f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{train}]", "data.streaming=true",
+            "data.seq_len=32", "train.max_steps=3", "log.progress_bar=false", "sample.prompts=[]"]
+    proc = run_cli("train", TINY, *[a for o in args for a in ("--set", o)], *extra, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "holds less than one block of data.seq_len=32 tokens" in proc.stderr and "Traceback" not in proc.stderr
+    assert "step 1" not in proc.stdout

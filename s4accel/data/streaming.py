@@ -40,9 +40,19 @@ class SourceStream:
 
     def next_block(self) -> np.ndarray:
         """The next block; at the end of the source, the next epoch's first (the leftover of the last is dropped)."""
+        self.peek()
+        return self.ready.pop(0)
+
+    def peek(self) -> None:
+        """Read until a block is ready. A whole pass over the source that yields none (fewer than `seq_len` tokens:
+        a file shorter than a block, or one the validation head used up) is an error, not an endless loop."""
+        start = self.epoch
         while not self.ready:
             self._read()
-        return self.ready.pop(0)
+            if self.epoch > start + 1:  # a pass from its beginning to its end gave no block
+                raise DataError(f"the training stream holds less than one block of data.seq_len={self.seq_len} "
+                                f"tokens ({self.docs_read} documents read in all, the validation head's and other "
+                                f"processes' shares not counted): add data or lower data.seq_len")
 
     def _read(self):
         if self.iterator is None:
@@ -164,5 +174,7 @@ def build_stream_data(cfg: DataCfg, tokenizer_dir, seed: int, rank: int, world_s
         val = datasets.Dataset.from_dict({"input_ids": np.stack(rows)}).with_format("numpy")
         streams[0] = streams[0].skip(head.docs_read)
     mine = [SourceStream(split_dataset_by_node(s, rank, world_size), tokenizer, cfg.seq_len) for s in streams]
+    for stream in mine:  # too little data is an error now, before the model is built (the block stays ready)
+        stream.peek()
     train = TokenStream(mine, [s.weight for s in sources], seed + rank, [s.label for s in sources])
     return TextData(train, val, tokenizer, None, len(val) * cfg.seq_len)
