@@ -127,6 +127,24 @@ def test_a_directory_that_exists_is_never_no_such_file(tmp_path, hf_cache):
     assert "a folder written by save_to_disk: read it with data.source: dataset" in str(info.value)
 
 
+@pytest.mark.timeout(60)
+def test_globs_and_directories_never_follow_links_round_a_loop_and_read_each_file_once(tmp_path):
+    from s4accel.data.sources import expand_files
+
+    tree = tmp_path / "D"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("a")
+    (tree / "sub" / "b.txt").write_text("b")
+    (tree / "sub" / "up").symlink_to("..")  # back up the tree: glob.glob read every file above it again
+    (tree / "self").symlink_to("../D")  # a link to itself: glob.glob never returned
+    (tmp_path / "outside.txt").write_text("outside")
+    (tree / "sub" / "out").symlink_to(tmp_path)  # out of the tree
+    expected = [str(tree / "a.txt"), str(tree / "sub" / "b.txt")]
+    for patterns in ([f"{tree}/**/*.txt"], [str(tree)], [f"{tree}/*/*.txt", f"{tree}/*.txt"],
+                     [f"{tree}/**/*.txt", str(tree / "a.txt"), str(tree / "sub" / "up" / "a.txt")]):
+        assert sorted(expand_files(patterns)) == expected, patterns
+
+
 def test_a_tokenizer_folder_of_your_own_is_used_saved_and_sets_the_vocabulary(tmp_path, hf_cache):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -223,6 +241,23 @@ def test_bad_labels_are_one_line(tmp_path, hf_cache):
     with pytest.raises(DataError, match=r"data.label_field: no field 'lbl'"):
         build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'one.jsonl'}]", "data.label_field=lbl",
                        "task.target=classification"))
+
+
+@pytest.mark.parametrize("train_labels, val_labels, message", [
+    ([0, 1], ["0", "1"], r"the labels mix numbers and strings \(training: numbers, validation: strings\)"),
+    (["a", "b"], ["a", "b", "c"], "the validation set has label\(s\) the training set lacks: c"),
+])
+def test_validation_labels_of_another_kind_or_unseen_in_training_are_refused(tmp_path, hf_cache, train_labels,
+                                                                           val_labels, message):
+    """They used to become extra classes: id2label {0: '0', 1: '1', 2: '0', 3: '1'} and accuracy 0.0, exit 0."""
+    import datasets
+
+    for name, labels in (("train", train_labels), ("val", val_labels)):
+        rows = {"text": LINES[:20], "y": [labels[i % len(labels)] for i in range(20)]}
+        datasets.Dataset.from_dict(rows).to_json(str(tmp_path / f"{name}.jsonl"))
+    with pytest.raises(DataError, match=message):
+        build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'train.jsonl'}]", "data.label_field=y",
+                       f"data.val_files=[{tmp_path / 'val.jsonl'}]", "task.target=classification"))
 
 
 # ---- a dataset repository on the Hub (the project's Hub-compatible server on 127.0.0.1) ----------------------------

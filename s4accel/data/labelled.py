@@ -41,14 +41,25 @@ class LabelledTextData:
 
 
 def label_names(train, val) -> tuple[list[str], dict]:
-    """The class names and a value -> id map, from a `ClassLabel` feature or the sorted distinct values."""
+    """The class names and a value -> id map, from a `ClassLabel` feature or the training set's sorted distinct
+    values. Labels are all numbers or all strings (`1` and `"1"` would be two classes of one name), and the validation
+    set has no label the training set lacks (a class the model never trains on)."""
     feature = train.features["label"]
     if hasattr(feature, "names"):
         return list(feature.names), {i: i for i in range(len(feature.names))}
-    values = list(train["label"]) + list(val["label"])
-    if any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in values):
+    splits = {"training": list(train["label"]), "validation": list(val["label"])}
+    if any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in splits["training"] +
+           splits["validation"]):
         raise DataError("data.label_field: a label is missing (null) or NaN")
-    distinct = sorted(set(values), key=lambda v: (isinstance(v, str), v))
+    kinds = {where: {"strings" if isinstance(v, str) else "numbers" for v in values} for where, values in splits.items()}
+    if len(kinds["training"] | kinds["validation"]) > 1:
+        said = ", ".join(f"{where}: {' and '.join(sorted(k))}" for where, k in kinds.items() if k)
+        raise DataError(f"data.label_field: the labels mix numbers and strings ({said}); write every label one way")
+    distinct = sorted(set(splits["training"]))
+    unknown = set(splits["validation"]) - set(distinct)
+    if unknown:
+        raise DataError(f"data.label_field: the validation set has label(s) the training set lacks: "
+                        f"{', '.join(map(str, sorted(unknown)[:5]))}")
     names = [str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in distinct]
     return names, {v: i for i, v in enumerate(distinct)}
 
@@ -93,10 +104,6 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
                                               num_proc=cfg.num_proc, desc=f"tokenizing {what}")
         return out.with_format("numpy")
 
-    unknown = set(val["label"]) - set(index) if not hasattr(train.features["label"], "names") else set()
-    if unknown:
-        raise DataError(f"data.label_field: the validation set has label(s) the training set lacks: "
-                        f"{', '.join(map(str, sorted(unknown, key=str)[:5]))}")
     return LabelledTextData(prepare(train, "train"), prepare(val, "validation"), tokenizer, len(names), names,
                             cfg.seq_len, tokenizer.pad_token_id)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -74,13 +75,29 @@ def shakespeare(name: str | None = None):
 # Files
 
 
+def _glob(pattern: str) -> list[str]:
+    """The paths a glob matches, without following a symbolic link to a directory: `glob.glob` follows them, so a
+    link back up the tree (`sub/up -> ..`) repeats every file below it and a link to itself never returns. pathlib's
+    `**` does not follow them; a link matched by `*` is left out the same way."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root = Path(*parts[:fixed]) if fixed else Path(".")
+    found = []
+    for match in root.glob(str(Path(*parts[fixed:]))):
+        below = match.relative_to(root).parents  # the directories between the root and the match
+        if not any((root / d).is_symlink() for d in below if d != Path(".")):
+            found.append(str(match) if fixed else str(match).removeprefix("./"))
+    return sorted(found)
+
+
 def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(BUILDERS)) -> list[str]:
-    """Files, directories (every supported file inside, recursively) and globs -> sorted file paths."""
+    """Files, directories (every supported file inside, recursively) and globs -> sorted file paths, each file once
+    (however many links lead to it)."""
     files = []
     for pattern in patterns:
         path = Path(pattern)
         if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern, recursive=True))
+            matches = _glob(pattern)
             if not matches:
                 raise DataError(f"{key}: no file matches {pattern}")
             files += [m for m in matches if Path(m).is_file()]
@@ -99,7 +116,8 @@ def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(
     bad = [f for f in files if Path(f).suffix not in extensions]
     if bad:
         raise DataError(f"{key}: {bad[0]}: expected {', '.join(extensions)} files")
-    return files
+    seen = set()  # the same file through two paths (a link into the tree, or two patterns) is read once
+    return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
 
 
 def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming: bool, **kwargs):
