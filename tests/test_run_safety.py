@@ -335,3 +335,47 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_temporary_files(tex
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: could not write {'checkpoint' if what == 'checkpoint' else 'model to'} "), last
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_live_run_directory_is_refused_to_a_second_run_and_freed_when_the_run_is_killed(text, tmp_path):
+    """One run per directory: an overwrite or a resume of a run that is still training is one line and touches
+    nothing; once that run is killed (SIGKILL: nothing of it runs to clean up) the directory is free again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO
+
+    out = tmp_path / "run"
+    live_args = base(text, out, "train.max_steps=100000", "checkpoint.every_steps=0")
+    live = subprocess.Popen([sys.executable, "-m", "s4accel", "train", TINY, *[a for o in live_args
+                                                                                 for a in ("--set", o)]],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():  # training has started
+            assert live.poll() is None and time.monotonic() < deadline, "the live run did not start"
+            time.sleep(0.2)
+        assert "pid" in (out / ".lock").read_text()
+        before = sorted(p.name for p in out.iterdir())
+        for extra in (["--set", "run.overwrite=true"], ["--resume"]):
+            proc = run_cli("train", TINY, *[a for o in base(text, out) for a in ("--set", o)], *extra, timeout=120)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert f"{out} is in use by another run (pid {live.pid} on " in proc.stderr, proc.stderr
+            assert "Traceback" not in proc.stderr
+        assert live.poll() is None and sorted(p.name for p in out.iterdir()) == before  # untouched, still training
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)
+        live.wait()
+    proc = run_cli("train", TINY, *[a for o in base(text, out, "train.max_steps=2") for a in ("--set", o)],
+                   "--set", "run.overwrite=true", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "final" / "model.safetensors").is_file() and not (out / ".lock").exists()
+
+
+def test_a_run_that_fails_its_checks_leaves_no_run_directory_behind_its_lock(text, tmp_path):
+    out = tmp_path / "new" / "run"
+    with pytest.raises(DataError, match="no such file"):  # found once the run directory is held
+        train_in_process(TINY, base(text, out, f"data.files=[{tmp_path / 'missing.txt'}]"))
+    assert not (tmp_path / "new").exists()

@@ -34,6 +34,7 @@ from .profiling import Profile
 from .pretrained import freeze
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .run_dir import RunDir
+from .run_lock import RunLock
 from .step import Stepper, agree, batch_stream, save_checked, set_epoch_length
 from .task import Task, TaskContext, TrainOptimizer, load_task
 from .tracking import build_trackers, check_tracker_kwargs
@@ -73,13 +74,20 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     force: resume even though training-relevant recipe fields differ from the checkpoint's recipe; they take effect.
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
-    cfg, run_dir = recipe.train, recipe.run.dir
+    run_dir = recipe.run.dir
     quiet_libraries(recipe.log.progress_bar)
     # 0. Checks that need no compute: the task imported and built, tracker arguments, the checkpoint to resume from
     # (verified by the main process, the same for all) and the recipe against it, the run directory, callbacks.
     task = load_task(recipe)
     check_tracker_kwargs(recipe.log)
-    PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
+    processes = PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
+    with RunLock(run_dir, processes.is_main_process):  # one run per directory: no other overwrites or resumes it now
+        return _train(recipe, task, resume, force)
+
+
+def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult:
+    """`train`, once the run directory is this run's."""
+    cfg, run_dir = recipe.train, recipe.run.dir
     ckpt, notes = choose_checkpoint(run_dir, resume)
     changed = check_resumed_recipe(ckpt, recipe, force) if ckpt is not None else []
     accelerator = make_accelerator(recipe, ckpt)
