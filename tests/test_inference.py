@@ -47,6 +47,13 @@ def test_generate_greedy_matches_the_model_and_is_seeded(run):
     assert a == b and a.startswith("ROMEO.")
 
 
+def test_an_empty_prompt_starts_a_new_document_instead_of_crashing(run):
+    out, _ = run
+    proc = run_cli("generate", out, "--prompt", "", "--max-new-tokens", "12", "--temperature", "0")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stdout.rstrip("\n")) > 0
+
+
 def test_text_generation_pipeline_works_after_import(run):
     import transformers
 

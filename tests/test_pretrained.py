@@ -241,3 +241,38 @@ def test_a_model_exported_before_the_preprocessing_record_still_predicts_with_a_
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "carries no preprocessing record" in proc.stderr
     assert len(read_rows(tmp_path / "p.csv")) == len(read_rows(scenes / "test.csv"))
+
+
+@pytest.mark.parametrize("record, message", [
+    ('{"kind": "labelled_text", "text_field": "text", "label_field": null, "seq_len": -5, "task": "classification"}',
+     "seq_len: Input should be greater than or equal to 1"),
+    ('{"kind": "labelled_text", "text_field": "text", "label_field": null, "seq_len": 0, "task": "classification"}',
+     "seq_len: Input should be greater than or equal to 1"),
+    ('{"kind": "labelled_text", "text_field": "text", "label_field": null, "task": "classification"}',
+     "seq_len: Field required"),
+    ('{"kind": "labelled_text", "text_field": ', "Invalid JSON"),
+    ('{"kind": "text", "text_field": "text", "label_field": null, "seq_len": 64, "task": "causal_lm"}',
+     "records 'text' data, but the model beside it reads 'labelled_text' data"),
+], ids=["negative seq_len", "zero seq_len", "no seq_len", "bad JSON", "another kind of model"])
+def test_a_bad_preprocessing_record_is_one_line_naming_the_file_not_a_silent_answer(trained_classifier, scenes,
+                                                                                     tmp_path, record, message):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(trained_classifier / "final", model)
+    (model / "preprocessing.json").write_text(record)
+    proc = run_cli("predict", model, scenes / "test.csv", "--out", tmp_path / "p.csv")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "p.csv").exists()
+    assert f"{model / 'preprocessing.json'}: " in proc.stderr and message in proc.stderr, proc.stderr
+
+
+def test_predict_gives_one_row_for_every_example_blank_and_null_ones_too(trained_classifier, tmp_path):
+    """A batch of only empty documents used to reach the model with no position at all (math domain error)."""
+    data = tmp_path / "blank.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [{"id": "a", "text": "To be, or not to be"},
+                                                            {"id": "b", "text": ""}, {"id": "c", "text": None}]))
+    out = tmp_path / "p.csv"
+    proc = run_cli("predict", trained_classifier, data, "--out", out, "--batch-size", "1")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [r["id"] for r in read_rows(out)] == ["a", "b", "c"]

@@ -21,6 +21,8 @@ def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, tempe
         raise ModelError(f"{model_dir}: not a language model with a tokenizer; generate needs one")
     torch.manual_seed(seed)
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:  # an empty prompt: a new document, which in training followed a document's end
+        ids = torch.tensor([[tokenizer.eos_token_id]])
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p or 1.0, "top_k": top_k or 0}

@@ -20,9 +20,11 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import DataError, ModelError
 from ..training.safe_load import load_model
@@ -30,15 +32,38 @@ from ..training.safe_load import load_model
 ID_COLUMNS = ("id", "idx", "uid", "example_id")
 
 
+class Preprocessing(BaseModel):
+    """`preprocessing.json`: how the model's training read raw data. It comes from a model folder, perhaps someone
+    else's, so it is checked like `config.json` is: a wrong value is one line, never a silent wrong answer."""
+
+    model_config = ConfigDict(extra="ignore")  # a newer s4accel may record more
+    kind: Literal["text", "labelled_text", "arrays"]
+    text_field: str = Field(min_length=1)
+    label_field: str | None
+    seq_len: int = Field(ge=1)
+    task: Literal["causal_lm", "classification", "regression"]
+
+
 def read_preprocessing(model_dir: Path, model) -> dict:
     """The model's preprocessing record; for a model exported before it existed, what its config implies (with a
     warning, as its inputs' statistics, if any, were applied outside the model)."""
     path = model_dir / "preprocessing.json"
-    if path.is_file():
-        return json.loads(path.read_text())
     config = model.config
     kind = "text" if not type(model).__name__.endswith("ForSequenceClassification") else \
         "arrays" if getattr(config, "d_input", None) else "labelled_text"
+    if path.is_file():
+        try:
+            prep = Preprocessing.model_validate_json(path.read_bytes()).model_dump()
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ModelError(f"{path}: not a valid preprocessing record: {where + ': ' if where else ''}"
+                             f"{err['msg']}") from None
+        except OSError as e:
+            raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+        if prep["kind"] != kind:
+            raise ModelError(f"{path}: records {prep['kind']!r} data, but the model beside it reads {kind!r} data")
+        return prep
     warnings.warn(f"{model_dir} carries no preprocessing record (exported before s4accel saved one): reading the data "
                   f"as {kind}{', inputs used as given (no standardisation statistics)' if kind == 'arrays' else ''}",
                   stacklevel=2)
@@ -162,7 +187,7 @@ class Rows:
         if self.kind == "arrays":
             return {"index": index, "input_values": torch.from_numpy(self.inputs["input_values"][indices])}
         seqs = [self._ids(i) for i in indices]
-        longest = max(len(s) for s in seqs)
+        longest = max(1, *(len(s) for s in seqs))  # a batch of empty documents still has one (masked) position
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), longest), dtype=torch.long)
