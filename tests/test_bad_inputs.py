@@ -70,6 +70,31 @@ def test_yaml_alias_bombs_are_refused_at_once(tmp_path):
     assert load_recipe(ok).sample.prompts == ["ROMEO."]
 
 
+def flow_bomb(levels=6) -> str:
+    """One YAML flow value of 10**levels leaves written in a few hundred bytes (anchors inside a flow sequence)."""
+    parts = ["&l0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        parts.append(f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
+    return "[" + ", ".join(parts) + "]"
+
+
+@pytest.mark.parametrize("key", ["data.data_files", "log.tracker_kwargs.jsonl.extra", "task.args.x"])
+def test_yaml_alias_bombs_through_set_are_refused_at_once(key):
+    start = time.perf_counter()
+    with pytest.raises(RecipeError, match="--set: the recipe with these values expands to more than 100,000") as info:
+        load_recipe(TINY, [f"{key}={flow_bomb()}"])
+    assert time.perf_counter() - start < 2 and len(str(info.value)) < 300
+
+
+def test_an_error_line_quotes_only_the_start_of_a_long_value():
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY, ["optim.lr=" + "9" * 50_000 + "x"])
+    line = str(info.value)
+    assert line.startswith(f"{TINY}: optim.lr: ") and "(50,003 characters)" in line and len(line) < 300
+    with pytest.raises(RecipeError, match=r"^--set 'optim.lr.x=1': optim.lr is not a section$"):
+        load_recipe(TINY, ["optim.lr.x=1"])
+
+
 def test_tracker_kwargs_for_an_unused_tracker_or_an_unknown_argument_are_refused():
     with pytest.raises(RecipeError, match=r"log.tracker_kwargs: 'tensorbord' is not a tracker of log.log_with "
                                           r"\(tensorboard, jsonl\) \(did you mean 'tensorboard'\?\)"):

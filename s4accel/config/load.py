@@ -82,6 +82,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raw["run"].update(out_dir=str(run_dir), overwrite=False)
     for item in overrides:
         _apply_override(raw, item)
+    if overrides and _count_values(raw, MAX_RECIPE_VALUES) > MAX_RECIPE_VALUES:  # --set values are YAML too
+        raise RecipeError(f"--set: the recipe with these values expands to more than {MAX_RECIPE_VALUES:,} values "
+                          f"(YAML aliases repeating aliases?); refusing to load it")
     # The recipe's own relative paths mean files next to it; --set ones, files relative to where the command runs.
     # A run directory's recipe.yaml holds them made absolute already.
     overridden = [tuple(item.partition("=")[0].strip().split(".")) for item in overrides]
@@ -103,11 +106,17 @@ def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
         raise RecipeError("\n".join(f"{source}: {_format_error(err)}" for err in e.errors())) from None
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to its first `limit` characters: an error line quotes a value, it does not reproduce it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def _apply_override(raw: dict, item: str) -> None:
     key, sep, value = item.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
-        raise RecipeError(f"--set {item!r}: expected section.key=value, e.g. optim.lr=1e-3")
+        raise RecipeError(f"--set {_short(item)}: expected section.key=value, e.g. optim.lr=1e-3")
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
@@ -118,7 +127,7 @@ def _apply_override(raw: dict, item: str) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise RecipeError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            raise RecipeError(f"--set {_short(item)}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
     node[parts[-1]] = parsed
 
@@ -153,5 +162,5 @@ def _format_error(err: dict) -> str:
     if err["type"] == "missing":
         msg = "required key is missing"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-        msg = f"{msg} (got {err['input']!r})"
+        msg = f"{msg} (got {_short(err['input'])})"
     return f"{path}: {msg}"
