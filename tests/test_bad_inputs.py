@@ -246,3 +246,16 @@ def test_a_model_too_large_to_allocate_is_one_line_and_writes_nothing(tmp_path, 
                                           r"100000000\}"):
         train_in_process(TINY, overrides)
     assert not (tmp_path / "r").exists()
+
+
+def test_mixture_weights_that_sum_to_infinity_are_a_recipe_error():
+    with pytest.raises(RecipeError, match="data.mixture: the weights sum to infinity"):
+        load_recipe(TINY, ["data.mixture=[{source: files, files: [a.txt], weight: 1e308}, "
+                           "{source: files, files: [b.txt], weight: 1e308}]"])
+
+
+def test_a_path_starting_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("to be or not to be")
+    recipe = load_recipe(TINY, ["data.source=files", "data.files=[~/corpus.txt]", "data.val_files=[~/corpus.txt]"])
+    assert recipe.data.files == [str(tmp_path / "corpus.txt")] == recipe.data.val_files

@@ -3,6 +3,7 @@ text (and the label), the tokenizer, the validation split, streaming, batching. 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -181,6 +182,9 @@ class DataCfg(_Section):
         if self.mixture and self.source not in TEXT_SOURCES:
             raise ValueError(f"data.mixture mixes documents; data.source {self.source!r} is not a source of "
                              f"documents")
+        if self.mixture and not math.isfinite(sum(m.weight for m in self.mixture)):
+            raise ValueError("data.mixture: the weights sum to infinity; use smaller numbers (only their ratios "
+                             "count)")
         if not self.mixture:
             if self.source in ("files", "arrays") and not self.files:
                 raise ValueError(f"source {self.source!r} needs a non-empty data.files list")

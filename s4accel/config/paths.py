@@ -63,10 +63,12 @@ def anchor_paths(raw: dict, base: Callable[[tuple], Path | None]) -> None:
 
 
 def _absolute(value: str, folder: Path) -> str:
-    path = Path(value).expanduser()
-    if path.is_absolute() or not value:
+    if not value:
         return value
-    candidate = str(folder / path)
+    expanded = os.path.expanduser(value)  # `~/corpus` is the home folder's, as a shell reads it
+    if os.path.isabs(expanded):
+        return expanded
+    candidate = str(folder / value)
     found = glob.glob(candidate) if glob.has_magic(candidate) else Path(candidate).exists()
     return os.path.abspath(candidate) if found else value
 
