@@ -30,12 +30,13 @@ def _is_transport_error(e: Exception) -> bool:
                for cls in type(e).__mro__)
 
 
-def model_dir_of(run_dir: Path, which: str) -> tuple[Path, dict]:
-    """The directory of the `which` model of a run (`final`, `best`, `ema`) and its evaluation metrics."""
+def model_dir_of(run_dir: Path, which: str, recipe: dict, records: list[dict]) -> tuple[Path, dict]:
+    """The directory of the `which` model of a run (`final`, `best`, `ema`) and its evaluation metrics, given the
+    run's recipe and its `metrics.jsonl` records."""
     if which == "best":
         from ..training.callbacks import KeepBest
 
-        best = _recipe(_read(run_dir / "recipe.yaml", run_dir)).get("checkpoint", {})
+        best = recipe.get("checkpoint", {})
         ranked = KeepBest(1, best.get("best_metric", "loss"), best.get("best_mode", "min")).ranked(run_dir)
         if not ranked:
             raise HubError(f"{run_dir}: no best model (train with checkpoint.keep_best >= 1)")
@@ -49,7 +50,7 @@ def model_dir_of(run_dir: Path, which: str) -> tuple[Path, dict]:
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
         raise HubError(f"{run_dir}: no {path.name}/ model{hint}")
     prefix = "eval_ema/" if which == "ema" else "eval/"
-    last = next((r for r in reversed(_metrics(run_dir)) if any(k.startswith(prefix) for k in r)), {})
+    last = next((r for r in reversed(records) if any(k.startswith(prefix) for k in r)), {})
     metrics = {"step": last.get("step")} | {k.removeprefix(prefix): v for k, v in last.items() if k.startswith(prefix)}
     return path, metrics
 
@@ -91,13 +92,13 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     training_curve.png, runs/ (TensorBoard event files). Only regular files inside the run directory are read."""
     from .model_card import model_card, render_training_curve
 
-    model_dir, metrics = model_dir_of(run_dir, which)
+    recipe_yaml = _read(run_dir / "recipe.yaml", run_dir) or ""
+    records = _metrics(run_dir)
+    model_dir, metrics = model_dir_of(run_dir, which, _recipe(recipe_yaml), records)
     for f in sorted(model_dir.iterdir()):
         if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
-    recipe_yaml = _read(run_dir / "recipe.yaml", run_dir) or ""
     (out / "recipe.yaml").write_text(recipe_yaml)
-    records = _metrics(run_dir)
     (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
                                                   "train_last": next((r for r in reversed(records)
                                                                       if "train/loss" in r), {})}, indent=1))

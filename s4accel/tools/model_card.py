@@ -4,7 +4,6 @@ from the run's logged scalars (`metrics.jsonl`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 DATASETS = {  # data.source -> (dataset name for the card, dataset type)
@@ -19,11 +18,6 @@ DATASETS = {  # data.source -> (dataset name for the card, dataset type)
 }
 METRIC_NAMES = {"loss": "Validation loss", "ppl": "Validation perplexity", "bits_per_byte": "Bits per byte",
                 "bits_per_char": "Bits per character", "accuracy": "Accuracy", "mse": "MSE", "mae": "MAE"}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def dataset_of(recipe: dict) -> tuple[str, str]:
