@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import REPO, TINY
+from helpers import REPO, TINY, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +30,31 @@ def test_the_process_group_is_destroyed_after_the_wrapped_model_is_freed(text, t
     reports = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for r in reports:
         assert r["steps"] == 3 and r["ddp_alive_at_destroy"] == [0] and not r["initialized"]
+
+
+@pytest.fixture(scope="module")
+def trained(text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    train_in_process(TINY, overrides(text, out))
+    return out
+
+
+@pytest.mark.parametrize("command", ["predict", "eval"])
+def test_a_two_process_predict_or_eval_destroys_its_process_group_before_exit(trained, text, tmp_path, command):
+    """Left to interpreter exit, the group's gloo threads sometimes aborted one process mid-teardown (SIGABRT after
+    the predictions were written: the launcher reported the command failed)."""
+    if command == "predict":
+        args = ["predict", str(trained), str(text), "--out", str(tmp_path / "pred.jsonl"), "--batch-size", "2"]
+    else:
+        args = ["eval", str(trained), str(TINY)] + [a for o in overrides(text, tmp_path / "x") for a in ("--set", o)]
+    proc = subprocess.run([*LAUNCH, str(REPO / "tests" / "scripts" / "exit_order.py"), str(tmp_path), "cli", *args],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i in range(2):
+        report = json.loads((tmp_path / f"rank{i}.json").read_text())
+        assert report["exit"] == 0 and report["ddp_alive_at_destroy"] == [0] and not report["initialized"], report
+    if command == "predict":
+        assert len((tmp_path / "pred.jsonl").read_text().splitlines()) == 1  # the file is one document
 
 
 def test_back_to_back_two_process_runs_under_load_each_exit_within_seconds_of_their_export(text, tmp_path):

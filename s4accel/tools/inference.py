@@ -10,6 +10,7 @@ import torch
 
 from ..config import Recipe
 from ..errors import ModelError
+from ..training.ending import finish
 from ..training.safe_load import load_model, resolve_model_dir  # noqa: F401  (the tools' loading, re-exported)
 
 @torch.no_grad()
@@ -70,7 +71,10 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
         model = _own_model(task, model_dir)
     _, val_dl = task.dataloaders(context.data)
     model, val_dl = accelerator.prepare(model, val_dl)
-    return evaluate(accelerator, task, model, val_dl, progress=True)
+    metrics = evaluate(accelerator, task, model, val_dl, progress=True)
+    del model, val_dl
+    finish(accelerator)
+    return metrics
 
 
 def check_model_kind(model_dir: Path, recipe: Recipe) -> None:

@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import DataError, ModelError
+from ..training.ending import finish
 from ..training.safe_load import load_model
 
 ID_COLUMNS = ("id", "idx", "uid", "example_id")
@@ -141,6 +142,8 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
             results.append(gathered.cpu())
             bar.update(len(gathered))
     bar.close()
+    del model, loader
+    finish(accelerator)
     if not accelerator.is_main_process:
         return None
     table = torch.cat(results).numpy()

@@ -27,6 +27,7 @@ from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState, checkpoint_step
 from .console import RUN_LOG, quiet_libraries
+from .ending import finish
 from .evaluate import evaluate, evaluate_and_report
 from .metrics import Meter
 from .preemption import StopSignals
@@ -177,6 +178,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     del model, run, step, batches
     context.optimizers = {}
     finish(accelerator)
+    RUN_LOG.end()
     return result
 
 
@@ -288,17 +290,6 @@ def frozen_setup_objects():
         yield
     finally:
         gc.unfreeze()
-
-
-def finish(accelerator) -> None:
-    """Barrier, release what Accelerate holds of the prepared objects, collect, then end training (trackers closed,
-    process group destroyed) on every process together."""
-    accelerator.wait_for_everyone()
-    accelerator.free_memory()  # its references to the prepared model, optimizers and loaders
-    gc.collect()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    RUN_LOG.end()
 
 
 def build_model(task: Task, recipe: Recipe):
