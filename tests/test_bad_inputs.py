@@ -153,6 +153,71 @@ def test_malformed_jsonl_is_one_line(tmp_path, hf_cache, lines, message):
         build_text(text_cfg(path), hf_cache)
 
 
+def parquet(path, **columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+DOC = "To be or not to be, that is the question. " * 10
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "e.jsonl").write_text("") and None, r"data.files: .*e.jsonl is empty"),
+    (lambda d: (d / "h.csv").write_text("text,label\n") and None,
+     r"data.files: .*h.csv holds no rows \(a header line alone\)"),
+    (lambda d: (d / "g.parquet").write_bytes(bytes(range(256)) * 8) and None,
+     r"data.files: .*g.parquet: cannot be read as parquet \(Parquet magic bytes not found"),
+])
+def test_an_empty_or_garbage_file_is_one_line_naming_it(tmp_path, hf_cache, make, message):
+    make(tmp_path)
+    with pytest.raises(DataError, match=message):
+        build_text(text_cfg(next(tmp_path.iterdir())), hf_cache)
+
+
+@pytest.mark.parametrize("second, message", [
+    ({"body": [DOC] * 3}, r"b.parquet has the columns body, but .*a.parquet has text: the files of one source need "
+                          r"the same columns"),
+    ({"text": [1, 2, 3]}, r"column 'text' holds int64 in .*b.parquet but string in .*a.parquet"),  # was cast to text
+])
+def test_parquet_files_of_one_glob_that_differ_in_columns_or_types_are_refused(tmp_path, hf_cache, second, message):
+    parquet(tmp_path / "a.parquet", text=[DOC] * 3)
+    parquet(tmp_path / "b.parquet", **second)
+    with pytest.raises(DataError, match=message):
+        build_text(text_cfg(tmp_path / "*.parquet"), hf_cache)
+
+
+def test_a_glob_matching_only_a_fifo_is_one_line_and_never_opens_it(tmp_path, hf_cache):
+    import os
+
+    os.mkfifo(tmp_path / "x.txt")  # opening it for reading would block until a writer comes
+    with pytest.raises(DataError, match=r"\*.txt matches no regular file \(only a FIFO .*x.txt\)"):
+        build_text(text_cfg(tmp_path / "*.txt"), hf_cache)
+    with pytest.raises(DataError, match=r"x.txt is a FIFO, not a regular file"):
+        build_text(text_cfg(tmp_path / "x.txt"), hf_cache)
+
+
+def test_a_full_datasets_cache_is_one_line_naming_it(tmp_path, hf_cache, monkeypatch):
+    import errno
+
+    from datasets.arrow_writer import ArrowWriter
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ArrowWriter, "write_table", full)  # the writer the builders and `map` write the cache with
+    monkeypatch.setattr(ArrowWriter, "write_batch", full)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": DOC}) + "\n" for _ in range(20)))
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=rf"data.cache_dir {cache}: no space left on device while writing the prepared "
+                                        rf"data: free space, or point data.cache_dir at a larger disk"):
+        build_text(text_cfg(path, cache_dir=cache), hf_cache)
+
+
 # ---- array data -----------------------------------------------------------------------------------------------------
 
 

@@ -193,3 +193,31 @@ def test_a_stream_with_less_than_one_training_block_is_one_line_before_training_
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "holds less than one block of data.seq_len=32 tokens" in proc.stderr and "Traceback" not in proc.stderr
     assert "step 1" not in proc.stdout
+
+
+def test_a_bad_line_the_stream_reaches_mid_training_stops_in_one_line_and_the_run_resumes_once_mended(tmp_path):
+    """The second file is opened only after the first is used up (datasets reads ahead 1,000 documents), dozens of
+    steps into the run: its bad line is one line naming it, exit 2, the last checkpoint kept to resume from."""
+    from helpers import run_cli
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"text": f"doc {i}."}) + "\n" for i in range(1200)))
+    good = "".join(json.dumps({"text": f"more {i}."}) + "\n" for i in range(50))
+    second.write_text(good + '{"text": broken\n')
+    args = [f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{first},{second}]",
+            "data.streaming=true", "data.seq_len=32", "data.batch_size=4", "data.val_blocks=2", "train.max_steps=200",
+            "train.eval_every=0", "checkpoint.every_steps=10", "checkpoint.keep_last=1", "scheduler.warmup_steps=0",
+            "log.progress_bar=false", "log.log_with=[jsonl]", "sample.prompts=[]"]
+    sets = [a for o in args for a in ("--set", o)]
+    proc = run_cli("train", TINY, *sets, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"error: data.files: .*b.jsonl: a streamed file could not be read \(JSON parse error.*\), after "
+                     r"\d+ documents of epoch 0: mend or remove it, then resume", line[0]), line[0]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved and int(saved[-1].split("_")[1]) >= 20  # dozens of steps were trained and kept
+    second.write_text(good)
+    resumed = run_cli("train", TINY, *sets, "--set", "train.max_steps=" + str(int(saved[-1].split("_")[1]) + 5),
+                      "--resume", "--force", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -15,13 +15,14 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from ..config import DataCfg
 from .arrays import ArrayData, build_array_data, collate_arrays
 from .labelled import LabelledTextData, build_labelled_text, collate_labelled_text
 from .loaders import build_dataloaders, collate_fn, collate_lm
-from .sources import clean_play, shakespeare_files
+from .sources import clean_play, disk_full_error, shakespeare_files
 from .stateful_rows import stream_loader
 from .streaming import build_stream_data
 from .text import TextData, build_text_data
@@ -30,7 +31,17 @@ from .tokenize import token_byte_and_char_counts, tokenizer_spec
 
 def build_data(cfg: DataCfg, tokenizer_dir: Path | None = None, seed: int = 0, rank: int = 0, world_size: int = 1):
     """`TextData` for documents (a language model; streamed with `data.streaming`), `LabelledTextData` for labelled
-    documents, `ArrayData` for sequences of numbers. `seed`: a mixture's; `rank`, `world_size`: a stream's share."""
+    documents, `ArrayData` for sequences of numbers. `seed`: a mixture's; `rank`, `world_size`: a stream's share.
+    A full disk under the datasets cache (tokenised data is written there) is one line naming it."""
+    try:
+        return _build(cfg, tokenizer_dir, seed, rank, world_size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(cfg.cache_dir) from None
+        raise
+
+
+def _build(cfg: DataCfg, tokenizer_dir: Path | None, seed: int, rank: int, world_size: int):
     if cfg.is_lm and cfg.streaming:
         return build_stream_data(cfg, tokenizer_dir, seed, rank, world_size)
     if cfg.is_lm:

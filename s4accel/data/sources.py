@@ -5,8 +5,11 @@ documents); each problem is one `DataError` naming the key and saying what was f
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import importlib.util
+import logging
 import os
 import re
 from pathlib import Path
@@ -100,7 +103,11 @@ def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(
             matches = _glob(pattern)
             if not matches:
                 raise DataError(f"{key}: no file matches {pattern}")
-            files += [m for m in matches if Path(m).is_file()]
+            regular = [m for m in matches if Path(m).is_file()]
+            if not regular and not any(Path(m).is_dir() for m in matches):  # a FIFO or device would block or fail
+                raise DataError(f"{key}: {pattern} matches no regular file (only {_what(Path(matches[0]))} "
+                                f"{matches[0]})")
+            files += regular
         elif path.is_dir():
             if is_saved_dataset(path):
                 raise DataError(f"{key}: {pattern} is a folder written by save_to_disk: read it with data.source: "
@@ -111,6 +118,8 @@ def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(
             files += found
         elif path.is_file():
             files.append(pattern)
+        elif path.exists():
+            raise DataError(f"{key}: {pattern} is {_what(path)}, not a regular file")
         else:
             raise DataError(f"{key}: no such file: {pattern}")
     bad = [f for f in files if Path(f).suffix not in extensions]
@@ -120,35 +129,147 @@ def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(
     return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
 
 
+def _what(path: Path) -> str:
+    import stat
+
+    mode = path.stat().st_mode
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a directory" if path.is_dir() else
+            "not a regular file")
+
+
 def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming: bool, **kwargs):
-    """`datasets.load_dataset(builder, data_files=files)`; a file the builder cannot read is one `DataError` naming
-    the file (datasets only says "An error occurred while generating the dataset")."""
+    """`datasets.load_dataset(builder, data_files=files)`; a file the builder cannot read, or files that disagree on
+    their columns, are one `DataError` naming the file(s). datasets' own errors here are an undescribed
+    `DatasetGenerationError`, a bare `StopIteration` (an empty JSON file), "Instruction 'train' corresponds to no
+    data" (a CSV with a header alone), or nothing at all (Parquet files whose text column differs in type: cast)."""
     import datasets
-    from datasets.exceptions import DatasetGenerationError
 
     def load(data_files):
         return datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=cache_dir,
                                      streaming=streaming, **kwargs)
 
+    if builder in ("parquet", "arrow") and len(files) > 1:
+        _check_same_schema(builder, files, key)
     try:
-        with bars_for(0):  # local files: nothing is downloaded, and reading them is quick next to training
+        with bars_for(0), datasets_read_errors():  # local files: nothing is downloaded, reading them is quick
             return load(files)
-    except DatasetGenerationError:
+    except (Exception, StopIteration) as e:  # noqa: B014  (StopIteration escapes datasets from an empty file)
+        _raise_if_disk_full(e, cache_dir)
         for f in files:  # find the culprit, to name it
+            if os.path.getsize(f) == 0:
+                raise DataError(f"{key}: {f} is empty") from None
             try:
-                load([f])
-            except DatasetGenerationError as e:
-                raise DataError(_read_error(builder, f, e.__cause__ or e, key)) from None
+                with datasets_read_errors():
+                    load([f])
+            except (Exception, StopIteration) as one:  # noqa: B014
+                _raise_if_disk_full(one, cache_dir)
+                raise DataError(_read_error(builder, f, _cause(one), key)) from None
+        if len(files) > 1:  # each file reads alone: together they disagree
+            raise DataError(f"{key}: the {builder} files {files[0]} and others cannot be read as one table (their "
+                            f"columns or types differ: {_detail(_cause(e))})") from None
         raise
+
+
+def _cause(e: BaseException) -> BaseException:
+    from datasets.exceptions import DatasetGenerationError
+
+    return (e.__cause__ or e) if isinstance(e, DatasetGenerationError) else e
+
+
+def _detail(cause: BaseException) -> str:
+    text = str(cause).strip()
+    return text.splitlines()[0][:200] if text else type(cause).__name__
+
+
+def _check_same_schema(builder: str, files: list[str], key: str) -> None:
+    """Every Parquet/Arrow file of one source has the first's columns and types (read from each file's footer or
+    header, not its data): datasets would otherwise cast a column of integers in one file to the text of another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def schema(f):
+        try:
+            if builder == "parquet":
+                return pq.read_schema(f)
+            with pa.memory_map(f) as source:
+                try:
+                    return pa.ipc.open_stream(source).schema
+                except pa.ArrowInvalid:
+                    return pa.ipc.open_file(source).schema
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(_read_error(builder, f, e, key)) from None
+
+    first = {field.name: field.type for field in schema(files[0])}
+    for f in files[1:]:
+        other = {field.name: field.type for field in schema(f)}
+        if list(other) != list(first):
+            raise DataError(f"{key}: {f} has the columns {', '.join(other)}, but {files[0]} has "
+                            f"{', '.join(first)}: the files of one source need the same columns")
+        differ = next((c for c in first if other[c] != first[c]), None)
+        if differ is not None:
+            raise DataError(f"{key}: column {differ!r} holds {other[differ]} in {f} but {first[differ]} in "
+                            f"{files[0]}: the files of one source need the same types")
+
+
+class DatasetsErrorLines(logging.Filter):
+    """datasets logs a file it cannot parse at ERROR level before raising ("Failed to load JSON from file '...'"), so
+    it would print twice above our one line: dropped while we read (as we say it ourselves), the file kept in
+    `file` (a stream's error does not name it otherwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.file = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if not text.startswith("Failed to "):
+            return True
+        found = re.search(r"(?:file|from) '([^']+)'", text)
+        self.file = found.group(1) if found else self.file
+        return False
+
+
+@contextlib.contextmanager
+def datasets_read_errors():
+    """While datasets reads: its "Failed to load ... from file" lines kept off the console, the file remembered."""
+    logger = logging.getLogger("datasets")
+    quiet = DatasetsErrorLines()
+    for handler in logger.handlers:
+        handler.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        for handler in logger.handlers:
+            handler.removeFilter(quiet)
+
+
+def _raise_if_disk_full(e: BaseException, cache_dir) -> None:
+    """A full disk under the datasets cache is said as such (datasets reports it as a file it could not read)."""
+    cause = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(cache_dir) from None
+        cause = cause.__cause__ or cause.__context__
+
+
+def disk_full_error(cache_dir) -> DataError:
+    import datasets.config
+
+    where = f"data.cache_dir {cache_dir}" if cache_dir else f"the datasets cache {datasets.config.HF_DATASETS_CACHE}"
+    return DataError(f"{where}: no space left on device while writing the prepared data: free space, or point "
+                     f"data.cache_dir at a larger disk")
 
 
 def _read_error(builder: str, f: str, cause: BaseException, key: str) -> str:
     if isinstance(cause, UnicodeDecodeError):
         return f"{key}: {f} is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at position {cause.start})"
-    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    detail = _detail(cause)
+    if isinstance(cause, StopIteration) or "corresponds to no data" in detail:
+        return f"{key}: {f} holds no rows" + (" (a header line alone)" if builder == "csv" else "")
     if builder == "json":
         return f"{key}: {f}: not valid JSON Lines (one JSON object per line): {detail}"
-    return f"{key}: {f}: cannot be read as {builder} ({detail[:200]})"
+    return f"{key}: {f}: cannot be read as {builder} ({detail})"
 
 
 def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = False, columns=("text",)):

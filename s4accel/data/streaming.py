@@ -11,12 +11,14 @@ Memory stays flat: a stream holds one batch of documents and less than one block
 from __future__ import annotations
 
 import copy
+import errno
 
 import numpy as np
 import torch
 
 from ..config import DataCfg
 from ..errors import DataError
+from .sources import datasets_read_errors, disk_full_error
 from .sources import load_documents as load_source
 from .tokenize import build_tokenizer, encode, pack, token_dtype
 
@@ -28,8 +30,10 @@ class SourceStream:
     """One source's documents -> blocks of `seq_len` tokens, in order, across document boundaries. Its position is
     the `datasets` state after the last document it read plus the leftover tokens, so it can be saved at any block."""
 
-    def __init__(self, docs, tokenizer, seq_len: int, read_batch: int = READ_BATCH):
+    def __init__(self, docs, tokenizer, seq_len: int, read_batch: int = READ_BATCH, key: str = "data.files",
+                 where: str = "the stream"):
         self.docs, self.tokenizer, self.seq_len, self.read_batch = docs, tokenizer, seq_len, read_batch
+        self.key, self.where = key, where  # what an error names: the recipe key and the source
         self.eos, self.dtype = tokenizer.eos_token_id, token_dtype(tokenizer)
         self.epoch = 0
         self.position = None  # the datasets state to restart from (None: the beginning of the epoch)
@@ -61,10 +65,14 @@ class SourceStream:
                 self.docs.load_state_dict(self.position)
             self.iterator = iter(self.docs)
         texts = []
-        for example in self.iterator:
-            texts.append(example["text"])
-            if len(texts) == self.read_batch:
-                break
+        with datasets_read_errors() as errors:
+            try:
+                for example in self.iterator:
+                    texts.append(example["text"])
+                    if len(texts) == self.read_batch:
+                        break
+            except (OSError, ValueError, UnicodeDecodeError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise self._unreadable(e, errors.file, self.docs_read + len(texts)) from None
         if not texts:  # the source is exhausted: the next epoch starts over
             self.epoch += 1
             self.position, self.iterator, self.leftover = None, None, np.zeros(0, self.dtype)
@@ -75,6 +83,16 @@ class SourceStream:
         n = len(tokens) // self.seq_len
         self.ready = list(tokens[: n * self.seq_len].reshape(n, self.seq_len))
         self.leftover = tokens[n * self.seq_len:]
+
+    def _unreadable(self, e: BaseException, file: str | None, docs: int) -> DataError:
+        """A file the stream reaches only now (a bad line deep in it, or a later file) stops the run with one line
+        naming it; the last checkpoint is the one to resume from once the file is mended."""
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return disk_full_error(None)
+        what = f"{file}: " if file else f"{self.where}: "
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return DataError(f"{self.key}: {what}a streamed file could not be read ({detail}), after {docs} documents "
+                         f"of epoch {self.epoch}: mend or remove it, then resume")
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": copy.deepcopy(self.position),
@@ -167,14 +185,20 @@ def build_stream_data(cfg: DataCfg, tokenizer_dir, seed: int, rank: int, world_s
     else:  # the head of the (whole, single) stream; training starts at the first document after it
         if len(sources) > 1:
             raise DataError("data.mixture with data.streaming needs a validation set of its own (data.val_files)")
-        head = SourceStream(streams[0], tokenizer, cfg.seq_len, read_batch=16)  # few documents past the head
+        head = SourceStream(streams[0], tokenizer, cfg.seq_len, read_batch=16, key=_key(sources[0]),
+                            where=sources[0].label)  # few documents past the head
         rows = [head.next_block() for _ in range(cfg.val_blocks)]
         if head.epoch > 0:
             raise DataError(f"data.val_blocks={cfg.val_blocks}: the stream holds fewer blocks than that")
         val = datasets.Dataset.from_dict({"input_ids": np.stack(rows)}).with_format("numpy")
         streams[0] = streams[0].skip(head.docs_read)
-    mine = [SourceStream(split_dataset_by_node(s, rank, world_size), tokenizer, cfg.seq_len) for s in streams]
+    mine = [SourceStream(split_dataset_by_node(s, rank, world_size), tokenizer, cfg.seq_len, key=_key(src),
+                         where=src.label) for s, src in zip(streams, sources)]
     for stream in mine:  # too little data is an error now, before the model is built (the block stays ready)
         stream.peek()
     train = TokenStream(mine, [s.weight for s in sources], seed + rank, [s.label for s in sources])
     return TextData(train, val, tokenizer, None, len(val) * cfg.seq_len)
+
+
+def _key(src) -> str:
+    return "data.files" if src.source == "files" else "data.path" if src.source == "dataset" else "data.source"
