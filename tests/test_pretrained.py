@@ -110,6 +110,21 @@ def test_overrides_that_would_invalidate_the_weights_are_refused(pretrained, tex
                                   "data.vocab_size=300", f"model={{pretrained: {pretrained}}}"))
 
 
+def test_a_pretrained_model_with_nan_or_inf_weights_is_one_line_before_training(pretrained, text, tmp_path):
+    """Loaded unchecked, the run stopped at its first step blaming optim.lr."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in (pretrained / "final").iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(broken / "model.safetensors")
+    tensors["backbone.embeddings.weight"][3, :2] = torch.tensor([float("nan"), float("inf")])
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RecipeError, match=r"model.pretrained: .*broken: backbone.embeddings.weight holds 2 NaN or "
+                                          r"infinite value\(s\) of \d+; not weights to start from"):
+        train_in_process(TINY, lm(text, tmp_path / "a", "train.max_steps=1", f"model={{pretrained: {broken}}}"))
+    assert not (tmp_path / "a").exists()
+
+
 def test_frozen_parameters_stay_bit_identical(pretrained, scenes, tmp_path):
     train_in_process(TINY, classifier(scenes, tmp_path / "frozen", "train.max_steps=5", "optim.lr=1e-2",
                                       f"model={{pretrained: {pretrained}, freeze: ['backbone.*']}}"))

@@ -145,6 +145,22 @@ def test_a_tokenizer_that_needs_code_or_does_not_exist_is_one_line(model_dir, ch
         load(model_dir)
 
 
+def test_a_model_folder_whose_tokenizer_is_larger_than_its_vocabulary_is_refused(model_dir):
+    """Loaded, generate decoded the model's ids with another tokenizer's words (or failed on a prompt's large id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    for f in model_dir.glob("tokenizer*"):
+        f.unlink()
+    vocab = {"</s>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(400)}}  # the model has 259 rows
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(model_dir)
+    with pytest.raises(ModelError, match=r"its tokenizer has ids up to 401 but the model has vocab_size=259: not the "
+                                         r"tokenizer this model was trained with"):
+        load(model_dir)
+
+
 HUB_LOAD = """
 import sys
 from s4accel.tools.inference import load_model

@@ -170,6 +170,45 @@ def test_a_tokenizer_folder_of_your_own_is_used_saved_and_sets_the_vocabulary(tm
     assert saved.eos_token == "[SEP]" and set(result.eval_metrics) == {"loss", "ppl"}
 
 
+def gapped_tokenizer(folder, **config):
+    """A word-level tokenizer whose ids leave gaps (numbered by rank in a larger list): ids reach past len()."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted(set(" ".join(LINES).split()))
+    vocab = {"[SEP]": 0, "[UNK]": 1, **{w: 2 + 5 * i for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]").save_pretrained(folder)
+    if config:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return max(vocab.values()) + 1
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_sizes_the_model_by_its_largest_id(tmp_path, hf_cache):
+    """Sized by len(tokenizer), the embedding had fewer rows than the largest id: an IndexError traceback."""
+    extent = gapped_tokenizer(tmp_path / "gapped")
+    (tmp_path / "t.txt").write_text(" ".join(LINES))
+    result = train_in_process(TINY, [f"run.out_dir={tmp_path / 'run'}", "data.source=files",
+                                     f"data.files=[{tmp_path / 't.txt'}]", f"data.tokenizer={tmp_path / 'gapped'}",
+                                     "data.seq_len=16", "train.max_steps=2", "train.eval_every=0",
+                                     "scheduler.warmup_steps=0", "log.progress_bar=false", "log.log_with=[jsonl]",
+                                     "sample.prompts=[]"])
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(result.final_dir).vocab_size == extent > len(LINES)
+
+
+def test_a_tokenizer_folder_naming_custom_code_is_refused_for_training(tmp_path, hf_cache):
+    """Accepted (loaded without its code), the model it trained was then refused by generate, predict and eval."""
+    gapped_tokenizer(tmp_path / "custom", auto_map={"AutoTokenizer": ["tok.MyTokenizer", None]})
+    (tmp_path / "t.txt").write_text(" ".join(LINES))
+    with pytest.raises(DataError, match=r"data.tokenizer: .*custom names custom tokenizer code \(auto_map"):
+        build(data_cfg("data.source=files", f"data.files=[{tmp_path / 't.txt'}]",
+                       f"data.tokenizer={tmp_path / 'custom'}"))
+
+
 def test_a_tokenizer_with_no_way_to_end_a_document_is_refused(tmp_path, hf_cache):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -314,4 +353,14 @@ def test_blocks_are_stored_in_the_smallest_dtype_that_holds_the_vocabulary(tmp_p
         def __len__(self):
             return 70_000
 
-    assert token_dtype(Big()) == np.uint32
+        def get_vocab(self):
+            return {}
+
+    class Gapped(Big):  # few tokens, one with a large id
+        def __len__(self):
+            return 3
+
+        def get_vocab(self):
+            return {"a": 0, "b": 1, "c": 70_000}
+
+    assert token_dtype(Big()) == np.uint32 == token_dtype(Gapped())

@@ -54,6 +54,10 @@ def build_tokenizer(cfg: DataCfg, docs, save_dir: Path | None = None):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"data.tokenizer: cannot load {cfg.tokenizer!r} (byte, bpe, a tokenizer folder or a Hub id): "
                         f"{first[:300]}") from None
+    if tok.init_kwargs.get("auto_map"):  # loaded without its code, it would not tokenise as its author meant
+        raise DataError(f"data.tokenizer: {cfg.tokenizer} names custom tokenizer code (auto_map "
+                        f"{tok.init_kwargs['auto_map']}); s4accel never runs code from a tokenizer folder, and the "
+                        f"models it trains must load without it: use a tokenizer.json-only tokenizer")
     if tok.eos_token_id is None:
         if tok.sep_token_id is None:
             raise DataError(f"data.tokenizer: {cfg.tokenizer} has no eos_token (nor sep_token) to end each document "
@@ -92,12 +96,19 @@ def tokenizer_spec(cfg: DataCfg) -> dict:
     if cfg.tokenizer == "bpe":
         return {"vocab_size": cfg.vocab_size, "pad_token_id": 0, "eos_token_id": 1}
     tok = build_tokenizer(cfg, docs=None)
-    return {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    return {"vocab_size": vocab_extent(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+
+
+def vocab_extent(tokenizer) -> int:
+    """One more than the largest id the tokenizer can produce: the embedding rows a model needs. Usually
+    `len(tokenizer)`, but a vocabulary may leave gaps (a word-level vocabulary numbered by frequency rank in a larger
+    list, tokens removed), and then ids reach past `len`."""
+    return max(len(tokenizer), 1 + max(tokenizer.get_vocab().values(), default=-1))
 
 
 def token_dtype(tokenizer) -> np.dtype:
     """The smallest unsigned integer type that holds every id."""
-    return np.dtype(np.uint16) if len(tokenizer) <= 2**16 else np.dtype(np.uint32)
+    return np.dtype(np.uint16) if vocab_extent(tokenizer) <= 2**16 else np.dtype(np.uint32)
 
 
 def token_byte_and_char_counts(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -113,7 +124,8 @@ def token_byte_and_char_counts(tokenizer) -> tuple[torch.Tensor, torch.Tensor] |
     if not is_byt5 and not _byte_level_decoder(tokenizer):
         return None
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    n_bytes, n_chars = torch.zeros(len(tokenizer), dtype=torch.long), torch.zeros(len(tokenizer), dtype=torch.long)
+    size = vocab_extent(tokenizer)
+    n_bytes, n_chars = torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long)
     for token, i in tokenizer.get_vocab().items():
         if i in special:
             continue

@@ -95,6 +95,11 @@ def load_pretrained(model, model_cfg, model_dir: Path, root: Path, head: list[st
     nonfloat = [k for k, v in load.items() if not v.is_floating_point()]
     if nonfloat:
         raise RecipeError(f"model.pretrained: {nonfloat[0]} holds {load[nonfloat[0]].dtype}, not weights")
+    broken = next((k for k, v in load.items() if not torch.isfinite(v).all()), None)
+    if broken is not None:  # training would stop at its first step, blaming the learning rate
+        bad = int((~torch.isfinite(load[broken])).sum())
+        raise RecipeError(f"model.pretrained: {model_cfg.pretrained}: {broken} holds {bad} NaN or infinite value(s) "
+                          f"of {load[broken].numel()}; not weights to start from")
     with torch.no_grad():
         model.load_state_dict({k: v.to(target[k].dtype) for k, v in load.items()}, strict=False)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.tokenize import vocab_extent
 from ..errors import ModelError
 
 # What a model directory holds besides the weights; a Hub download fetches only these (no pickles, no code). A
@@ -210,4 +211,8 @@ def load_model(ref: str | Path, which: str = "final"):
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise ModelError(f"{model_dir}: {bad[0]} holds NaN or infinite values; not a usable model")
-    return model, load_tokenizer(model_dir), model_dir
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is not None and vocab_extent(tokenizer) > config.vocab_size:  # not the tokenizer it was trained with
+        raise ModelError(f"{model_dir}: its tokenizer has ids up to {vocab_extent(tokenizer) - 1} but the model has "
+                         f"vocab_size={config.vocab_size}: not the tokenizer this model was trained with")
+    return model, tokenizer, model_dir
