@@ -141,3 +141,21 @@ def test_dtw_baseline_matches_the_textbook_recursion():
 
     expected = torch.tensor([[naive(x, y) for y in b] for x in a], dtype=torch.float64)
     torch.testing.assert_close(dtw_distances(a, b), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_predict_on_arrays_of_another_width_than_the_model_was_trained_on_is_one_line(tmp_path, hf_cache):
+    """It was a matrix-multiplication RuntimeError traceback."""
+    from s4accel.tools.predict import predict
+
+    run_dir = tmp_path / "run"
+    train_in_process(DIGITS, [f"run.out_dir={run_dir}", "model.overrides={d_model: 16, n_layer: 1, d_state: 8}",
+                              "train.max_steps=2", "train.eval_every=0", "scheduler.warmup_steps=0",
+                              "log.progress_bar=false", "checkpoint.every_steps=0"])
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "wide.npz", x=rng.normal(size=(6, 64, 3)).astype(np.float32), y=np.arange(6))
+    with pytest.raises(DataError, match=r"wide.npz: 3 feature\(s\) per step, but the model was trained on 1"):
+        predict(run_dir, tmp_path / "wide.npz", tmp_path / "p.csv", progress=False)
+    assert not (tmp_path / "p.csv").exists()
+    np.savez(tmp_path / "ok.npz", x=rng.normal(size=(6, 64, 1)).astype(np.float32), y=np.arange(6))
+    predict(run_dir, tmp_path / "ok.npz", tmp_path / "p.csv", progress=False)
+    assert len((tmp_path / "p.csv").read_text().splitlines()) == 7  # header + one row per example

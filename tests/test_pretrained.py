@@ -125,6 +125,24 @@ def test_a_pretrained_model_with_nan_or_inf_weights_is_one_line_before_training(
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("hook, message", [
+    ("return {k: 1 for k in state}", r"must map parameter names to tensors; 'backbone.*' maps to int"),
+    ("return {k: v.tolist() for k, v in state.items()}", r"must map parameter names to tensors; .* maps to list"),
+])
+def test_a_state_hook_returning_other_than_tensors_is_one_line(pretrained, text, tmp_path, hook, message):
+    name = f"hooks_{abs(hash(hook))}.py"  # a module per hook: a file imported once stays imported
+    (tmp_path / name).write_text(f"def hook(state, model):\n    {hook}\n")
+    with pytest.raises(RecipeError, match=rf"model.state_hook: .*{name}:hook " + message):
+        train_in_process(TINY, lm(text, tmp_path / "a", "train.max_steps=1",
+                                  f"model={{pretrained: {pretrained}, state_hook: '{tmp_path / name}:hook'}}"))
+
+
+def test_freezing_every_parameter_is_one_line(pretrained, text, tmp_path):
+    with pytest.raises(RecipeError, match=r"model.freeze: \['\*'\] fixes every parameter: nothing would train"):
+        train_in_process(TINY, lm(text, tmp_path / "a", "train.max_steps=1",
+                                  f"model={{pretrained: {pretrained}, freeze: ['*']}}"))
+
+
 def test_frozen_parameters_stay_bit_identical(pretrained, scenes, tmp_path):
     train_in_process(TINY, classifier(scenes, tmp_path / "frozen", "train.max_steps=5", "optim.lr=1e-2",
                                       f"model={{pretrained: {pretrained}, freeze: ['backbone.*']}}"))

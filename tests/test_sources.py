@@ -209,6 +209,16 @@ def test_a_tokenizer_folder_naming_custom_code_is_refused_for_training(tmp_path,
                        f"data.tokenizer={tmp_path / 'custom'}"))
 
 
+def test_a_dataset_folder_holding_a_loading_script_is_one_line_and_the_script_never_runs(tmp_path, hf_cache):
+    folder = tmp_path / "scripted"
+    folder.mkdir()
+    (folder / "scripted.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    with pytest.raises(DataError, match=r"data.path: .*scripted holds a dataset loading script, which datasets no "
+                                        r"longer runs"):
+        build(data_cfg("data.source=dataset", f"data.path={folder}"))
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_tokenizer_with_no_way_to_end_a_document_is_refused(tmp_path, hf_cache):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -297,6 +307,17 @@ def test_validation_labels_of_another_kind_or_unseen_in_training_are_refused(tmp
     with pytest.raises(DataError, match=message):
         build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'train.jsonl'}]", "data.label_field=y",
                        f"data.val_files=[{tmp_path / 'val.jsonl'}]", "task.target=classification"))
+
+
+def test_labels_mixing_numbers_and_strings_in_one_file_are_one_line(tmp_path, hf_cache):
+    """It was a traceback from sorting the label names."""
+    with open(tmp_path / "mixed.jsonl", "w") as f:
+        for i, line in enumerate(LINES[:30]):
+            f.write(json.dumps({"text": line, "y": i % 2 if i < 20 else "ab"[i % 2]}) + "\n")
+    with pytest.raises(DataError, match=r"data.label_field: the labels mix numbers and strings \(training: numbers and "
+                                        r"strings"):
+        build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'mixed.jsonl'}]", "data.label_field=y",
+                       "task.target=classification"))
 
 
 # ---- a dataset repository on the Hub (the project's Hub-compatible server on 127.0.0.1) ----------------------------

@@ -341,6 +341,11 @@ def load_dataset_source(src: SourceCfg, split: str, cache_dir=None, streaming: b
         raise DataError(f"{key}: {src.path}: {first[:300]}") from None
     except FileNotFoundError as e:
         raise DataError(f"data.path: {src.path}: {str(e).strip().splitlines()[0][:300]}") from None
+    except RuntimeError as e:
+        if "scripts are no longer supported" not in str(e):
+            raise
+        raise DataError(f"data.path: {src.path} holds a dataset loading script, which datasets no longer runs (nor "
+                        f"does s4accel run code from a data folder): give its data files instead") from None
     except ConnectionError as e:
         raise DataError(f"data.path: {src.path}: not in the local cache and the Hub cannot be reached "
                         f"({type(e).__name__}; HF_DATASETS_OFFLINE?)") from None

@@ -129,6 +129,12 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
         ids, inputs = examples(data, prep, tokenizer)
     if not ids:
         raise DataError(f"{data}: no example to predict")
+    if prep["kind"] == "arrays":
+        x = inputs["input_values"]
+        width = x.shape[2] if x.ndim == 3 else 1
+        if width != model.config.d_input:
+            raise DataError(f"{data}: {width} feature(s) per step, but the model was trained on "
+                            f"{model.config.d_input}")
     rows = Rows(prep, model, tokenizer, inputs)
     loader = torch.utils.data.DataLoader(range(len(ids)), batch_size=batch_size, collate_fn=rows.batch)
     model, loader = accelerator.prepare(model, loader)

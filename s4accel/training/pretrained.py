@@ -71,6 +71,11 @@ def load_pretrained(model, model_cfg, model_dir: Path, root: Path, head: list[st
         if not isinstance(state, dict):
             raise RecipeError(f"model.state_hook: {model_cfg.state_hook} must return the state dict to load, got "
                               f"{type(state).__name__}")
+        odd = next(((k, v) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)),
+                   None)
+        if odd is not None:
+            raise RecipeError(f"model.state_hook: {model_cfg.state_hook} must map parameter names to tensors; "
+                              f"{str(odd[0])[:80]!r} maps to {type(odd[1]).__name__}")
     target = model.state_dict()
     aliases: dict[int, list[str]] = {}  # tied weights: one tensor, several names
     for name, t in model.state_dict(keep_vars=True).items():
@@ -115,6 +120,9 @@ def freeze(model, patterns: list[str]) -> list[str]:
     for p in patterns:
         if not any(fnmatch.fnmatch(n, p) for n in names):
             raise RecipeError(f"model.freeze: {p!r} matches no parameter (names look like {names[0]}, {names[-1]})")
+    if all(any(fnmatch.fnmatch(n, p) for p in patterns) for n in names):
+        raise RecipeError(f"model.freeze: {patterns} fixes every parameter: nothing would train (fix fewer, e.g. "
+                          f"'backbone.*' to train the head alone)")
     frozen = []
     for n, param in model.named_parameters():
         if any(fnmatch.fnmatch(n, p) for p in patterns):
