@@ -257,13 +257,16 @@ def listops(
                                            "less deep.")] = 10,
     max_args: Annotated[int, typer.Option("--max-args", min=2, help="Most arguments of an operator.")] = 10,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the files of a release already in "
+                                            "OUT_DIR.")] = False,
 ):
     """Generate ListOps as the Long Range Arena paper did, in its release's format (read by data.source:
     lra_listops). The defaults are the paper's."""
     from .tools.listops import write_listops
 
     try:
-        lengths = write_listops(out_dir, train, val, test, min_length, max_length, max_depth, max_args, seed)
+        lengths = write_listops(out_dir, train, val, test, min_length, max_length, max_depth, max_args, seed,
+                                overwrite)
     except S4AccelError as e:
         raise _fail(e) from None
     every = [n for split in lengths.values() for n in split]

@@ -143,19 +143,45 @@ def test_dtw_baseline_matches_the_textbook_recursion():
     torch.testing.assert_close(dtw_distances(a, b), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_predict_on_arrays_of_another_width_than_the_model_was_trained_on_is_one_line(tmp_path, hf_cache):
-    """It was a matrix-multiplication RuntimeError traceback."""
-    from s4accel.tools.predict import predict
-
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory, hf_cache):
+    run_dir = tmp_path_factory.mktemp("digits") / "run"
     train_in_process(DIGITS, [f"run.out_dir={run_dir}", "model.overrides={d_model: 16, n_layer: 1, d_state: 8}",
                               "train.max_steps=2", "train.eval_every=0", "scheduler.warmup_steps=0",
                               "log.progress_bar=false", "checkpoint.every_steps=0"])
+    return run_dir
+
+
+def test_predict_on_arrays_of_another_width_than_the_model_was_trained_on_is_one_line(digits_run, tmp_path):
+    """It was a matrix-multiplication RuntimeError traceback."""
+    from s4accel.tools.predict import predict
+
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "wide.npz", x=rng.normal(size=(6, 64, 3)).astype(np.float32), y=np.arange(6))
     with pytest.raises(DataError, match=r"wide.npz: 3 feature\(s\) per step, but the model was trained on 1"):
-        predict(run_dir, tmp_path / "wide.npz", tmp_path / "p.csv", progress=False)
+        predict(digits_run, tmp_path / "wide.npz", tmp_path / "p.csv", progress=False)
     assert not (tmp_path / "p.csv").exists()
     np.savez(tmp_path / "ok.npz", x=rng.normal(size=(6, 64, 1)).astype(np.float32), y=np.arange(6))
-    predict(run_dir, tmp_path / "ok.npz", tmp_path / "p.csv", progress=False)
+    predict(digits_run, tmp_path / "ok.npz", tmp_path / "p.csv", progress=False)
     assert len((tmp_path / "p.csv").read_text().splitlines()) == 7  # header + one row per example
+
+
+def test_predict_output_places_that_cannot_take_the_file_are_one_line_before_predicting(digits_run, tmp_path):
+    """A folder as --out, a path under a file, an unwritable place: tracebacks after predicting, before."""
+    from pathlib import Path
+
+    from s4accel.tools.predict import predict
+
+    np.savez(tmp_path / "ok.npz", x=np.zeros((4, 64, 1), np.float32), y=np.arange(4))
+    (tmp_path / "folder.csv").mkdir()
+    (tmp_path / "a_file").write_text("mine")
+    for out, message in ((tmp_path / "folder.csv", r"folder.csv: is a folder; give a file path"),
+                         (tmp_path / "a_file" / "p.csv", r"a_file is a file, not a folder"),
+                         (Path("/proc/p.csv"), r"--out /proc/p.csv: cannot write there")):
+        with pytest.raises(DataError, match=message):
+            predict(digits_run, tmp_path / "ok.npz", out, progress=False)
+    assert (tmp_path / "a_file").read_text() == "mine" and not any((tmp_path / "folder.csv").iterdir())
+    (tmp_path / "p.jsonl").write_text("an older prediction\n")
+    predict(digits_run, tmp_path / "ok.npz", tmp_path / "p.jsonl", progress=False)
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "folder.csv", "ok.npz", "p.jsonl"]  # no leftovers

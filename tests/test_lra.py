@@ -3,6 +3,8 @@
 papers' lengths, vocabularies and splits; the ListOps generator, checked by an evaluator of its own."""
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 
 from helpers import RECIPES
@@ -239,6 +241,32 @@ def test_bounds_the_generator_cannot_meet_are_one_line_errors(tmp_path):
                           (["--min-length", 100, "--max-depth", 2], "has 12 symbols")):
         result = CliRunner().invoke(app, ["listops", str(tmp_path), *map(str, args)])
         assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1
+
+
+def test_listops_refuses_a_file_an_unwritable_place_or_an_existing_release_unless_told_to_overwrite(tmp_path):
+    """A file as OUT_DIR and an unwritable place were tracebacks after generating; a release was replaced silently."""
+    from typer.testing import CliRunner
+
+    from s4accel.cli import app
+
+    small = ["--train", "5", "--val", "2", "--test", "2", "--min-length", "5", "--max-length", "30"]
+    (tmp_path / "a_file").write_text("mine")
+    for out, message in ((tmp_path / "a_file", "a_file is a file, not a folder"),
+                         (tmp_path / "a_file" / "sub", "a_file is a file, not a folder"),
+                         (Path("/proc/no_such_release"), "cannot write there")):
+        result = CliRunner().invoke(app, ["listops", str(out), *small])
+        assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1, result.output
+    assert (tmp_path / "a_file").read_text() == "mine"
+    release = tmp_path / "release"
+    assert CliRunner().invoke(app, ["listops", str(release), *small]).exit_code == 0
+    before = (release / "basic_train.tsv").read_bytes()
+    result = CliRunner().invoke(app, ["listops", str(release), *small, "--seed", "1"])
+    assert result.exit_code == 2 and "already holds basic_train.tsv, basic_val.tsv, basic_test.tsv; pass --overwrite" \
+        in result.output
+    assert (release / "basic_train.tsv").read_bytes() == before
+    assert CliRunner().invoke(app, ["listops", str(release), *small, "--seed", "1", "--overwrite"]).exit_code == 0
+    assert (release / "basic_train.tsv").read_bytes() != before
+    assert sorted(p.name for p in release.iterdir()) == ["basic_test.tsv", "basic_train.tsv", "basic_val.tsv"]
 
 
 def test_a_classifier_trains_on_generated_listops_and_exports_its_tokenizer(tmp_path, hf_cache):

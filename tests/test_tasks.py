@@ -191,3 +191,15 @@ def test_show_lr_find_and_find_batch_size_go_through_the_recipes_task(tmp_path):
     proc = run_cli("lr-find", GAN, "--set", GAN_TASK)
     assert proc.returncode == 2
     assert "lr-find: DigitsGANTask uses manual optimisation" in proc.stderr
+
+
+def test_predict_or_generate_on_a_custom_task_run_is_one_line_pointing_at_eval(tmp_path):
+    """Its export is the task's own weights without config.json: predict was a FileNotFoundError traceback."""
+    from s4accel.errors import ModelError
+    from s4accel.tools.inference import load_model
+
+    out = tmp_path / "run"
+    train_in_process(DIABETES, quiet(out, DIABETES_TASK, "train.max_steps=25"))
+    with pytest.raises(ModelError, match=r"final: no config.json; weights without one are a custom task's model, "
+                                         r"which only its task can build: score it with `s4accel eval RUN_DIR RECIPE`"):
+        load_model(out)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..data.lra_text import LISTOPS_END, LISTOPS_OPERATORS, SPLIT_FILES
 from ..errors import DataError
+from .outputs import check_output_dir, written_whole
 
 OPERATOR_P = 0.25
 """The chance that a node above the depth limit is an operator (LRA's `VALUE_P` is the digit's 0.75)."""
@@ -124,15 +125,20 @@ def generate(n: int, min_length: int, max_length: int, max_depth: int, max_args:
 
 
 def write_listops(out_dir: Path, train: int, val: int, test: int, min_length: int = 500, max_length: int = 2000,
-                  max_depth: int = 10, max_args: int = 10, seed: int = 0) -> dict[str, list[int]]:
-    """Generate and write the three files; returns each split's expression lengths."""
-    rows = generate(train + val + test, min_length, max_length, max_depth, max_args, seed)
+                  max_depth: int = 10, max_args: int = 10, seed: int = 0, overwrite: bool = False
+                  ) -> dict[str, list[int]]:
+    """Generate and write the three files; returns each split's expression lengths. The folder is checked first
+    (writable; an existing release is replaced only with `overwrite`), each file is written whole or not at all."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out_dir, "OUT_DIR")
+    there = [name for name in SPLIT_FILES["lra_listops"].values() if (out_dir / name).exists()]
+    if there and not overwrite:
+        raise DataError(f"OUT_DIR {out_dir}: already holds {', '.join(there)}; pass --overwrite to replace them")
+    rows = generate(train + val + test, min_length, max_length, max_depth, max_args, seed)
     lengths = {}
     bounds = {"train": (0, train), "val": (train, train + val), "test": (train + val, train + val + test)}
     for split, (start, stop) in bounds.items():
-        with open(out_dir / SPLIT_FILES["lra_listops"][split], "w", newline="") as f:
+        with written_whole(out_dir / SPLIT_FILES["lra_listops"][split], "OUT_DIR", newline="") as f:
             writer = csv.writer(f, delimiter="\t")  # the csv module's default dialect (\r\n), as the release's files
             writer.writerow(["Source", "Target"])
             writer.writerows((text, value) for text, value, _ in rows[start:stop])

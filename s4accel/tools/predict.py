@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import DataError, ModelError
 from ..training.ending import finish
 from ..training.safe_load import load_model
+from .outputs import check_output_file, written_whole
 
 ID_COLUMNS = ("id", "idx", "uid", "example_id")
 
@@ -122,6 +123,7 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
     out = Path(out)
     if out.suffix not in (".csv", ".jsonl"):
         raise DataError(f"--out {out}: expected a .csv or .jsonl file")
+    check_output_file(out, "--out")  # before any compute, on every process (none is left waiting for another)
     model, tokenizer, model_dir = load_model(ref, which)
     prep = read_preprocessing(model_dir, model)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
@@ -154,12 +156,11 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
         return None
     table = torch.cat(results).numpy()
     table = table[np.argsort(table[:, 0], kind="stable")]  # the examples' order, whatever the processes did
-    out.parent.mkdir(parents=True, exist_ok=True)
     records = [rows.record(ids[int(r[0])], r[1:]) for r in table]
-    if out.suffix == ".jsonl":
-        out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    else:
-        with out.open("w", newline="") as f:
+    with written_whole(out, "--out", newline="" if out.suffix == ".csv" else None) as f:
+        if out.suffix == ".jsonl":
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        else:
             writer = csv.DictWriter(f, fieldnames=list(records[0]))
             writer.writeheader()
             writer.writerows(records)

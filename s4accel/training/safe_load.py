@@ -151,6 +151,10 @@ def read_config(model_dir: Path):
     from ..models import MoEConfig, S4Config
 
     MODEL_TYPES = (S4Config.model_type, MoEConfig.model_type)
+    if not (model_dir / "config.json").is_file():  # a custom task's export: its own module, weights alone
+        hint = ("; weights without one are a custom task's model, which only its task can build: score it with "
+                "`s4accel eval RUN_DIR RECIPE`") if (model_dir / "model.safetensors").is_file() else ""
+        raise ModelError(f"{model_dir}: no config.json{hint}")
     try:
         raw = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
