@@ -51,7 +51,8 @@ def label_names(train, val) -> tuple[list[str], dict]:
     if any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in splits["training"] +
            splits["validation"]):
         raise DataError("data.label_field: a label is missing (null) or NaN")
-    kinds = {where: {"strings" if isinstance(v, str) else "numbers" for v in values} for where, values in splits.items()}
+    kinds = {where: {"strings" if isinstance(v, str) else "numbers" for v in values}
+             for where, values in splits.items()}
     if len(kinds["training"] | kinds["validation"]) > 1:
         said = ", ".join(f"{where}: {' and '.join(sorted(k))}" for where, k in kinds.items() if k)
         raise DataError(f"data.label_field: the labels mix numbers and strings ({said}); write every label one way")

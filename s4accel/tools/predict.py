@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..data.tokenize import encode, token_byte_and_char_counts
 from ..errors import DataError, ModelError
 from ..training.ending import finish
 from ..training.safe_load import load_model
@@ -74,8 +75,10 @@ def read_preprocessing(model_dir: Path, model) -> dict:
             "task": task if kind != "text" else "causal_lm"}
 
 
-def examples(data: str | Path, prep: dict, tokenizer) -> tuple[list, dict]:
-    """(ids, inputs): `inputs` a dict of per-example arrays/lists the model reads."""
+def examples(data: str | Path, prep: dict, tokenizer) -> tuple[int, dict]:
+    """(how many, inputs): `inputs` holds `input_values` (an array, for arrays) or `table`, a memory-mapped dataset
+    with `text` or `input_ids` and perhaps `id`, read a batch at a time (1M rows never become Python objects at
+    once)."""
     path = Path(data)
     if path.suffix in (".yaml", ".yml"):
         return _recipe_examples(path, prep)
@@ -83,7 +86,7 @@ def examples(data: str | Path, prep: dict, tokenizer) -> tuple[list, dict]:
         from ..data.arrays import read_arrays
 
         x, y, *_ = read_arrays([str(path)], prep["task"])
-        return list(range(len(x))), {"input_values": np.asarray(x, dtype=np.float32)}
+        return len(x), {"input_values": np.asarray(x, dtype=np.float32)}
     from ..config import SourceCfg
     from ..data.sources import is_saved_dataset, load_dataset_source, load_files
 
@@ -96,8 +99,10 @@ def examples(data: str | Path, prep: dict, tokenizer) -> tuple[list, dict]:
                         f"(fields: {', '.join(raw.column_names)}); the "
                         f"model was trained on that field")
     column = next((c for c in ID_COLUMNS if c in raw.column_names), None)
-    ids = list(raw[column]) if column is not None else list(range(len(raw)))
-    return ids, {"text": [t or "" for t in raw[prep["text_field"]]]}  # every row, empty ones too: one output each
+    keep = {prep["text_field"]: "text", **({column: "id"} if column not in (None, prep["text_field"]) else {})}
+    table = raw.select_columns(list(keep))
+    renamed = {old: new for old, new in keep.items() if old != new}
+    return len(table), {"table": table.rename_columns(renamed) if renamed else table}
 
 
 def _recipe_examples(path: Path, prep: dict):
@@ -108,15 +113,14 @@ def _recipe_examples(path: Path, prep: dict):
     data = build_data(recipe.data)
     val = data.val
     if prep["kind"] == "arrays":
-        return list(range(len(val))), {"input_values": np.asarray(val[:]["input_values"], dtype=np.float32)}
-    if prep["kind"] == "labelled_text":
-        return list(range(len(val))), {"input_ids": [np.asarray(v) for v in val["input_ids"]]}
-    return list(range(len(val))), {"input_ids": [np.asarray(v) for v in val[:]["input_ids"]]}
+        return len(val), {"input_values": np.asarray(val[:]["input_values"], dtype=np.float32)}
+    return len(val), {"table": val.select_columns(["input_ids"]).with_format(None)}
 
 
 def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int = 16, which: str = "final",
             progress: bool = True) -> Path | None:
-    """Predict every example of `data`; the main process writes `out` (`.csv` or `.jsonl`) and gets its path."""
+    """Predict every example of `data`; the main process writes `out` (`.csv` or `.jsonl`) and gets its path.
+    Examples are read, predicted and written a batch at a time: memory stays flat however many there are."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
@@ -128,8 +132,8 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
     prep = read_preprocessing(model_dir, model)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     with accelerator.main_process_first():
-        ids, inputs = examples(data, prep, tokenizer)
-    if not ids:
+        count, inputs = examples(data, prep, tokenizer)
+    if not count:
         raise DataError(f"{data}: no example to predict")
     if prep["kind"] == "arrays":
         x = inputs["input_values"]
@@ -138,33 +142,77 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
             raise DataError(f"{data}: {width} feature(s) per step, but the model was trained on "
                             f"{model.config.d_input}")
     rows = Rows(prep, model, tokenizer, inputs)
-    loader = torch.utils.data.DataLoader(range(len(ids)), batch_size=batch_size, collate_fn=rows.batch)
+    loader = torch.utils.data.DataLoader(range(count), batch_size=batch_size, collate_fn=rows.batch)
     model, loader = accelerator.prepare(model, loader)
     model.eval()
-    results = []
-    bar = tqdm(total=len(ids), desc="predict", disable=not (progress and accelerator.is_main_process))
-    with torch.no_grad():
-        for batch in loader:
-            values = rows.predict(model, batch)
-            gathered = accelerator.gather_for_metrics(values)  # drops the padded duplicates of the last batch
-            results.append(gathered.cpu())
-            bar.update(len(gathered))
+    writer = RecordWriter(out) if accelerator.is_main_process else None
+    bar = tqdm(total=count, desc="predict", disable=not (progress and accelerator.is_main_process))
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                values = rows.predict(model, batch)
+                gathered = accelerator.gather_for_metrics(values)  # drops the padded duplicates of the last batch
+                bar.update(len(gathered))
+                if writer is not None:
+                    # One step gathers consecutive batches of the unshuffled examples, one per process, so
+                    # ordering within the step restores the examples' order.
+                    table = gathered.cpu().numpy()
+                    table = table[np.argsort(table[:, 0], kind="stable")]
+                    index = [int(i) for i in table[:, 0]]
+                    writer.write([rows.record(i, r[1:]) for i, r in zip(rows.ids(index), table)])
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
     bar.close()
     del model, loader
     finish(accelerator)
-    if not accelerator.is_main_process:
+    if writer is None:
         return None
-    table = torch.cat(results).numpy()
-    table = table[np.argsort(table[:, 0], kind="stable")]  # the examples' order, whatever the processes did
-    records = [rows.record(ids[int(r[0])], r[1:]) for r in table]
-    with written_whole(out, "--out", newline="" if out.suffix == ".csv" else None) as f:
-        if out.suffix == ".jsonl":
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        else:
-            writer = csv.DictWriter(f, fieldnames=list(records[0]))
-            writer.writeheader()
-            writer.writerows(records)
+    writer.close()
     return out
+
+
+class RecordWriter:
+    """The output file, written a batch of records at a time into a temporary file beside it that replaces it at the
+    end. A write that fails (a full disk) is kept and reported after every process has finished the loop, so no
+    process is left waiting for the main one: then one line, and `out` as it was."""
+
+    def __init__(self, out: Path):
+        self.out, self.csv = out, out.suffix == ".csv"
+        self.context = written_whole(out, "--out", newline="" if self.csv else None)
+        self.file = self.context.__enter__()
+        self.writer, self.failed = None, None
+
+    def write(self, records: list[dict]) -> None:
+        if self.failed is not None or not records:
+            return
+        try:
+            if not self.csv:
+                self.file.writelines(json.dumps(r) + "\n" for r in records)
+                return
+            if self.writer is None:
+                self.writer = csv.DictWriter(self.file, fieldnames=list(records[0]))
+                self.writer.writeheader()
+            self.writer.writerows(records)
+        except OSError as e:
+            self.failed = e
+
+    def close(self) -> None:
+        if self.failed is not None:
+            self.context.__exit__(type(self.failed), self.failed, self.failed.__traceback__)  # raises one line
+        self.context.__exit__(None, None, None)
+
+    def abandon(self) -> None:
+        self.context.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+
+
+def _rows(table, indices: list[int]) -> dict:
+    """The rows at `indices` as columns of lists: a slice when they are consecutive (as the unshuffled loader's batches
+    are), which reads the Arrow table directly, where a list of indices makes datasets gather row by row."""
+    if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+        return table[indices[0]: indices[0] + len(indices)]
+    return table[indices]
 
 
 class Rows:
@@ -180,23 +228,33 @@ class Rows:
         if self.kind != "arrays" and tokenizer is None:
             raise ModelError("the model has no tokenizer saved: it cannot read text")
         if self.kind == "text":
-            from ..data.tokenize import token_byte_and_char_counts
-
             self.counts = token_byte_and_char_counts(tokenizer)
 
-    def _ids(self, i: int) -> np.ndarray:
-        if "input_ids" in self.inputs:
-            return np.asarray(self.inputs["input_ids"][i], dtype=np.int64)
-        ids = self.tokenizer(self.inputs["text"][i], add_special_tokens=False)["input_ids"]
-        if self.kind == "text":
-            ids = ids + [self.tokenizer.eos_token_id]
-        return np.asarray(ids[: self.seq_len] if self.kind == "labelled_text" else ids, dtype=np.int64)
+    def ids(self, indices: list[int]) -> list:
+        """The examples' ids for the output: their `id` column (or idx, uid, example_id), else their position."""
+        table = self.inputs.get("table")
+        if table is None or "id" not in table.column_names:
+            return indices
+        return _rows(table.select_columns(["id"]), indices)["id"]
+
+    def _sequences(self, indices: list[int]) -> list[np.ndarray]:
+        rows = _rows(self.inputs["table"], indices)
+        if "input_ids" in rows:
+            return [np.asarray(ids, dtype=np.int64) for ids in rows["input_ids"]]
+        texts = [t or "" for t in rows["text"]]  # every row, empty ones too: one output each
+        # training's own tokenisation (the byte tokenizer on the UTF-8 buffer, a fast tokenizer in Rust): a
+        # language model's documents end with EOS, a classifier reads the first seq_len tokens
+        lm = self.kind == "text"
+        encoded = encode(texts, self.tokenizer, self.tokenizer.eos_token_id if lm else None, np.dtype(np.int64),
+                         None if lm else self.seq_len)
+        offsets, values = encoded.offsets.to_numpy(), encoded.values.to_numpy().copy()  # Arrow's is read-only
+        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
     def batch(self, indices: list[int]) -> dict:
         index = torch.tensor(indices, dtype=torch.long)
         if self.kind == "arrays":
             return {"index": index, "input_values": torch.from_numpy(self.inputs["input_values"][indices])}
-        seqs = [self._ids(i) for i in indices]
+        seqs = self._sequences(indices)
         longest = max(1, *(len(s) for s in seqs))  # a batch of empty documents still has one (masked) position
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
