@@ -314,8 +314,8 @@ def test_labels_mixing_numbers_and_strings_in_one_file_are_one_line(tmp_path, hf
     with open(tmp_path / "mixed.jsonl", "w") as f:
         for i, line in enumerate(LINES[:30]):
             f.write(json.dumps({"text": line, "y": i % 2 if i < 20 else "ab"[i % 2]}) + "\n")
-    with pytest.raises(DataError, match=r"data.label_field: the labels mix numbers and strings \(training: numbers and "
-                                        r"strings"):
+    with pytest.raises(DataError, match=r"data.label_field: the labels mix numbers and strings "
+                                        r"\(training: numbers and strings"):
         build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'mixed.jsonl'}]", "data.label_field=y",
                        "task.target=classification"))
 

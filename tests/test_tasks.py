@@ -201,5 +201,6 @@ def test_predict_or_generate_on_a_custom_task_run_is_one_line_pointing_at_eval(t
     out = tmp_path / "run"
     train_in_process(DIABETES, quiet(out, DIABETES_TASK, "train.max_steps=25"))
     with pytest.raises(ModelError, match=r"final: no config.json; weights without one are a custom task's model, "
-                                         r"which only its task can build: score it with `s4accel eval RUN_DIR RECIPE`"):
+                                         r"which only its task can build: score it with "
+                                         r"`s4accel eval RUN_DIR RECIPE`"):
         load_model(out)

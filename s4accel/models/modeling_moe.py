@@ -266,8 +266,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, use_cache=None, output_hidden_states=None, output_attentions=None, logits_to_keep: int = 0,
-                num_items_in_batch=None, past_key_values=None, **kwargs) -> MoECausalLMOutput:
+                labels=None, use_cache=None, output_hidden_states=None, output_attentions=None,
+                logits_to_keep: int = 0, num_items_in_batch=None, past_key_values=None,
+                **kwargs) -> MoECausalLMOutput:
         r"""
         cache (`DynamicCache`, *optional*): The keys and values of the positions before these ones (see `MoEModel`);
             `past_key_values`, its name before transformers 5.24, is still accepted.
