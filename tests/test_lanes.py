@@ -3,8 +3,8 @@
 The code saved into a model folder runs on the transformers of whoever loads it, not the one that saved it
 (transformers 5.24 renamed the cache and broke models saved the week before). `make test-newest` and
 `make test-floor` run this test in their environment with `S4ACCEL_OTHER_PYTHON` set to the locked environment's
-Python, so each pair of versions is tried both ways. Without that variable (the locked suite alone) it is skipped. The floor lane tries
-exactly the floors `pyproject.toml` claims: the last test keeps the two files in agreement.
+Python, so each pair of versions is tried both ways. Without that variable (the locked suite alone) it is skipped.
+The floor lane tries exactly the floors `pyproject.toml` claims: the last test keeps the two files in agreement.
 """
 
 import json
