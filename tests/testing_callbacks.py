@@ -4,6 +4,7 @@ put this folder on the path (PYTHONPATH for subprocesses)."""
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from s4accel.training.callbacks import Callback
@@ -19,6 +20,19 @@ class SignalAt(Callback):
     def on_step_end(self, run):
         if run.state.step == self.step and self.rank in (None, run.accelerator.process_index):
             os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+class StuckAt(Callback):
+    """After optimizer step `step`, hang as a data read that never returns would (`marker` written first)."""
+
+    def __init__(self, step: int, marker: str):
+        self.step, self.marker = step, marker
+
+    def on_step_end(self, run):
+        if run.state.step == self.step:
+            open(self.marker, "w").close()
+            while True:
+                time.sleep(1)
 
 
 class NaNForwardAt(Callback):

@@ -2,8 +2,10 @@
 
 Clusters send SIGTERM before they take a machine back (SLURM, Kubernetes; `accelerate launch`/torchrun forward it
 to every worker), and Ctrl-C sends SIGINT to every process of the group. The handler only records the signal; the
-loop agrees on it across processes (any process that got it stops them all) at its next check. A second SIGINT
-while the first is being handled raises KeyboardInterrupt at once, for a user who does not want to wait.
+loop agrees on it across processes (any process that got it stops them all) at its next check. A second signal
+(SIGINT or SIGTERM) while the first is being handled raises KeyboardInterrupt at once: for a user who does not want
+to wait, and for a run stuck where the loop never gets to check (a data read that never returns), which a first
+SIGTERM alone would leave running until the cluster's SIGKILL. The last complete checkpoint is kept either way.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class StopSignals:
         return self.received is not None
 
     def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
+        if self.received is not None:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
 
