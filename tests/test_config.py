@@ -137,3 +137,19 @@ def test_show_prints_resolved_recipe_and_parameter_count():
     assert proc.returncode == 0, proc.stderr
     assert "lr: 0.5" in proc.stdout
     assert "# model: s4-tiny (s4accel-s4), 37,952 parameters, vocab 259" in proc.stdout
+
+
+def test_a_recipe_never_changes_after_it_is_loaded():
+    """What the data decides (the length of a run in epochs) lives in the run's plan, not written back into the
+    recipe: every part of a run reads the recipe it was validated as."""
+    import pydantic
+
+    recipe = load_recipe(TINY, ["train.max_steps=null", "train.max_epochs=2", "scheduler.warmup_ratio=0.1",
+                                "scheduler.warmup_steps=0"])
+    before = recipe.to_yaml()
+    for section, key, value in (("train", "max_steps", 5), ("optim", "lr", 1.0), ("data", "seq_len", 8)):
+        with pytest.raises(pydantic.ValidationError, match="frozen"):
+            setattr(getattr(recipe, section), key, value)
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        recipe.train = recipe.train
+    assert not hasattr(recipe, "set_epoch_length") and recipe.to_yaml() == before

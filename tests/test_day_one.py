@@ -291,14 +291,14 @@ def test_max_epochs_counts_the_batches_each_process_draws():
     from torch.utils.data import DataLoader
 
     from s4accel.config import load_recipe
-    from s4accel.training.step import set_epoch_length
+    from s4accel.training.plan import make_plan
 
     for rows, drop_last, processes in [(37, False, 2), (37, True, 2), (40, False, 2), (41, False, 3), (29, True, 3)]:
         loader = DataLoader(torch.arange(rows), batch_size=4, drop_last=drop_last)
         recipe = load_recipe(TINY, ["train.max_steps=null", "train.max_epochs=1", "scheduler.warmup_steps=0"])
-        set_epoch_length(recipe, loader, processes, sharded=True)
+        plan = make_plan(recipe, loader, processes, sharded=True)
         shard = BatchSamplerShard(loader.batch_sampler, num_processes=processes, process_index=0, even_batches=True)
-        assert recipe.total_steps == len(shard), (rows, drop_last, processes)
+        assert plan.total_steps == len(shard) == plan.batches_per_epoch, (rows, drop_last, processes)
 
 
 def test_max_epochs_is_refused_before_compute_where_there_are_no_epochs(tmp_path):

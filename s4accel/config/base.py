@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 class Section(BaseModel):
     # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and an infinite lr or weight decay only shows up
     # later as NaN weights.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # frozen: a recipe is read once and never changes (what the data decides lives in the run's plan), so every part
+    # of a run reads the same recipe it was validated as.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

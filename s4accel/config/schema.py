@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import did_you_mean as _did_you_mean
 from .base import Section as _Section
@@ -225,10 +225,6 @@ class Recipe(_Section):
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
 
-    _batches_per_epoch: int | None = PrivateAttr(None)
-    """Training batches per process and pass, known once the data is built (`set_epoch_length`); turns
-    `train.max_epochs` into steps."""
-
     @model_validator(mode="after")
     def _state_needs_text(self):
         if self.train.state.mode != "none" and not self.data.is_lm:
@@ -270,43 +266,51 @@ class Recipe(_Section):
         return self
 
     def _check_warmup(self):
-        if self.warmup_steps > self.total_steps:
-            key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
-            limit = (f"train.max_steps={self.total_steps}" if self.train.max_epochs is None else
-                     f"the {self.total_steps} steps of train.max_epochs={self.train.max_epochs}")
-            raise ValueError(f"{key}: {self.warmup_steps} warmup steps are more than {limit}")
+        message = self.warmup_problem(self.total_steps)
+        if message:
+            raise ValueError(message)
 
-    def set_epoch_length(self, batches_per_epoch: int) -> None:
-        """Training batches per process and pass over the data, once the data is built: `total_steps` follows
-        from `train.max_epochs`. A ValueError when the warmup is then longer than the run."""
-        self._batches_per_epoch = batches_per_epoch
-        if self.train.max_epochs is not None:
-            self._check_warmup()
+    def warmup_problem(self, total_steps: int) -> str | None:
+        """Why the warmup cannot fit a run of `total_steps` steps, or None."""
+        warmup = self.warmup_steps_for(total_steps)
+        if warmup <= total_steps:
+            return None
+        key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
+        limit = (f"train.max_steps={total_steps}" if self.train.max_epochs is None else
+                 f"the {total_steps} steps of train.max_epochs={self.train.max_epochs}")
+        return f"{key}: {warmup} warmup steps are more than {limit}"
 
-    @property
-    def total_steps(self) -> int:
-        """Optimizer steps the run trains for: `train.max_steps`, or what `train.max_epochs` comes to (the smaller
-        when both are set)."""
+    def total_steps_for(self, batches_per_epoch: int | None) -> int:
+        """Optimizer steps the run trains for: `train.max_steps`, or what `train.max_epochs` comes to with
+        `batches_per_epoch` training batches per process and pass (the smaller when both are set)."""
         cfg = self.train
         if cfg.max_epochs is None:
             return cfg.max_steps
-        if self._batches_per_epoch is None:
-            raise RuntimeError("train.max_epochs: the number of steps is known once the data is built "
-                               "(Recipe.set_epoch_length)")
-        by_epochs = max(1, math.ceil(cfg.max_epochs * self._batches_per_epoch / cfg.grad_accum))
+        if batches_per_epoch is None:
+            raise ValueError("train.max_epochs: the number of steps is known once the data is built")
+        by_epochs = max(1, math.ceil(cfg.max_epochs * batches_per_epoch / cfg.grad_accum))
         return by_epochs if cfg.max_steps is None else min(by_epochs, cfg.max_steps)
+
+    def warmup_steps_for(self, total_steps: int) -> int:
+        if self.scheduler.warmup_steps or not self.scheduler.warmup_ratio:
+            return self.scheduler.warmup_steps
+        return math.ceil(self.scheduler.warmup_ratio * total_steps)
+
+    @property
+    def total_steps(self) -> int:
+        """`train.max_steps`; with `train.max_epochs` the run's length depends on its data: ask its plan
+        (`training/plan.py`) instead."""
+        return self.total_steps_for(None)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup_steps_for(self.total_steps)
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    @property
-    def warmup_steps(self) -> int:
-        if self.scheduler.warmup_steps or not self.scheduler.warmup_ratio:
-            return self.scheduler.warmup_steps
-        return math.ceil(self.scheduler.warmup_ratio * self.total_steps)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

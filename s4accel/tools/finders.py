@@ -44,7 +44,7 @@ def suggest(lrs: list[float], smoothed: list[float], skip_start: int = 3, skip_e
 def task_for_probe(recipe: Recipe, accelerator, build_dir: Path, what: str):
     """The recipe's task, set up for a throwaway run (its files in `build_dir`), with its data built. A task with
     manual optimisation is refused: these tools step one optimizer on the task's loss."""
-    from ..training.step import set_epoch_length
+    from ..training.plan import make_plan
     from ..training.task import TaskContext, load_task
 
     task = load_task(recipe)
@@ -56,7 +56,8 @@ def task_for_probe(recipe: Recipe, accelerator, build_dir: Path, what: str):
     with accelerator.main_process_first():
         context.data = task.build_data()
     # the sweeps use no schedule, but building the task's optimizers builds one: its length must be known
-    set_epoch_length(recipe, task.dataloaders(context.data)[0], accelerator.num_processes, task.prepare_train_loader)
+    context.plan = make_plan(recipe, task.dataloaders(context.data)[0], accelerator.num_processes,
+                             task.prepare_train_loader)
     return task, context.data
 
 

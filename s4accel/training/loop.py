@@ -36,7 +36,8 @@ from .pretrained import freeze
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .run_dir import RunDir
 from .run_lock import RunLock
-from .step import Stepper, agree, batch_stream, save_checked, set_epoch_length
+from .plan import make_plan
+from .step import Stepper, agree, batch_stream, save_checked
 from .task import Task, TaskContext, TrainOptimizer, load_task
 from .tracking import build_trackers, check_tracker_kwargs
 
@@ -129,7 +130,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
     meter = Meter(accelerator, state, recipe.log)
-    total = recipe.total_steps  # train.max_steps, or what train.max_epochs comes to
+    total = context.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     bar = tqdm(total=total, initial=state.step, desc="train", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
@@ -257,7 +258,7 @@ def build(task: Task, context: TaskContext, recipe: Recipe):
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     train_dl, val_dl = task.dataloaders(context.data)  # before the schedules: train.max_epochs counts its batches
-    set_epoch_length(recipe, train_dl, context.accelerator.num_processes, task.prepare_train_loader)
+    context.plan = make_plan(recipe, train_dl, context.accelerator.num_processes, task.prepare_train_loader)
     optimizers = check_optimizers(task.build_optimizers(model), task)  # schedules stay out of prepare()
     return model, optimizers, train_dl, val_dl
 

@@ -15,33 +15,10 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import NonFiniteError, RecipeError
+from ..errors import NonFiniteError
 from ..models.moe import ROUTER_LOSSES, router_outputs
 from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, count_items
-
-
-def set_epoch_length(recipe, train_dl, num_processes: int, sharded: bool) -> None:
-    """Tell the recipe how many batches each process draws per pass (`train.max_epochs` becomes steps), before the
-    schedules are built. A loader that `accelerator.prepare` shards deals its batches out in turn and, unless the
-    loader drops the last partial batch, pads the last round so that every process draws as many (Accelerate's
-    `even_batches`); an unsharded loader is this process's own already."""
-    if recipe.train.max_epochs is None:
-        return
-    batches = _length(train_dl)
-    if batches is None:
-        raise RecipeError("train.max_epochs: this task's training data has no length (a stream has no epochs); set "
-                          "train.max_steps instead")
-    if sharded and num_processes > 1:
-        drop_last = getattr(getattr(train_dl, "batch_sampler", None), "drop_last", False)
-        batches = batches // num_processes + (0 if drop_last or batches % num_processes == 0 else 1)
-    if batches == 0:
-        raise RecipeError("train.max_epochs: the training data makes no full batch per process; lower "
-                          "data.batch_size or set train.max_steps")
-    try:
-        recipe.set_epoch_length(batches)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
 
 
 def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda: None, on_epoch_end=lambda: None):

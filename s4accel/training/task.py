@@ -79,7 +79,8 @@ class TrainOptimizer:
 @dataclass
 class TaskContext:
     """What the loop hands a task once (`Task.setup`), before `build_data`. The loop owns it: it sets `data` when
-    `build_data` has returned and `optimizers` when they are prepared; the task only reads."""
+    `build_data` has returned, `plan` when the loaders exist (before `build_optimizers`) and `optimizers` when they are
+    prepared; the task only reads."""
 
     accelerator: Any
     run_dir: Path
@@ -88,6 +89,8 @@ class TaskContext:
     """Where `build_data` may write files (a trained tokenizer): a staging folder for a new run, moved into the run
     directory once every check has passed; the run directory itself when resuming."""
     data: TaskData | None = None
+    plan: Any = None
+    """The run's length (`training/plan.py`: batches per epoch, total and warmup steps), computed once."""
     optimizers: dict[str, TrainOptimizer] = field(default_factory=dict)
 
 
@@ -164,8 +167,12 @@ class Task:
         """The recipe's schedule (`scheduler`, warmup, the run's length) for an optimizer of your own."""
         from .optim import build_scheduler
 
-        r = self.recipe
-        return build_scheduler(optimizer, r.scheduler, r.warmup_steps, r.total_steps)
+        plan = self.context.plan if self.context is not None else None
+        if plan is None:  # outside a run (a model described by `show`): the recipe's own length
+            from .plan import Plan
+
+            plan = Plan(None, self.recipe.total_steps, self.recipe.warmup_steps)
+        return build_scheduler(optimizer, self.recipe.scheduler, plan.warmup_steps, plan.total_steps)
 
     def dataloaders(self, data: TaskData):
         """(train, validation) loaders: shuffled full batches of `data.batch_size` with a seeded generator, and the
