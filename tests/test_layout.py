@@ -85,3 +85,34 @@ def test_the_loop_fits_on_a_screen_and_no_module_is_a_god_file():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
              if "models" not in p.parts}  # the modeling files follow transformers' one-file-per-model layout
     assert max(sizes.values()) <= 420, sizes
+
+
+def calls_and_writes():
+    """(module, what) for each call of a task's building methods and each assignment to an attribute of a `task` or
+    `recipe` variable (or `self.recipe`), anywhere in the package."""
+    building = {"build_data", "dataloaders", "build_optimizers", "build_model", "setup"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        module = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in building \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "task":
+                found.append((module, f"task.{node.func.attr}()"))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "TaskContext":
+                found.append((module, "TaskContext()"))
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for part in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(part, ast.Attribute) and ast.unparse(part.value) in ("task", "recipe",
+                                                                                        "self.recipe"):
+                        found.append((module, f"{ast.unparse(part)} ="))
+    return found
+
+
+def test_one_place_builds_a_run_and_nothing_writes_into_the_task_or_the_recipe():
+    """train, eval, lr-find, find-batch-size and show build through training/setup.py; the loop reads what a task
+    returns (its loaders, a window's statistics) instead of attributes it sets, and the recipe is never written."""
+    found = calls_and_writes()
+    outside = [(m, what) for m, what in found if m != "training/setup.py"]
+    assert not outside, outside

@@ -41,24 +41,17 @@ def suggest(lrs: list[float], smoothed: list[float], skip_start: int = 3, skip_e
     return lrs[idx[best]]
 
 
-def task_for_probe(recipe: Recipe, accelerator, build_dir: Path, what: str):
-    """The recipe's task, set up for a throwaway run (its files in `build_dir`), with its data built. A task with
-    manual optimisation is refused: these tools step one optimizer on the task's loss."""
-    from ..training.plan import make_plan
-    from ..training.task import TaskContext, load_task
+def probe_run(recipe: Recipe, accelerator, build_dir: Path, what: str):
+    """The recipe's run built for a throwaway probe (its files in `build_dir`; nothing of the run directory is
+    touched). A task with manual optimisation is refused: these tools step one optimizer on the task's loss."""
+    from ..training.setup import build_run
+    from ..training.task import load_task
 
     task = load_task(recipe)
     if not task.automatic_optimization:
         raise RecipeError(f"{what}: {type(task).__name__} uses manual optimisation; {what} steps one optimizer on "
                           f"the task's loss")
-    context = TaskContext(accelerator, recipe.run.dir, build_dir)
-    task.setup(context)
-    with accelerator.main_process_first():
-        context.data = task.build_data()
-    # the sweeps use no schedule, but building the task's optimizers builds one: its length must be known
-    context.plan = make_plan(recipe, task.dataloaders(context.data)[0], accelerator.num_processes,
-                             task.prepare_train_loader)
-    return task, context.data
+    return build_run(recipe, accelerator, build_dir, task=task)
 
 
 def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100, beta: float = 0.98,
@@ -71,20 +64,17 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
         raise RecipeError(f"lr-find: steps must be >= 8, got {steps}")
     import tempfile
 
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from ..training.setup import make_accelerator
     from ..training.step import backward_window
 
-    accelerator = Accelerator(cpu=not torch.accelerator.is_available(),
-                              mixed_precision=recipe.train.mixed_precision)
+    accelerator = make_accelerator(recipe, trackers=False)  # the loop's precision, accumulation and sampler
     set_seed(recipe.run.seed)
     with tempfile.TemporaryDirectory(prefix="s4accel-lr-find-") as tmp:
-        task, data = task_for_probe(recipe, accelerator, Path(tmp), "lr-find")
-        model = task.build_model()
-        optimizer = task.build_optimizers(model)[0].optimizer
-        train_dl, _ = task.dataloaders(data)
-    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+        run = probe_run(recipe, accelerator, Path(tmp), "lr-find")
+    task = run.task
+    model, optimizer, train_dl = accelerator.prepare(run.model, run.optimizers[0].optimizer, run.loaders.train)
     # the groups' own rates (a schedule has already scaled `lr` by its warmup factor; `initial_lr` is the unscaled one)
     base = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
     ratios = [b / max(base) for b in base]
@@ -95,12 +85,13 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
         lr = min_lr * (max_lr / min_lr) ** (i / (steps - 1))
         for group, ratio in zip(optimizer.param_groups, ratios):
             group["lr"] = lr * ratio
-        try:
-            batch = next(batches)
-        except StopIteration:
-            batches = iter(train_dl)
-            batch = next(batches)
-        scalars = backward_window(accelerator, model, [batch], task, i)  # the task's loss, as the loop computes it
+        window = []  # a step of the loop's size: train.grad_accum micro-batches, as the Accelerator accumulates
+        while len(window) < accelerator.gradient_accumulation_steps:
+            try:
+                window.append(next(batches))
+            except StopIteration:
+                batches = iter(train_dl)
+        scalars = backward_window(accelerator, model, window, task, i)  # the task's loss, as the loop computes it
         if recipe.train.clip_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), recipe.train.clip_grad_norm)
         optimizer.step()
@@ -171,23 +162,22 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
     import resource
     import tempfile
 
-    from accelerate import Accelerator
     from torch.utils.data import default_collate
 
-    from ..training.loop import enable_activation_checkpointing
+    from ..training.setup import make_accelerator
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    accelerator = Accelerator(cpu=device.type == "cpu")
+    accelerator = make_accelerator(recipe, trackers=False)
+    device = accelerator.device
     with tempfile.TemporaryDirectory(prefix="s4accel-batch-") as tmp:
-        task, data = task_for_probe(recipe, accelerator, Path(tmp), "find-batch-size")
+        run = probe_run(recipe, accelerator, Path(tmp), "find-batch-size")  # the recipe's freezing and activation
+        # checkpointing included: the memory the real run will need
+    task, data = run.task, run.context.data
     if len(data.train) < batch_size:
         raise RecipeError(f"batch-size probe: the train split has only {len(data.train)} examples (< {batch_size})")
     examples = [data.train[i] for i in range(batch_size)]
     batch = {k: v.to(device) for k, v in (data.collate_fn or default_collate)(examples).items()}
-    model = task.build_model().to(device)
-    if recipe.train.activation_checkpointing:  # the memory the real run will need
-        enable_activation_checkpointing(model)
-    optimizer = task.build_optimizers(model)[0].optimizer
+    model = run.model.to(device)
+    optimizer = run.optimizers[0].optimizer
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.train.mixed_precision or "no")

@@ -39,12 +39,11 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     loads the folder's `model.safetensors` into it."""
     import tempfile
 
-    from accelerate import Accelerator
-
     from ..data import data_spec
     from ..training.evaluate import evaluate
     from ..training.safe_load import _resolve
-    from ..training.task import TaskContext, load_task
+    from ..training.setup import build_run, make_accelerator
+    from ..training.task import load_task
 
     recipe = _scoring(recipe, data)
     model_dir = _resolve(ref, which)[0]
@@ -55,22 +54,22 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     if builtin:
         check_model_kind(model_dir, recipe)
     task = load_task(recipe, **({"tokenizer_dir": model_dir} if builtin and recipe.data.is_text else {}))
-    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
-    with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
-        context = TaskContext(accelerator, recipe.run.dir, Path(tmp))
-        task.setup(context)
-        with accelerator.main_process_first():
-            context.data = task.build_data()
-    if builtin:
+
+    def trained(task):  # the saved model in place of a new one, once the data is built
+        if not builtin:
+            return _own_model(task, recipe, model_dir)
         model = load_model(ref, which)[0]
         for key, value in data_spec(recipe.data, task.data).items():
             if key in ("vocab_size", "d_input", "num_labels") and getattr(model.config, key, None) != value:
                 raise ModelError(f"{model_dir}: the model has {key}={getattr(model.config, key, None)} but the "
                                  f"recipe's data gives {value}: not the data this model was trained on")
-    else:
-        model = _own_model(task, model_dir)
-    _, val_dl = task.dataloaders(context.data)
-    model, val_dl = accelerator.prepare(model, val_dl)
+        return model
+
+    accelerator = make_accelerator(recipe, trackers=False)  # the precision the run evaluated in
+    with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
+        run = build_run(recipe, accelerator, Path(tmp), task=task, model=trained, optimizers=False)
+    model, val_dl = accelerator.prepare(run.model, run.loaders.val)
+    del run
     metrics = evaluate(accelerator, task, model, val_dl, progress=True)
     del model, val_dl
     finish(accelerator)
@@ -118,13 +117,14 @@ def _scoring(recipe: Recipe, data) -> Recipe:
     return recipe.model_copy(update=updates)
 
 
-def _own_model(task, model_dir: Path):
+def _own_model(task, recipe: Recipe, model_dir: Path):
     """A task of your own: its model, with the folder's weights (safetensors only), every tensor matched."""
     from safetensors.torch import load_file
 
     from ..training.safe_load import weight_files
+    from ..training.setup import build_model
 
-    model = task.build_model()
+    model = build_model(task, recipe)
     state = {}
     for f in weight_files(model_dir, model_dir):
         state.update(load_file(f))

@@ -11,14 +11,10 @@ from ..config import Recipe
 def summary_model(recipe: Recipe):
     """(the task, its model on the meta device). The task gets a throwaway build folder: nothing is written to the
     run directory."""
-    import torch
-    from accelerate import Accelerator
+    from ..training.setup import make_accelerator, setup_task
 
-    from ..training.task import TaskContext, load_task
-
-    task = load_task(recipe)
     with tempfile.TemporaryDirectory(prefix="s4accel-show-") as tmp:
-        task.setup(TaskContext(Accelerator(cpu=not torch.accelerator.is_available()), recipe.run.dir, Path(tmp)))
+        task, _ = setup_task(recipe, make_accelerator(recipe, trackers=False), Path(tmp))
         return task, task.summary_model()
 
 

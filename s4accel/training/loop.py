@@ -17,34 +17,27 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin, set_seed
+from accelerate import PartialState
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..config import Recipe, flatten, load_recipe
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
-from .checkpoint import TrainState, checkpoint_step
+from .checkpoint import TrainState
 from .console import RUN_LOG, quiet_libraries
 from .ending import finish
 from .evaluate import evaluate, evaluate_and_report
 from .metrics import Meter
 from .preemption import StopSignals
 from .profiling import Profile
-from .pretrained import freeze
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .run_dir import RunDir
 from .run_lock import RunLock
-from .plan import make_plan
+from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
-from .task import Task, TaskContext, TrainOptimizer, load_task
-from .tracking import build_trackers, check_tracker_kwargs
-
-CPU = not torch.accelerator.is_available()
-"""No accelerator: processes started by `accelerate launch --multi_gpu` (torchrun) must be told they are CPU
-processes, or each runs alone; with cpu=True they form a gloo group (DistributedType.MULTI_CPU)."""
-
+from .task import Loaders, Task, TrainOptimizer, load_task
+from .tracking import check_tracker_kwargs
 
 @dataclass
 class TrainResult:
@@ -99,15 +92,15 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)
 
-    # 1. Data, model, optimizers, loaders, all built before anything is written into the run directory; then the
-    # run directory (an earlier run moved aside) and everything through accelerator.prepare.
-    context = TaskContext(accelerator, run_dir, run_files.build_dir)
-    task.setup(context)
+    # 1. Data, model, loaders, plan, optimizers (setup.py), all built before anything is written into the run
+    # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
     with run_files.building():
-        model, optimizers, train_dl, val_dl = build(task, context, recipe)
+        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
     run_files.commit(recipe.to_yaml())
-    model, optimizers, train_dl, val_dl = prepare(accelerator, task, model, optimizers, train_dl, val_dl)
+    context, plan = built.context, built.plan
+    model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
     context.optimizers = {o.name: o for o in optimizers}
+    del built  # the unprepared objects: the prepared ones above replace them
 
     # 2. What a checkpoint holds, in registration order (the checkpoint format): schedules, loop counters, the task's
     # own state (stateful training's carried state), stateful callbacks; restored when resuming.
@@ -130,7 +123,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
     meter = Meter(accelerator, state, recipe.log)
-    total = context.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
+    total = plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     bar = tqdm(total=total, initial=state.step, desc="train", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
     eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
@@ -200,31 +193,6 @@ def due(step: int, every: int, last: int | None = None) -> bool:
     return bool(every and step % every == 0) or step == last
 
 
-def make_accelerator(recipe: Recipe, ckpt: Path | None) -> Accelerator:
-    cfg = recipe.train
-    if cfg.tf32 and torch.cuda.is_available():  # before any CUDA work; Ampere and newer
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cudnn.allow_tf32 = True
-    return Accelerator(
-        cpu=CPU,
-        mixed_precision=cfg.mixed_precision,  # None: from the accelerate config / launch flags
-        # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
-        # Resuming mid-epoch replays exactly the batches of an uninterrupted run only with the seedable sampler (with
-        # `set_epoch` every epoch and `skip_first_batches` in the resumed one): any other setup reshuffles.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        log_with=build_trackers(recipe.log.log_with, recipe.run.name, recipe.run.dir,
-                                resume_step=checkpoint_step(ckpt) if ckpt else None,
-                                kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
-                                backoff_s=recipe.log.tracker_backoff_s) or None,
-        project_dir=str(recipe.run.dir),
-        step_scheduler_with_optimizer=False,
-        # torch.compile in prepare(), after DDP wrapping; each distinct repeated block compiled once (regional).
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode, use_regional_compilation=True)
-        if cfg.compile else None,  # None: from the accelerate config / launch flags
-    )
-
-
 def setup_warnings(accelerator) -> list[str]:
     """What the launch asked for that does not happen here."""
     out = []
@@ -244,23 +212,6 @@ def setup_warnings(accelerator) -> list[str]:
         warnings.warn("fp16 mixed precision has no effect on CPU (Accelerate runs float32 there, without a "
                       "GradScaler); use train.mixed_precision=bf16 for half precision on CPU", stacklevel=3)
     return out
-
-
-def build(task: Task, context: TaskContext, recipe: Recipe):
-    """The task's data (the main process first: it tokenises, or trains a BPE, and the others read its cache), model,
-    optimizers and loaders."""
-    with context.accelerator.main_process_first():
-        context.data = task.build_data()
-    model = build_model(task, recipe)
-    if recipe.model.freeze:  # fixed parameters, out of the optimizer built next
-        frozen = freeze(model, recipe.model.freeze)
-        context.accelerator.print(f"model.freeze: {len(frozen)} parameter tensor(s) fixed")
-    if recipe.train.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    train_dl, val_dl = task.dataloaders(context.data)  # before the schedules: train.max_epochs counts its batches
-    context.plan = make_plan(recipe, train_dl, context.accelerator.num_processes, task.prepare_train_loader)
-    optimizers = check_optimizers(task.build_optimizers(model), task)  # schedules stay out of prepare()
-    return model, optimizers, train_dl, val_dl
 
 
 def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl) -> None:
@@ -293,19 +244,6 @@ def frozen_setup_objects():
         gc.unfreeze()
 
 
-def build_model(task: Task, recipe: Recipe):
-    """The task's model; a model too large for the memory is a recipe error naming the size, not a traceback."""
-    try:
-        return task.build_model()
-    except (RuntimeError, MemoryError) as e:
-        text = str(e)
-        if isinstance(e, RuntimeError) and "alloc" not in text.lower() and "memory" not in text.lower():
-            raise
-        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        raise RecipeError(f"model: cannot allocate {recipe.model.name} with model.overrides {recipe.model.overrides} "
-                          f"({first[:200]}); choose a smaller size") from None
-
-
 def build_callbacks(recipe: Recipe) -> CallbackList:
     """Built-ins first, in a fixed order (EMA adds its metrics before the others read them), then the recipe's."""
     ema = EMA(**recipe.train.ema.model_dump()) if recipe.train.ema is not None else None
@@ -321,35 +259,14 @@ def build_callbacks(recipe: Recipe) -> CallbackList:
     return CallbackList(cbs)
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Each block recomputes its activations in the backward pass (transformers' `activation_checkpointing_enable`,
-    non-reentrant `torch.utils.checkpoint`, which replays dropout's and the router jitter's RNG: same gradients)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    try:
-        if enable is None:
-            raise ValueError(f"{type(model).__name__} has no activation_checkpointing_enable()")
-        enable()
-    except ValueError as e:
-        raise RecipeError(f"train.activation_checkpointing: {e}") from None
-
-
-def check_optimizers(optimizers, task: Task) -> list[TrainOptimizer]:
-    optimizers = list(optimizers)
-    names = [o.name for o in optimizers if isinstance(o, TrainOptimizer)]
-    if not optimizers or len(names) != len(optimizers) or len(set(names)) != len(names):
-        raise RecipeError(f"{type(task).__name__}.build_optimizers must return a non-empty list of "
-                          f"s4accel.TrainOptimizer with distinct names")
-    return optimizers
-
-
-def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], train_dl, val_dl):
+def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], loaders: Loaders):
     """Everything through `accelerator.prepare` in one call (DeepSpeed and FSDP need model and optimizers together),
     except: a stream loader of stateful training (fixed rows per process in text order; a sharded loader would
     interleave them, so a carried state would continue another row's text), and under manual optimisation the DDP
     wrapper (`Task.step` averages gradients itself)."""
     from accelerate.utils import DistributedType
 
-    shard_train = task.prepare_train_loader
+    train_dl, val_dl, shard_train = loaders
     objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train else []), val_dl]
     if task.automatic_optimization:
         model, *objs = accelerator.prepare(model, *objs)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import NonFiniteError
 from ..models.moe import ROUTER_LOSSES, router_outputs
 from .checkpoint import TrainState, latest_complete, save_checkpoint
-from .task import Task, TrainOptimizer, count_items
+from .task import Task, TrainOptimizer, WindowStats, count_items
 
 
 def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda: None, on_epoch_end=lambda: None):
@@ -121,7 +121,7 @@ def manual_window(accelerator, model, window: list[dict], task: Task, step: int,
     as for `backward_window` (no optimizer has stepped before the window's last micro-batch)."""
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     near = max(1, ga // 8)
-    task.window_scalars, task.nonfinite_steps = {}, 0
+    stats = task.context.window = WindowStats()  # what the task's step() calls record in this window
     totals: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(window):
         if i and abort is not None and ga - i > near and agree(accelerator, None, signal=abort()).signal:
@@ -131,7 +131,7 @@ def manual_window(accelerator, model, window: list[dict], task: Task, step: int,
         for k, v in out.items():
             v = torch.as_tensor(v).detach().float() / (ga * n_proc)
             totals[k] = totals[k] + v if k in totals else v
-    return {**totals, **task.window_scalars}
+    return {**totals, **{f"grad_norm_{name}": norm for name, norm in stats.grad_norms.items()}}
 
 
 def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
@@ -319,7 +319,7 @@ class Stepper:
             objective = scalars["loss"] + scalars.get("aux_loss", 0)
             nonfinite = ~torch.isfinite(objective + scalars.get("grad_norm", 0))
         else:  # the task stepped its optimizers itself, on the window's last micro-batch
-            nonfinite = torch.tensor(task.nonfinite_steps > 0)
+            nonfinite = torch.tensor(task.context.window.nonfinite_steps > 0)
         # One check per step, the same decision on every process: a process that broke out of a collective alone
         # would leave the others waiting in it forever.
         flags = agree(acc, nonfinite, signal=self.signals.interrupted(), stop=stop_requested, save=self.clock.due())

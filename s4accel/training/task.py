@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,6 +76,33 @@ class TrainOptimizer:
     scheduler: Any
 
 
+class Loaders(NamedTuple):
+    """What `Task.dataloaders` returns: the training and validation loaders, and whether `accelerator.prepare` may
+    shard the training loader across processes (False: the task feeds each process its own share already)."""
+
+    train: Any
+    val: Any
+    shard_train: bool = True
+
+
+def as_loaders(result, task: Task) -> Loaders:
+    """A task's `dataloaders` result as `Loaders`; a plain (train, val) pair is sharded as the task's class declares
+    (`prepare_train_loader`)."""
+    if isinstance(result, Loaders):
+        return result
+    train, val = result
+    return Loaders(train, val, task.prepare_train_loader)
+
+
+@dataclass
+class WindowStats:
+    """What a manual-optimisation task's `step` calls did in one accumulation window: each optimizer's gradient norm
+    and the updates skipped for non-finite gradients. The loop starts a new one per window and reads it after."""
+
+    grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)
+    nonfinite_steps: int = 0
+
+
 @dataclass
 class TaskContext:
     """What the loop hands a task once (`Task.setup`), before `build_data`. The loop owns it: it sets `data` when
@@ -92,6 +119,8 @@ class TaskContext:
     plan: Any = None
     """The run's length (`training/plan.py`: batches per epoch, total and warmup steps), computed once."""
     optimizers: dict[str, TrainOptimizer] = field(default_factory=dict)
+    window: WindowStats = field(default_factory=WindowStats)
+    """Manual optimisation: the current window's `step` statistics (the loop's, replaced each window)."""
 
 
 class Task:
@@ -100,7 +129,8 @@ class Task:
     automatic_optimization: bool = True
     """False: `training_step` calls `self.backward` and `self.step` itself."""
     prepare_train_loader: bool = True
-    """False: the loop does not shard the training loader across processes (the task feeds each process its own)."""
+    """False: the loop does not shard the training loader across processes (the task feeds each process its own).
+    A task whose choice depends on the recipe returns `Loaders(train, val, shard_train=...)` instead."""
     metric_names: tuple[str, ...] = ()
     """Names `compute_metrics` returns; when given, recipe keys naming a metric (checkpoint.best_metric,
     train.early_stopping.metric) are checked against them before training starts."""
@@ -110,8 +140,6 @@ class Task:
             raise TypeError(f"unexpected argument(s) {', '.join(args)}")
         self.recipe = recipe
         self.context: TaskContext | None = None  # handed over once by setup()
-        self.window_scalars: dict[str, torch.Tensor] = {}  # manual optimisation: grad norms of this window's steps
-        self.nonfinite_steps = 0  # manual optimisation: updates skipped for NaN/inf gradients in this window
 
     def setup(self, context: TaskContext) -> None:
         """Called once, before `build_data`, by the loop (and by the tools that build a task's model)."""
@@ -175,15 +203,17 @@ class Task:
         return build_scheduler(optimizer, self.recipe.scheduler, plan.warmup_steps, plan.total_steps)
 
     def dataloaders(self, data: TaskData):
-        """(train, validation) loaders: shuffled full batches of `data.batch_size` with a seeded generator, and the
-        validation split in order, cut to `train.eval_max_batches` per process."""
+        """`Loaders(train, val, shard_train)` (a plain (train, val) pair is accepted too): shuffled full batches of
+        `data.batch_size` with a seeded generator, and the validation split in order, cut to
+        `train.eval_max_batches` per process."""
         from torch.utils.data import default_collate
 
         from ..data import build_dataloaders
 
         r = self.recipe
-        return build_dataloaders(r.data, data, r.run.seed, r.train.eval_max_batches, self.accelerator.num_processes,
-                                 collate=data.collate_fn or default_collate)
+        train, val = build_dataloaders(r.data, data, r.run.seed, r.train.eval_max_batches,
+                                       self.accelerator.num_processes, collate=data.collate_fn or default_collate)
+        return Loaders(train, val, self.prepare_train_loader)
 
     def training_step(self, model, batch: dict, step: int):
         """Automatic: the loss (a 0-d tensor, mean over `count_items(batch)`), or a model output / dict with `loss`
@@ -254,13 +284,14 @@ class Task:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm or math.inf)
-        self.window_scalars[f"grad_norm_{optimizer}"] = norm.detach()
+        window = self.context.window
+        window.grad_norms[optimizer] = norm.detach()
         if torch.isfinite(norm):  # the same on every process: the gradients were averaged first
             spec.optimizer.step()
             if not acc.optimizer_step_was_skipped:
                 spec.scheduler.step()
         else:
-            self.nonfinite_steps += 1
+            window.nonfinite_steps += 1
         spec.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -14,7 +14,7 @@ import torch
 from ..config import ModelCfg
 from ..config.sizes import FAMILIES, MODEL_SIZES
 from ..errors import RecipeError
-from .task import Task, TaskData, count_items
+from .task import Loaders, Task, TaskData, count_items
 
 
 PREPROCESSING = "preprocessing.json"
@@ -82,6 +82,10 @@ class CausalLMTask(BuiltinTask):
         self.stream = self.data.train if getattr(self.data.train, "resumable", False) else None
         if self.stream is not None:
             self.stream.accelerator = acc  # its state is gathered from every process into each checkpoint
+        if self.recipe.train.state.mode != "none":  # the rows' recurrent state, carried from chunk to chunk
+            from .carried_state import CarriedState
+
+            self.carried = CarriedState(self.recipe.train.state, acc)
         return TaskData(self.data.train, self.data.val, collate_lm, self.data.tokenizer, "tokens",
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
@@ -92,20 +96,17 @@ class CausalLMTask(BuiltinTask):
         return build_model(self.recipe, None, device="meta")
 
     def dataloaders(self, data: TaskData):
-        train_dl, val_dl = super().dataloaders(data)
+        train_dl, val_dl, _ = super().dataloaders(data)
         if self.stream is not None:  # every process reads its own share, in order: not sharded again
-            self.prepare_train_loader = False
-            return train_dl, val_dl
+            return Loaders(train_dl, val_dl, shard_train=False)
         if self.recipe.train.state.mode != "none":  # fixed rows per process in text order: a sharded
             # loader would hand a process another row's continuation
             from ..data import stream_loader
-            from .carried_state import CarriedState
 
             acc, d = self.accelerator, self.recipe.data
             train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers)
-            self.prepare_train_loader = False
-            self.carried = CarriedState(self.recipe.train.state, acc)
-        return train_dl, val_dl
+            return Loaders(train_dl, val_dl, shard_train=False)
+        return Loaders(train_dl, val_dl)
 
     def training_step(self, model, batch, step):
         return model(**batch) if self.carried is None else self.carried.forward(model, batch)

@@ -1,0 +1,137 @@
+"""Building a run: the one place that turns a recipe into a task with its data, model, optimizers, loaders and
+length. `train`, `eval`, `lr-find`, `find-batch-size` and `show` all start here, so a feature of the setup (a precision
+policy, document boundaries, another world size) is added once and every command gets it.
+
+    task, context = setup_task(recipe, accelerator, build_dir)      # show: the task, handed its context once
+    run = build_run(recipe, accelerator, build_dir)                 # everything else: a frozen Run
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
+
+from ..config import Recipe
+from ..errors import RecipeError
+from .checkpoint import checkpoint_step
+from .plan import Plan, make_plan
+from .pretrained import freeze
+from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
+from .tracking import build_trackers
+
+CPU = not torch.accelerator.is_available()
+"""No accelerator: processes started by `accelerate launch --multi_gpu` (torchrun) must be told they are CPU
+processes, or each runs alone; with cpu=True they form a gloo group (DistributedType.MULTI_CPU)."""
+
+
+def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = True) -> Accelerator:
+    """The Accelerator every command builds from a recipe: its precision, accumulation and seeded sampler, compiled
+    when asked; the recipe's trackers only for a training run (`trackers`), resumed at `ckpt`'s step."""
+    cfg = recipe.train
+    if cfg.tf32 and torch.cuda.is_available():  # before any CUDA work; Ampere and newer
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+    return Accelerator(
+        cpu=CPU,
+        mixed_precision=cfg.mixed_precision,  # None: from the accelerate config / launch flags
+        # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        # Resuming mid-epoch replays exactly the batches of an uninterrupted run only with the seedable sampler (with
+        # `set_epoch` every epoch and `skip_first_batches` in the resumed one): any other setup reshuffles.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        log_with=(build_trackers(recipe.log.log_with, recipe.run.name, recipe.run.dir,
+                                 resume_step=checkpoint_step(ckpt) if ckpt else None,
+                                 kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
+                                 backoff_s=recipe.log.tracker_backoff_s) if trackers else None) or None,
+        project_dir=str(recipe.run.dir),
+        step_scheduler_with_optimizer=False,
+        # torch.compile in prepare(), after DDP wrapping; each distinct repeated block compiled once (regional).
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode, use_regional_compilation=True)
+        if cfg.compile else None,  # None: from the accelerate config / launch flags
+    )
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as built, before `accelerator.prepare`: each piece made once, in the order below."""
+
+    task: Task
+    context: TaskContext
+    """What the task was handed (the accelerator, its folders, its data, the plan)."""
+    model: torch.nn.Module
+    optimizers: list[TrainOptimizer]
+    """Empty when built for evaluation alone."""
+    loaders: Loaders
+    plan: Plan
+
+
+def setup_task(recipe: Recipe, accelerator, build_dir: Path | None, task: Task | None = None
+               ) -> tuple[Task, TaskContext]:
+    """The recipe's task (imported and checked, unless given), set up with its context."""
+    task = task if task is not None else load_task(recipe)
+    context = TaskContext(accelerator, recipe.run.dir, build_dir)
+    task.setup(context)
+    return task, context
+
+
+def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task | None = None,
+              model: Callable[[Task], torch.nn.Module] | None = None, optimizers: bool = True) -> Run:
+    """Task, data (the main process first: it tokenises, or trains a BPE, and the others read its cache), model
+    (`model(task)` instead of the task's own: a trained one loaded for evaluation), the recipe's freezing and
+    activation checkpointing, loaders, the plan (before the schedules: `train.max_epochs` counts batches), then the
+    optimizers with their schedules (unless `optimizers=False`)."""
+    task, context = setup_task(recipe, accelerator, build_dir, task)
+    with accelerator.main_process_first():
+        context.data = task.build_data()
+    if model is None:
+        net = build_model(task, recipe)
+        if recipe.model.freeze:  # fixed parameters, out of the optimizer built next
+            frozen = freeze(net, recipe.model.freeze)
+            accelerator.print(f"model.freeze: {len(frozen)} parameter tensor(s) fixed")
+        if recipe.train.activation_checkpointing:
+            enable_activation_checkpointing(net)
+    else:
+        net = model(task)
+    loaders = as_loaders(task.dataloaders(context.data), task)
+    context.plan = make_plan(recipe, loaders.train, accelerator.num_processes, loaders.shard_train)
+    built = check_optimizers(task.build_optimizers(net), task) if optimizers else []
+    return Run(task, context, net, built, loaders, context.plan)
+
+
+def build_model(task: Task, recipe: Recipe):
+    """The task's model; a model too large for the memory is a recipe error naming the size, not a traceback."""
+    try:
+        return task.build_model()
+    except (RuntimeError, MemoryError) as e:
+        text = str(e)
+        if isinstance(e, RuntimeError) and "alloc" not in text.lower() and "memory" not in text.lower():
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise RecipeError(f"model: cannot allocate {recipe.model.name} with model.overrides {recipe.model.overrides} "
+                          f"({first[:200]}); choose a smaller size") from None
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Each block recomputes its activations in the backward pass (transformers' `activation_checkpointing_enable`,
+    non-reentrant `torch.utils.checkpoint`, which replays dropout's and the router jitter's RNG: same gradients)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    try:
+        if enable is None:
+            raise ValueError(f"{type(model).__name__} has no activation_checkpointing_enable()")
+        enable()
+    except ValueError as e:
+        raise RecipeError(f"train.activation_checkpointing: {e}") from None
+
+
+def check_optimizers(optimizers, task: Task) -> list[TrainOptimizer]:
+    optimizers = list(optimizers)
+    names = [o.name for o in optimizers if isinstance(o, TrainOptimizer)]
+    if not optimizers or len(names) != len(optimizers) or len(set(names)) != len(names):
+        raise RecipeError(f"{type(task).__name__}.build_optimizers must return a non-empty list of "
+                          f"s4accel.TrainOptimizer with distinct names")
+    return optimizers
