@@ -3,6 +3,7 @@ and recipe errors answer at once."""
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -23,10 +24,20 @@ SetOpt = Annotated[list[str] | None, typer.Option(
     help="Override a recipe value (YAML-parsed), e.g. --set optim.lr=1e-3; repeatable.")]
 
 
-def _fail(e: S4AccelError) -> typer.Exit:
-    for line in str(e).splitlines():
-        typer.echo(f"error: {line}", err=True)
-    return typer.Exit(e.exit_code)
+def command(*args, **kwargs):
+    """`@app.command()`, with an error a user can cause (any `S4AccelError`) printed as `error: ...` lines and the
+    error's exit code, without a traceback: one place for what every command did in its own try block."""
+    def register(function):
+        @functools.wraps(function)  # typer reads the wrapped function's signature for the options
+        def run(*a, **kw):
+            try:
+                return function(*a, **kw)
+            except S4AccelError as e:
+                for line in str(e).splitlines():
+                    typer.echo(f"error: {line}", err=True)
+                raise typer.Exit(e.exit_code) from None
+        return app.command(*args, **kwargs)(run)
+    return register
 
 
 ResumeOpt = Annotated[str | None, typer.Option(
@@ -36,7 +47,7 @@ ResumeOpt = Annotated[str | None, typer.Option(
 ForceOpt = Annotated[bool, typer.Option("--force", help="Resume even though training-relevant recipe fields changed.")]
 
 
-@app.command()
+@command()
 def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None, force: ForceOpt = False):
     """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE."""
     from .allocator import keep_freed_memory
@@ -44,13 +55,10 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
 
     keep_freed_memory()  # reuse each step's freed activations instead of faulting them in again (glibc)
 
-    try:
-        resolved = load_recipe(recipe, overrides or [])
-        from .tools.run import train as run_training
+    resolved = load_recipe(recipe, overrides or [])
+    from .tools.run import train as run_training
 
-        result = run_training(resolved, resume=resume, force=force)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    result = run_training(resolved, resume=resume, force=force)
     if not result.is_main_process:
         return
     from .training.console import append_to_log
@@ -67,18 +75,15 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     append_to_log(result.run_dir, line)
 
 
-@app.command()
+@command()
 def show(recipe: RecipeArg, overrides: SetOpt = None,
          depth: Annotated[int, typer.Option("--depth", min=0, help="Levels of the per-layer summary (0: none).")] = 2):
     """Print the resolved recipe, a per-layer summary and the model's parameter count, without training."""
     from .config import load_recipe
     from .tools.summary import describe, layer_table, summary_model
 
-    try:
-        resolved = load_recipe(recipe, overrides or [])
-        task, model = summary_model(resolved)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    resolved = load_recipe(recipe, overrides or [])
+    task, model = summary_model(resolved)
     typer.echo(resolved.to_yaml(), nl=False)
     for line in layer_table(model, depth) if depth else []:
         typer.echo(line)
@@ -89,7 +94,7 @@ ModelArg = Annotated[str, typer.Argument(
     help="A model directory, a run directory (its final/ model) or a Hub repo id (owner/name).", show_default=False)]
 
 
-@app.command()
+@command()
 def generate(
     model: ModelArg,
     prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.", show_default=False)],
@@ -105,14 +110,11 @@ def generate(
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
-    try:
-        text = generate_text(model, prompt, max_new_tokens, temperature, top_p, top_k, seed)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    text = generate_text(model, prompt, max_new_tokens, temperature, top_p, top_k, seed)
     typer.echo(text)
 
 
-@app.command("eval")
+@command("eval")
 def eval_(
     model: ModelArg,
     recipe: RecipeArg,
@@ -130,10 +132,7 @@ def eval_(
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
-    try:
-        metrics = evaluate_model(model, load_recipe(recipe, overrides or []), data=data)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    metrics = evaluate_model(model, load_recipe(recipe, overrides or []), data=data)
     if as_json:
         typer.echo(json.dumps(metrics))
         return
@@ -142,7 +141,7 @@ def eval_(
         typer.echo(f"{key:<{width}}  {value:.4f}")
 
 
-@app.command()
+@command()
 def predict(
     model: ModelArg,
     data: Annotated[Path, typer.Argument(help="A data file or folder (any kind the data section reads), or a recipe "
@@ -156,15 +155,12 @@ def predict(
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
-    try:
-        path = run_predict(model, data, out, batch_size=batch_size)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    path = run_predict(model, data, out, batch_size=batch_size)
     if path is not None:
         typer.echo(f"predictions written to {path}")
 
 
-@app.command()
+@command()
 def push(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).", show_default=False)],
     repo_id: Annotated[str, typer.Option("--repo-id", help="owner/name on the Hub.", show_default=False)],
@@ -182,14 +178,11 @@ def push(
         typer.echo("error: choose one of --best, --final, --ema", err=True)
         raise typer.Exit(2)
     which = "best" if best else "ema" if ema else "final"
-    try:
-        url = push_run(run_dir, repo_id, private=private, revision=revision, which=which)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    url = push_run(run_dir, repo_id, private=private, revision=revision, which=which)
     typer.echo(f"pushed {which} model of {run_dir} to {repo_id}: {url}")
 
 
-@app.command("lr-find")
+@command("lr-find")
 def lr_find(
     recipe: RecipeArg,
     overrides: SetOpt = None,
@@ -203,11 +196,8 @@ def lr_find(
     from .config import load_recipe
     from .tools.finders import find_lr
 
-    try:
-        resolved = load_recipe(recipe, overrides or [])
-        result = find_lr(resolved, min_lr, max_lr, steps, out_dir=out or resolved.run.dir / "lr_find")
-    except S4AccelError as e:
-        raise _fail(e) from None
+    resolved = load_recipe(recipe, overrides or [])
+    result = find_lr(resolved, min_lr, max_lr, steps, out_dir=out or resolved.run.dir / "lr_find")
     if result.plot is None:  # not the main process
         return
     why = " (stopped early: the loss diverged)" if result.stopped_early else ""
@@ -216,7 +206,7 @@ def lr_find(
                f"{suggestion} (set optim.lr); plot {result.plot}")
 
 
-@app.command("find-batch-size")
+@command("find-batch-size")
 def find_batch_size_cmd(
     recipe: RecipeArg,
     memory_mb: Annotated[float, typer.Option("--memory-mb", min=1.0, help="Memory budget of one process, MiB.",
@@ -228,10 +218,7 @@ def find_batch_size_cmd(
     from .config import load_recipe
     from .tools.finders import find_batch_size
 
-    try:
-        result = find_batch_size(load_recipe(recipe, overrides or []), memory_mb, max_batch)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    result = find_batch_size(load_recipe(recipe, overrides or []), memory_mb, max_batch)
     for b, mb in sorted(result.peak_mb.items()):
         typer.echo(f"batch {b:>5}: " + ("out of memory" if mb is None else f"{mb:,.0f} MiB"))
     if result.batch_size is None:
@@ -244,7 +231,7 @@ def find_batch_size_cmd(
                    f"tried (raise --max-batch to look further)")
 
 
-@app.command()
+@command()
 def listops(
     out_dir: Annotated[Path, typer.Argument(help="Folder for basic_train.tsv, basic_val.tsv, basic_test.tsv.",
                                             show_default=False)],
@@ -264,17 +251,14 @@ def listops(
     lra_listops). The defaults are the paper's."""
     from .tools.listops import write_listops
 
-    try:
-        lengths = write_listops(out_dir, train, val, test, min_length, max_length, max_depth, max_args, seed,
-                                overwrite)
-    except S4AccelError as e:
-        raise _fail(e) from None
+    lengths = write_listops(out_dir, train, val, test, min_length, max_length, max_depth, max_args, seed,
+                            overwrite)
     every = [n for split in lengths.values() for n in split]
     typer.echo(f"wrote {train:,} / {val:,} / {test:,} expressions to {out_dir} (symbols per expression: "
                f"{min(every)} to {max(every)}, mean {sum(every) / len(every):.0f})")
 
 
-@app.command()
+@command()
 def models():
     """List the named model sizes a recipe's model.name can take."""
     from .config.sizes import MODEL_SIZES
