@@ -122,7 +122,8 @@ def test_the_cli_turns_user_errors_into_one_line_in_one_place():
     """Every command is registered through cli.command, which prints an S4AccelError as `error: ...` and exits with
     its code; no command repeats that handling."""
     tree = ast.parse((PACKAGE / "cli.py").read_text())
-    handlers = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler) and ast.unparse(n.type) == "S4AccelError"]
+    handlers = [n for n in ast.walk(tree)
+                if isinstance(n, ast.ExceptHandler) and ast.unparse(n.type) == "S4AccelError"]
     assert len(handlers) == 1
     commands = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.decorator_list]
     assert commands and all(ast.unparse(d.func) == "command" for n in commands for d in n.decorator_list), \
