@@ -101,6 +101,19 @@ def test_a_mismatched_checkpoint_is_one_line_and_a_state_hook_makes_it_load(pret
                                tensors["backbone.embeddings.weight"], rtol=0, atol=1e-9)
 
 
+def test_setting_pretrained_on_a_recipe_that_names_a_size_needs_nothing_else(pretrained, text, tmp_path):
+    """The pretrained config wins over the recipe's model.name (which was refused: a second --set was needed); an
+    override that would change the weights' meaning is what gets refused."""
+    result = train_in_process(TINY, lm(text, tmp_path / "a", "train.max_steps=1", f"model.pretrained={pretrained}"))
+    assert result.steps == 1
+    from s4accel.config import load_recipe
+
+    assert load_recipe(TINY, [f"model.pretrained={pretrained}"]).model.name is None
+    with pytest.raises(RecipeError, match=r"model.overrides.d_model: cannot change a pretrained model's d_model"):
+        train_in_process(TINY, lm(text, tmp_path / "b", "train.max_steps=1", f"model.pretrained={pretrained}",
+                                  "model.overrides={d_model: 48}"))
+
+
 def test_overrides_that_would_invalidate_the_weights_are_refused(pretrained, text, tmp_path):
     with pytest.raises(RecipeError, match=r"model.overrides.d_model: cannot change a pretrained model's d_model"):
         train_in_process(TINY, lm(text, tmp_path / "a", "train.max_steps=1",

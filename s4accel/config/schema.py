@@ -91,10 +91,10 @@ class ModelCfg(_Section):
 
     @model_validator(mode="after")
     def _size_or_pretrained(self):
-        if self.pretrained is not None and "name" in self.model_fields_set and self.name is not None:
-            raise ValueError("model.name and model.pretrained: the architecture comes from the pretrained model's "
-                             "config; remove model.name")
         if self.pretrained is not None:
+            # The architecture comes from the pretrained model's config, so a recipe's size gives way to it: adding
+            # `--set model.pretrained=...` to a recipe that names a size needs nothing else. An override that would
+            # change what the weights mean is refused when the pretrained config is read.
             object.__setattr__(self, "name", None)  # written back as `name: null`, so the recipe reloads
         elif self.name is None:
             raise ValueError("model.name: give a model size (see `s4accel models`) or model.pretrained")
