@@ -24,6 +24,9 @@ def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, tempe
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] == 0:  # an empty prompt: a new document, which in training followed a document's end
         ids = torch.tensor([[tokenizer.eos_token_id]])
+    if torch.accelerator.is_available():  # the GPU when there is one
+        device = torch.accelerator.current_accelerator()
+        model, ids = model.to(device), ids.to(device)
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p or 1.0, "top_k": top_k or 0}
