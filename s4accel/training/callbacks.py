@@ -59,7 +59,7 @@ class Callback:
         """After the final model was exported (not called when training fails)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunContext:
     """What callbacks see of a run. `evaluate(model)` returns gathered validation metrics of any model copy (e.g. an
     EMA); `log(values)` logs at the current step; `export(model, dir, extra_files=None)` atomically writes a

@@ -39,7 +39,7 @@ from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .tracking import check_tracker_kwargs
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     run_dir: Path
     final_dir: Path | None
@@ -110,10 +110,12 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     if ckpt is not None:
         resume_from(accelerator, ckpt, saved, optimizers, changed)
     signals = StopSignals()
-    run = RunContext(accelerator, model, optimizers[0].optimizer, optimizers[0].scheduler, state, recipe, run_dir,
-                     context.data.tokenizer,
-                     lambda m: evaluate(accelerator, task, m, val_dl, signals.interrupted, recipe.log.progress_bar),
-                     task.export, task=task, optimizers=optimizers)
+    run = RunContext(accelerator=accelerator, model=model, optimizer=optimizers[0].optimizer,
+                     scheduler=optimizers[0].scheduler, state=state, recipe=recipe, run_dir=run_dir,
+                     tokenizer=context.data.tokenizer,
+                     evaluate=lambda m: evaluate(accelerator, task, m, val_dl, signals.interrupted,
+                                                 recipe.log.progress_bar),
+                     export=task.export, task=task, optimizers=optimizers)
     callbacks.on_train_start(run)
     start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
     run_files.drop_replaced()  # the new run has started: the outputs it replaces go
@@ -156,8 +158,9 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 step.clock.reset()
     batches.close()  # ends a pass the last step completed (its on_epoch_end), as the next batch would have
     bar.close()
-    result = TrainResult(run_dir, None, state.step, eval_metrics, time.perf_counter() - t_start, [],
-                         accelerator.is_main_process, stop_reason, last_ckpt, preempted)
+    result = TrainResult(run_dir=run_dir, final_dir=None, steps=state.step, eval_metrics=eval_metrics,
+                         loop_seconds=time.perf_counter() - t_start, is_main_process=accelerator.is_main_process,
+                         stop_reason=stop_reason, checkpoint=last_ckpt, preempted=preempted)
 
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
