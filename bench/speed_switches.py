@@ -42,7 +42,7 @@ def worker(args) -> dict:
     from s4accel.config import ModelCfg, OptimCfg
     from s4accel.training.tasks_builtin import model_config as build_model_config
     from s4accel.training.optim import build_optimizer
-    from s4accel.training.loop import enable_activation_checkpointing
+    from s4accel.training.setup import enable_activation_checkpointing
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
