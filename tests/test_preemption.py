@@ -25,11 +25,23 @@ def test_a_second_ctrl_c_raises_keyboard_interrupt():
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_a_second_sigterm_raises_keyboard_interrupt():
-    with StopSignals():
-        os.kill(os.getpid(), signal.SIGTERM)
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
+def test_a_sigterm_some_seconds_after_the_first_signal_raises_but_one_right_behind_it_does_not(monkeypatch):
+    """A cluster signals every process of a job and the launcher forwards the signal again (or sends SIGTERM after a
+    Ctrl-C): that repeat must only record, or the preemption checkpoint would never be written. A later one is a
+    second request: stop now."""
+    import time
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    for first in (signal.SIGTERM, signal.SIGINT):
+        with StopSignals() as signals:
+            os.kill(os.getpid(), first)
+            clock[0] += 0.5
+            os.kill(os.getpid(), signal.SIGTERM)  # the same request, delivered twice
+            assert signals.received == first.name
+            clock[0] += StopSignals.REPEAT_AFTER_S
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 @pytest.mark.slow
@@ -55,7 +67,7 @@ def test_a_run_stuck_where_the_loop_never_checks_stops_at_a_second_sigterm(tmp_p
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(2)
+        time.sleep(StopSignals.REPEAT_AFTER_S + 1)
         assert proc.poll() is None  # recorded, waiting for a check that never comes
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -63,3 +75,33 @@ def test_a_run_stuck_where_the_loop_never_checks_stops_at_a_second_sigterm(tmp_p
         proc.kill()
     assert proc.returncode != 0 and "Traceback" not in err, err[-2000:]
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_a_sigterm_delivered_twice_at_once_still_saves_the_preemption_checkpoint(tmp_path, text):
+    """As on a cluster, where the job's every process and the launcher's forwarding both deliver it."""
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO, TINY
+
+    out = tmp_path / "run"
+    overrides = [f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
+                 "train.max_steps=100000", "train.eval_every=0", "checkpoint.every_steps=0", "log.progress_bar=false",
+                 "log.log_with=[jsonl]", "log.log_every=1", "sample.prompts=[]"]
+    proc = subprocess.Popen([sys.executable, "-m", "s4accel", "train", str(TINY),
+                             *[a for o in overrides for a in ("--set", o)]], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "continue with: s4accel train" in stdout and list((out / "checkpoints").glob("step_*/COMPLETE"))

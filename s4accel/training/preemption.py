@@ -2,25 +2,32 @@
 
 Clusters send SIGTERM before they take a machine back (SLURM, Kubernetes; `accelerate launch`/torchrun forward it
 to every worker), and Ctrl-C sends SIGINT to every process of the group. The handler only records the signal; the
-loop agrees on it across processes (any process that got it stops them all) at its next check. A second signal
-(SIGINT or SIGTERM) while the first is being handled raises KeyboardInterrupt at once: for a user who does not want
-to wait, and for a run stuck where the loop never gets to check (a data read that never returns), which a first
-SIGTERM alone would leave running until the cluster's SIGKILL. The last complete checkpoint is kept either way.
+loop agrees on it across processes (any process that got it stops them all) at its next check. A second SIGINT
+while the first is being handled raises KeyboardInterrupt at once, for a user who does not want to wait; so does a
+SIGTERM (or SIGINT) that comes `REPEAT_AFTER_S` seconds or more after the first signal: the way out of a run stuck
+where the loop never gets to check (a data read that never returns), which a first SIGTERM alone would leave running
+until the cluster's SIGKILL. A SIGTERM right behind the first signal is the same request delivered twice (a cluster
+signals every process of the job and the launcher forwards it again; after Ctrl-C the launcher sends SIGTERM) and
+only records it, so the preemption checkpoint is still written. The last complete checkpoint is kept either way.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 
 class StopSignals:
     """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    REPEAT_AFTER_S = 5.0
+    """A signal this long after the first is a second request (stop now), not the first delivered twice."""
 
     def __init__(self):
         self.received: str | None = None
+        self._first_at: float | None = None
         self._previous: dict = {}
 
     def interrupted(self) -> bool:
@@ -28,9 +35,12 @@ class StopSignals:
         return self.received is not None
 
     def _handle(self, signum, frame):
-        if self.received is not None:
+        now = time.monotonic()
+        if self.received is not None and (signum == signal.SIGINT and self.received == "SIGINT"
+                                          or now - self._first_at >= self.REPEAT_AFTER_S):
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        if self.received is None:
+            self.received, self._first_at = signal.Signals(signum).name, now
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
