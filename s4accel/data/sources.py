@@ -154,7 +154,7 @@ def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming
     try:
         with bars_for(0), datasets_read_errors():  # local files: nothing is downloaded, reading them is quick
             return load(files)
-    except (Exception, StopIteration) as e:  # noqa: B014  (StopIteration escapes datasets from an empty file)
+    except Exception as e:  # StopIteration too, which escapes datasets from an empty file
         _raise_if_disk_full(e, cache_dir)
         for f in files:  # find the culprit, to name it
             if os.path.getsize(f) == 0:
@@ -162,7 +162,7 @@ def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming
             try:
                 with datasets_read_errors():
                     load([f])
-            except (Exception, StopIteration) as one:  # noqa: B014
+            except Exception as one:
                 _raise_if_disk_full(one, cache_dir)
                 raise DataError(_read_error(builder, f, _cause(one), key)) from None
         if len(files) > 1:  # each file reads alone: together they disagree

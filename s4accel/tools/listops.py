@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..data.lra_text import LISTOPS_END, LISTOPS_OPERATORS, SPLIT_FILES
 from ..errors import DataError
-from .outputs import check_output_dir, written_whole
+from .outputs import WholeFile, check_output_dir
 
 OPERATOR_P = 0.25
 """The chance that a node above the depth limit is an operator (LRA's `VALUE_P` is the digit's 0.75)."""
@@ -138,7 +138,7 @@ def write_listops(out_dir: Path, train: int, val: int, test: int, min_length: in
     lengths = {}
     bounds = {"train": (0, train), "val": (train, train + val), "test": (train + val, train + val + test)}
     for split, (start, stop) in bounds.items():
-        with written_whole(out_dir / SPLIT_FILES["lra_listops"][split], "OUT_DIR", newline="") as f:
+        with WholeFile(out_dir / SPLIT_FILES["lra_listops"][split], "OUT_DIR", newline="") as f:
             writer = csv.writer(f, delimiter="\t")  # the csv module's default dialect (\r\n), as the release's files
             writer.writerow(["Source", "Target"])
             writer.writerows((text, value) for text, value, _ in rows[start:stop])

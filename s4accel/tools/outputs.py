@@ -33,20 +33,45 @@ def check_output_dir(folder: Path, option: str, shown: Path | None = None) -> No
         raise DataError(f"{option} {shown}: cannot write there ({e.strerror or e})") from None
 
 
-@contextlib.contextmanager
-def written_whole(path: Path, option: str, newline: str | None = None):
-    """Open a temporary file beside `path` for writing text; on success it replaces `path`, on any failure (a full
-    disk) it is removed and `path` is as it was. An OSError is one line naming the option."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline=newline) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise DataError(f"{option} {path}: cannot write ({e.strerror or e}); nothing was written") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+class WholeFile:
+    """A file written beside its name (`file`, text) and renamed over it by `commit`; `discard`, or any failure,
+    removes it and leaves `path` as it was. An OSError is one line naming the option. As a context manager it
+    commits when the block ends normally and discards otherwise."""
+
+    def __init__(self, path: Path, option: str, newline: str | None = None):
+        self.path, self.option = path, option
+        try:
+            fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as e:
+            raise self.error(e) from None
+        self.file = os.fdopen(fd, "w", newline=newline)
+
+    def error(self, e: OSError) -> DataError:
+        return DataError(f"{self.option} {self.path}: cannot write ({e.strerror or e}); nothing was written")
+
+    def commit(self) -> None:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.discard()
+            raise self.error(e) from None
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self.file
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.commit()
+            return False
+        self.discard()
+        if isinstance(exc, OSError):
+            raise self.error(exc) from None
+        return False

@@ -30,7 +30,7 @@ from ..data.tokenize import encode, token_byte_and_char_counts
 from ..errors import DataError, ModelError
 from ..training.ending import finish
 from ..training.safe_load import load_model
-from .outputs import check_output_file, written_whole
+from .outputs import WholeFile, check_output_file
 
 ID_COLUMNS = ("id", "idx", "uid", "example_id")
 
@@ -179,9 +179,9 @@ class RecordWriter:
     process is left waiting for the main one: then one line, and `out` as it was."""
 
     def __init__(self, out: Path):
-        self.out, self.csv = out, out.suffix == ".csv"
-        self.context = written_whole(out, "--out", newline="" if self.csv else None)
-        self.file = self.context.__enter__()
+        self.csv = out.suffix == ".csv"
+        self.whole = WholeFile(out, "--out", newline="" if self.csv else None)
+        self.file = self.whole.file
         self.writer, self.failed = None, None
 
     def write(self, records: list[dict]) -> None:
@@ -200,11 +200,12 @@ class RecordWriter:
 
     def close(self) -> None:
         if self.failed is not None:
-            self.context.__exit__(type(self.failed), self.failed, self.failed.__traceback__)  # raises one line
-        self.context.__exit__(None, None, None)
+            self.whole.discard()
+            raise self.whole.error(self.failed)
+        self.whole.commit()
 
     def abandon(self) -> None:
-        self.context.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+        self.whole.discard()
 
 
 def _rows(table, indices: list[int]) -> dict:

@@ -216,7 +216,8 @@ def load_model(ref: str | Path, which: str = "final"):
     if bad:
         raise ModelError(f"{model_dir}: {bad[0]} holds NaN or infinite values; not a usable model")
     tokenizer = load_tokenizer(model_dir)
-    if tokenizer is not None and vocab_extent(tokenizer) > config.vocab_size:  # not the tokenizer it was trained with
-        raise ModelError(f"{model_dir}: its tokenizer has ids up to {vocab_extent(tokenizer) - 1} but the model has "
+    extent = vocab_extent(tokenizer) if tokenizer is not None else 0
+    if extent > config.vocab_size:  # not the tokenizer it was trained with
+        raise ModelError(f"{model_dir}: its tokenizer has ids up to {extent - 1} but the model has "
                          f"vocab_size={config.vocab_size}: not the tokenizer this model was trained with")
     return model, tokenizer, model_dir
