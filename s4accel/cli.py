@@ -33,8 +33,8 @@ def command(*args, **kwargs):
             try:
                 return function(*a, **kw)
             except S4AccelError as e:
-                for line in str(e).splitlines():
-                    typer.echo(f"error: {line}", err=True)
+                for line in e.lines():
+                    typer.echo(line, err=True)
                 raise typer.Exit(e.exit_code) from None
         return app.command(*args, **kwargs)(run)
     return register
@@ -83,11 +83,13 @@ def show(recipe: RecipeArg, overrides: SetOpt = None,
     from .tools.summary import describe, layer_table, summary_model
 
     resolved = load_recipe(recipe, overrides or [])
-    task, model = summary_model(resolved)
+    task, model, note = summary_model(resolved)
     typer.echo(resolved.to_yaml(), nl=False)
     for line in layer_table(model, depth) if depth else []:
         typer.echo(line)
     typer.echo(describe(resolved, task, model))
+    if note:
+        typer.echo(note)
 
 
 ModelArg = Annotated[str, typer.Argument(

@@ -7,6 +7,10 @@ class S4AccelError(Exception):
 
     exit_code = 1
 
+    def lines(self) -> list[str]:
+        """How the CLI prints it: each line of the message after `error: `."""
+        return [f"error: {line}" for line in str(self).splitlines()]
+
 
 class RecipeError(S4AccelError, ValueError):
     """A recipe or `--set` override that does not validate: unknown key, wrong type, bad value."""

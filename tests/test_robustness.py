@@ -3,6 +3,7 @@ output directory, and many checkpoints over a long run (bounded disk, flat memor
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -47,12 +48,16 @@ def test_stop_policy_saves_the_last_good_state_and_exits_non_zero_naming_the_ste
     assert not (out / "final").exists()
 
 
-def test_consecutive_skips_stop_the_run(text, tmp_path):
+def test_consecutive_skips_stop_the_run_and_the_error_is_the_last_line_of_its_log(text, tmp_path):
     # Every forward after step 3 is poisoned: after max_nonfinite_skips in a row, the run stops as with `stop`.
     overrides = base(text, tmp_path / "r", "train.max_nonfinite_skips=3",
                      callback_override("testing_callbacks:NaNForwardAt", step=3, times=100))
-    with pytest.raises(NonFiniteError, match=r"at step 4 \(3 in a row, train.max_nonfinite_skips=3\)"):
+    terminal = sys.stdout, sys.stderr
+    with pytest.raises(NonFiniteError, match=r"at step 4 \(3 in a row, train.max_nonfinite_skips=3\)") as stopped:
         train_in_process(TINY, overrides)
+    # A run read on a cluster afterwards says why it ended; the streams the run logged are handed back when it ends.
+    assert (tmp_path / "r" / "train.log").read_text().splitlines()[-1] == stopped.value.lines()[-1]
+    assert (sys.stdout, sys.stderr) == terminal
 
 
 def test_early_stopping_on_patience_and_on_divergence(text, tmp_path):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import traceback
 from pathlib import Path
+
+from ..errors import S4AccelError
 
 
 class _DropTiedWeightsNote(logging.Filter):
@@ -36,14 +40,35 @@ class RunLog:
     logs everything it prints; the others log what they write to stderr (warnings, errors), prefixed with their
     rank. Lines printed before the run directory exists are kept and written first. Progress-bar redraws (carriage
     returns, cursor movements) are left out, and so is the line feed a bar below another writes to reach its
-    row. One per process (`RUN_LOG`): `begin` at each run's start, `open` once the run directory
-    is in place, `end` when it finishes."""
+    row. One per process (`RUN_LOG`): a run prints into it inside `capture`, which it opens first; `open` once
+    the run directory is in place."""
 
     def __init__(self):
         self.file, self.path = None, None
         self.pending: list[str] = []
         self.active, self.is_main, self.rank = False, True, 0
         self.held_newline, self.at_line_start = False, True
+
+    @contextlib.contextmanager
+    def capture(self, is_main: bool, rank: int):
+        """From here until the run ends, however it ends, what this process prints is logged too; an error that ends
+        the run is logged as the CLI prints it (a user error's line, anything else's traceback). Then the terminal's
+        streams are handed back."""
+        self.begin(is_main, rank)
+        try:
+            yield self
+        except S4AccelError as e:
+            self.add("".join(line + "\n" for line in e.lines()), "stderr")
+            raise
+        except Exception:
+            self.add(traceback.format_exc(), "stderr")
+            raise
+        finally:
+            self.end()
+            for name in ("stdout", "stderr"):
+                stream = getattr(sys, name)
+                if isinstance(stream, _Tee) and stream.log is self:
+                    setattr(sys, name, stream.stream)
 
     def begin(self, is_main: bool, rank: int) -> None:
         self.end()

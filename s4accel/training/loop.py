@@ -76,19 +76,16 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     task = load_task(recipe)
     check_tracker_kwargs(recipe.log)
     processes = PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
-    with RunLock(run_dir, processes.is_main_process):  # one run per directory: no other overwrites or resumes it now
+    # One run per directory (no other overwrites or resumes it now), and what the run prints goes to its train.log.
+    main = processes.is_main_process
+    with RunLock(run_dir, main), RUN_LOG.capture(main, processes.process_index):
         return _train(recipe, task, resume, force)
 
 
 def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult:
     """`train`, once the run directory is this run's."""
-    cfg, run_dir = recipe.train, recipe.run.dir
-    ckpt, notes = choose_checkpoint(run_dir, resume)
-    changed = check_resumed_recipe(ckpt, recipe, force) if ckpt is not None else []
-    accelerator = make_accelerator(recipe, ckpt)
-    run_files = RunDir(run_dir, accelerator.is_main_process, resuming=ckpt is not None,
-                       resume_requested=resume is not None, overwrite=recipe.run.overwrite)
-    warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
+    # 0. The checkpoint to resume from and the recipe against it, the Accelerator, the run directory checked.
+    accelerator, run_files, ckpt, changed = open_run(recipe, resume, force)
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)
 
@@ -97,25 +94,17 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     with run_files.building():
         built = build_run(recipe, accelerator, run_files.build_dir, task=task)
     run_files.commit(recipe.to_yaml())
-    context, plan = built.context, built.plan
+    context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
     context.optimizers = {o.name: o for o in optimizers}
     del built  # the unprepared objects: the prepared ones above replace them
 
-    # 2. What a checkpoint holds, in registration order (the checkpoint format): schedules, loop counters, the task's
-    # own state (stateful training's carried state), stateful callbacks; restored when resuming.
-    state = TrainState(recipe_hash=recipe_hash(recipe))
-    saved = [*(o.scheduler for o in optimizers), state, *task.stateful(), *callbacks.stateful()]
-    accelerator.register_for_checkpointing(*saved)
-    if ckpt is not None:
-        resume_from(accelerator, ckpt, saved, optimizers, changed)
+    # 2. The checkpointed state, restored when resuming; what callbacks see of the run.
+    state = restore(accelerator, ckpt, changed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
     signals = StopSignals()
-    run = RunContext(accelerator=accelerator, model=model, optimizer=optimizers[0].optimizer,
-                     scheduler=optimizers[0].scheduler, state=state, recipe=recipe, run_dir=run_dir,
-                     tokenizer=context.data.tokenizer,
-                     evaluate=lambda m: evaluate(accelerator, task, m, val_dl, signals.interrupted,
-                                                 recipe.log.progress_bar),
-                     export=task.export, task=task, optimizers=optimizers)
+    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer,
+                      partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
+                              progress=recipe.log.progress_bar))
     callbacks.on_train_start(run)
     start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
     run_files.drop_replaced()  # the new run has started: the outputs it replaces go
@@ -124,12 +113,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     step = Stepper(accelerator, model, task, optimizers, recipe, signals)
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
-    meter = Meter(accelerator, state, recipe.log)
-    total = plan.total_steps  # train.max_steps, or what train.max_epochs comes to
-    bar = tqdm(total=total, initial=state.step, desc="train", dynamic_ncols=True,
-               disable=not (accelerator.is_main_process and recipe.log.progress_bar))
-    eval_metrics, last_ckpt, stop_reason, preempted = {}, ckpt, None, False
-    t_start = time.perf_counter()
+    meter, bar = Meter(accelerator, state, recipe.log), progress_bar(accelerator, recipe, total, state.step)
+    eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, ckpt, None, False, time.perf_counter()
     with signals, frozen_setup_objects():
         while state.step < total and stop_reason is None:
             # a. The micro-batch window, clipping, the agreement of every process, the update (step.py).
@@ -143,7 +128,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 callbacks.on_step_end(run)
                 if due(state.step, recipe.log.log_every, total):
                     meter.log(run, callbacks, optimizers, bar)  # the loop's only host sync besides the agreement
-                if due(state.step, cfg.eval_every, total):
+                if due(state.step, recipe.train.eval_every, total):
                     eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                     task.on_validation_end()
                     flags = flags.merge(agree(accelerator, None, signal=signals.interrupted(),
@@ -153,30 +138,74 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 preempted, stop_reason = flags.signal, why_stopping(flags, signals, run)
             # d. Save: every `every_steps`, when due by time, and before stopping (an aborted window: its last step).
             if due(state.step, recipe.checkpoint.every_steps) or flags.save or stop_reason:
-                last_ckpt = save_checked(accelerator, model, run_dir, state.step, recipe)
+                last_ckpt = save_checked(accelerator, model, run.run_dir, state.step, recipe)
                 callbacks.on_save(run, last_ckpt)
                 step.clock.reset()
     batches.close()  # ends a pass the last step completed (its on_epoch_end), as the next batch would have
     bar.close()
-    result = TrainResult(run_dir=run_dir, final_dir=None, steps=state.step, eval_metrics=eval_metrics,
+    result = TrainResult(run_dir=run.run_dir, final_dir=None, steps=state.step, eval_metrics=eval_metrics,
                          loop_seconds=time.perf_counter() - t_start, is_main_process=accelerator.is_main_process,
                          stop_reason=stop_reason, checkpoint=last_ckpt, preempted=preempted)
 
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
     if not preempted:
-        result.final_dir = run_dir / "final"
-        task.export(model, result.final_dir)
-        task.on_train_end(model)  # the language model writes its samples
-        result.samples = getattr(task, "samples", [])
-        callbacks.on_train_end(run)  # writes final_ema/ and the like before a push reads them
+        result.final_dir, result.samples = export_final(run, callbacks)
     # 5. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
     # all are still here, then the group is destroyed. Freed after one process had exited, it waited forever for it.
     del model, run, step, batches
     context.optimizers = {}
     finish(accelerator)
-    RUN_LOG.end()
     return result
+
+
+def open_run(recipe: Recipe, resume: str | None, force: bool):
+    """The checkpoint to resume from (the main process verifies it, the same for all) and the recipe checked against
+    it; the Accelerator set for it; the run directory checked (refused when it holds another run). Returns the
+    Accelerator, the `RunDir`, the checkpoint (None for a fresh run) and the training-relevant fields that changed."""
+    ckpt, notes = choose_checkpoint(recipe.run.dir, resume)
+    changed = check_resumed_recipe(ckpt, recipe, force) if ckpt is not None else []
+    accelerator = make_accelerator(recipe, ckpt)
+    run_files = RunDir(recipe.run.dir, accelerator.is_main_process, resuming=ckpt is not None,
+                       resume_requested=resume is not None, overwrite=recipe.run.overwrite)
+    warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
+    return accelerator, run_files, ckpt, changed
+
+
+def run_context(accelerator, recipe: Recipe, task: Task, model, optimizers: list[TrainOptimizer], state: TrainState,
+                tokenizer, evaluate) -> RunContext:
+    """What callbacks (and the loop's logging) see of the run; `evaluate(model)` runs the validation split."""
+    return RunContext(accelerator=accelerator, model=model, optimizer=optimizers[0].optimizer,
+                      scheduler=optimizers[0].scheduler, state=state, recipe=recipe, run_dir=recipe.run.dir,
+                      tokenizer=tokenizer, evaluate=evaluate, export=task.export, task=task, optimizers=optimizers)
+
+
+def progress_bar(accelerator, recipe: Recipe, total: int, initial: int) -> tqdm:
+    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True,
+                disable=not (accelerator.is_main_process and recipe.log.progress_bar))
+
+
+def restore(accelerator, ckpt: Path | None, changed: list, recipe: Recipe, optimizers: list[TrainOptimizer],
+            stateful: list) -> TrainState:
+    """What a checkpoint holds, in registration order (the checkpoint format): schedules, loop counters, the task's
+    own state (stateful training's carried state), stateful callbacks. Loaded when resuming."""
+    state = TrainState(recipe_hash=recipe_hash(recipe))
+    saved = [*(o.scheduler for o in optimizers), state, *stateful]
+    accelerator.register_for_checkpointing(*saved)
+    if ckpt is not None:
+        resume_from(accelerator, ckpt, saved, optimizers, changed)
+    return state
+
+
+def export_final(run: RunContext, callbacks: CallbackList) -> tuple[Path, list[str]]:
+    """`final/` from the trained model; the samples the language model writes; then what callbacks add (final_ema/
+    and the like, before a push reads them)."""
+    final = run.run_dir / "final"
+    run.task.export(run.model, final)
+    run.task.on_train_end(run.model)
+    samples = getattr(run.task, "samples", [])
+    callbacks.on_train_end(run)
+    return final, samples
 
 
 def warn(accelerator, *notes: str | None) -> None:

@@ -46,7 +46,6 @@ class RunDir:
         self._created: list[Path] = []
         self.earlier = [name for name in RUN_OUTPUTS if (path / name).exists()]
         """Outputs of an earlier run found in the directory."""
-        RUN_LOG.begin(is_main, int(os.environ.get("RANK", 0)))  # what this run prints from now on
 
     def check(self) -> str | None:
         """Refuse a directory holding another run unless resuming it or overwriting it; returns a warning to print,
