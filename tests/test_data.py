@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from s4accel.config import DataCfg
-from s4accel.data.sources import clean_play, shakespeare_files
-from s4accel.data.text import build_text_data, load_documents
+from s4accel.data.sources import clean_play, load_source, shakespeare_files
+from s4accel.data.text import build_text_data
 from s4accel.data.tokenize import build_tokenizer, token_byte_and_char_counts
 from s4accel.data import build_dataloaders
 from s4accel.errors import DataError
@@ -16,7 +16,7 @@ from s4accel.errors import DataError
 def test_shakespeare_ships_38_plays_and_cleans_markdown(hf_cache):
     assert len(shakespeare_files()) == 38
     assert clean_play("**KENT**  \nI thought\n_Enter LEAR_\n") == "KENT\nI thought\nEnter LEAR\n"
-    docs = load_documents(DataCfg(source="shakespeare"))
+    docs = load_source(DataCfg(source="shakespeare").sources()[0])
     assert len(docs) == 38
     assert "**" not in docs[0]["text"]
 
@@ -60,7 +60,7 @@ def test_byte_and_char_counts_match_the_text(kind, tmp_path, hf_cache):
     text = "Thou art — more lovely and more temperate. Ünïcödé! " * 40
     (tmp_path / "t.txt").write_text(text)
     cfg = DataCfg(source="files", files=[str(tmp_path / "t.txt")], tokenizer=kind, vocab_size=300)
-    tok = build_tokenizer(cfg, load_documents(cfg), tmp_path / "tok")
+    tok = build_tokenizer(cfg, load_source(cfg.sources()[0]), tmp_path / "tok")
     n_bytes, n_chars = token_byte_and_char_counts(tok)
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
     assert n_bytes[ids].sum().item() == len(text.encode())

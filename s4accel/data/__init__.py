@@ -77,7 +77,30 @@ def data_spec(cfg: DataCfg, data=None) -> dict:
     return spec
 
 
+LABELS_OF = {"lra_listops": 10, "lra_retrieval": 2, "lra_pathfinder": 2, "lra_image": 10}
+"""Long Range Arena's label counts: ListOps' answer digit, Retrieval's match or not, Pathfinder's connected or not,
+CIFAR-10's classes (the image task's dataset)."""
+
+
+def recipe_spec(cfg: DataCfg) -> tuple[dict, str | None]:
+    """`data_spec` from the recipe alone, for showing a model whose data is not on this machine: the tokenizer's
+    fields (byte, BPE, ListOps, a tokenizer folder that is here), LRA's label counts and pixel features. Returns the
+    fields and what had to be assumed (None when nothing was)."""
+    if cfg.is_lm:
+        return tokenizer_spec(cfg), None
+    spec = tokenizer_spec(cfg) if cfg.is_text else {"d_input": 1}  # LRA's images are one gray value per step
+    assumed = []
+    if not cfg.is_text and cfg.source not in LABELS_OF:
+        assumed.append("1 feature per step")
+    labels = LABELS_OF.get(cfg.source)
+    if labels is None:
+        labels = 2
+        assumed.append("2 labels")
+    spec.update(num_labels=labels, problem_type="single_label_classification")
+    return spec, " and ".join(assumed) or None
+
+
 __all__ = ["ArrayData", "LabelledTextData", "TextData", "build_array_data", "build_data", "build_dataloaders",
            "build_labelled_text", "build_text_data", "clean_play", "collate_arrays", "collate_fn",
-           "collate_labelled_text", "collate_lm", "data_spec", "shakespeare_files", "stream_loader",
+           "collate_labelled_text", "collate_lm", "data_spec", "recipe_spec", "shakespeare_files", "stream_loader",
            "token_byte_and_char_counts", "tokenizer_spec", "vocab_extent"]

@@ -17,7 +17,7 @@ import torch
 from ..config import DataCfg
 from ..errors import DataError
 from .progress import bars_for
-from .sources import load_documents as load_source
+from .sources import load_source
 from .tokenize import build_tokenizer, encode, token_dtype
 
 

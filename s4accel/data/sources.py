@@ -360,7 +360,7 @@ def load_dataset_source(src: SourceCfg, split: str, cache_dir=None, streaming: b
 # One function for every source
 
 
-def load_documents(src: SourceCfg, split: str | None = None, label_field: str | None = None, cache_dir=None,
+def load_source(src: SourceCfg, split: str | None = None, label_field: str | None = None, cache_dir=None,
                    streaming: bool = False, files: list[str] | None = None, key: str = "data.files",
                    doc_len: int | None = None):
     """The documents of a source as a dataset with a `text` column (and `label` with `label_field`), empty documents

@@ -19,7 +19,7 @@ import torch
 from ..config import DataCfg
 from ..errors import DataError
 from .sources import datasets_read_errors, disk_full_error
-from .sources import load_documents as load_source
+from .sources import load_source
 from .tokenize import build_tokenizer, encode, pack, token_dtype
 
 READ_BATCH = 256

@@ -21,7 +21,7 @@ import numpy as np
 from ..config import DataCfg, SourceCfg
 from ..errors import DataError
 from .progress import bars_for
-from .sources import load_documents as load_source
+from .sources import load_source
 from .tokenize import blocks_table, build_tokenizer, encode, pack, token_dtype
 
 PACK_BATCH = 1000
@@ -40,12 +40,6 @@ class TextData:
     n_val_tokens: int
     source_tokens: dict[str, int] = field(default_factory=dict)
     """Training tokens per source of a mixture (map-style), for the run's summary."""
-
-
-def load_documents(cfg: DataCfg, streaming: bool | None = None):
-    """The documents of the data's (first) source, as a dataset with a `text` column."""
-    return load_source(cfg.sources()[0], cache_dir=cfg.cache_dir,
-                       streaming=cfg.streaming if streaming is None else streaming)
 
 
 def validation_documents(cfg: DataCfg, streaming: bool = False):

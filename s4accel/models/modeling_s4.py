@@ -697,51 +697,27 @@ class S4Model(S4PreTrainedModel):
         cache = one_cache(cache, cache_params=cache_params)
         if output_attentions or (output_attentions is None and self.config.output_attentions):
             raise ValueError("S4 models have no attention weights: output_attentions is not supported")
-        if sum(t is not None for t in (input_ids, inputs_embeds, input_values)) != 1:
-            raise ValueError("Specify exactly one of input_ids, inputs_embeds or input_values")
-        if input_values is not None:
-            if self.config.d_input is None:
-                raise ValueError("input_values needs a model with d_input set; this one reads input_ids")
-            if self.config.input_mean is not None:  # (B, L, d_input) raw -> standardised per feature
-                mean, scale = self._stats(input_values.device)
-                input_values = (input_values - mean) / scale
-            x = self.encoder(input_values)
-        elif input_ids is not None:
-            if self.config.d_input is not None:
-                raise ValueError(f"this model reads input_values (d_input={self.config.d_input}), not input_ids")
-            x = self.embeddings(input_ids)
-        else:
-            x = inputs_embeds  # (B, L, H)
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         if use_cache is None:
             use_cache = self.config.use_cache and cache is not None
+        # 1. Inputs -> (B, L, H): token embeddings, real-valued features (standardised, projected) or given embeddings.
+        x = self._embed(input_ids, inputs_embeds, input_values)
+        L = x.shape[1]
+        # 2. Where the layers start: every layer's state from the cache (None: zeros) and the mask's new columns.
         states = cache.states if cache is not None and cache.has_previous_state else None
         if (use_cache or states is not None) and self.config.bidirectional:
             raise ValueError("a bidirectional S4 model reads whole sequences: it has no recurrent state")
-        L = x.shape[1]
         seen = cache.get_seq_length() if states is not None else 0
-        if attention_mask is not None and attention_mask.shape[1] != L:
-            if attention_mask.shape[1] != seen + L:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions: expected {L} (the new "
-                                 f"ones) or {seen + L} (the {seen} the cache has read, then the new ones)")
-            attention_mask = attention_mask[:, seen:]  # (B, L): the cache has already read the others
+        attention_mask = self._new_columns(attention_mask, seen, L)
+        # 3. The layers: one position after a state runs the recurrent step (O(1) per token), anything longer the
+        # convolution from that state. Each returns its state after the last position (when asked) and its router's
+        # auxiliary outputs (an MoE feed-forward).
         all_hidden = [] if output_hidden_states else None
-        new_states, auxes = [], []
-        if states is not None and L == 1:  # decode one position recurrently
-            if cache.step_params is None:
-                cache.step_params = [block.layer.kernel.step_params() for block in self.layers]
-            h = x[:, 0]
-            mask = attention_mask[:, 0] if attention_mask is not None else None
-            for block, state, params in zip(self.layers, states, cache.step_params):
-                if all_hidden is not None:
-                    all_hidden.append(h[:, None])
-                h, state, aux = block.step(h, state, params, mask)
-                new_states.append(state)
-                auxes.append(aux)
-            x = h[:, None]
+        if states is not None and L == 1:
+            x, new_states, auxes = self._decode_one(x, cache, attention_mask, all_hidden)
         else:
+            new_states, auxes = [], []
             for i, block in enumerate(self.layers):
                 if all_hidden is not None:
                     all_hidden.append(x)
@@ -749,6 +725,7 @@ class S4Model(S4PreTrainedModel):
                                       return_state=bool(use_cache))
                 new_states.append(state)
                 auxes.append(aux)
+        # 4. The final norm; the states after the last position go into the cache for the next call.
         x = self.norm_f(x)
         if all_hidden is not None:
             all_hidden.append(x)
@@ -758,6 +735,49 @@ class S4Model(S4PreTrainedModel):
         return S4ModelOutput(last_hidden_state=x, cache=cache if use_cache else None,
                              hidden_states=tuple(all_hidden) if all_hidden else None,
                              **moe_losses([a for a in auxes if a is not None], self.config))
+
+    def _embed(self, input_ids, inputs_embeds, input_values) -> torch.Tensor:
+        """Exactly one of the three inputs, as (B, L, H) hidden states."""
+        if sum(t is not None for t in (input_ids, inputs_embeds, input_values)) != 1:
+            raise ValueError("Specify exactly one of input_ids, inputs_embeds or input_values")
+        if input_values is not None:
+            if self.config.d_input is None:
+                raise ValueError("input_values needs a model with d_input set; this one reads input_ids")
+            if self.config.input_mean is not None:  # (B, L, d_input) raw -> standardised per feature
+                mean, scale = self._stats(input_values.device)
+                input_values = (input_values - mean) / scale
+            return self.encoder(input_values)
+        if input_ids is not None:
+            if self.config.d_input is not None:
+                raise ValueError(f"this model reads input_values (d_input={self.config.d_input}), not input_ids")
+            return self.embeddings(input_ids)
+        return inputs_embeds
+
+    @staticmethod
+    def _new_columns(attention_mask, seen: int, L: int):
+        """The mask of the L new positions: a mask may also cover the `seen` positions the cache has read."""
+        if attention_mask is None or attention_mask.shape[1] == L:
+            return attention_mask
+        if attention_mask.shape[1] != seen + L:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions: expected {L} (the new "
+                             f"ones) or {seen + L} (the {seen} the cache has read, then the new ones)")
+        return attention_mask[:, seen:]  # (B, L)
+
+    def _decode_one(self, x, cache: S4Cache, attention_mask, all_hidden: list | None):
+        """One position (B, 1, H) through every layer's recurrent step from the cache's states; the step's
+        discretised parameters are computed once per cache."""
+        if cache.step_params is None:
+            cache.step_params = [block.layer.kernel.step_params() for block in self.layers]
+        h = x[:, 0]
+        mask = attention_mask[:, 0] if attention_mask is not None else None
+        new_states, auxes = [], []
+        for block, state, params in zip(self.layers, cache.states, cache.step_params):
+            if all_hidden is not None:
+                all_hidden.append(h[:, None])
+            h, state, aux = block.step(h, state, params, mask)
+            new_states.append(state)
+            auxes.append(aux)
+        return h[:, None], new_states, auxes
 
 
 class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):

@@ -6,16 +6,27 @@ import tempfile
 from pathlib import Path
 
 from ..config import Recipe
+from ..data import recipe_spec
+from ..errors import DataError
+from ..training.setup import make_accelerator, setup_task
+from ..training.tasks_builtin import CausalLMTask, SequenceClassificationTask, build_model
 
 
 def summary_model(recipe: Recipe):
-    """(the task, its model on the meta device). The task gets a throwaway build folder: nothing is written to the
-    run directory."""
-    from ..training.setup import make_accelerator, setup_task
-
+    """(the task, its model on the meta device, a note or None). The task gets a throwaway build folder: nothing is
+    written to the run directory. A built-in task whose data is not on this machine (an LRA release not downloaded)
+    shows the model the recipe describes, with a note naming what it could not read and what it assumed."""
     with tempfile.TemporaryDirectory(prefix="s4accel-show-") as tmp:
         task, _ = setup_task(recipe, make_accelerator(recipe, trackers=False), Path(tmp))
-        return task, task.summary_model()
+        try:
+            return task, task.summary_model(), None
+        except DataError as e:
+            if type(task) not in (CausalLMTask, SequenceClassificationTask):
+                raise  # a task of your own sizes its model its own way
+            spec, assumed = recipe_spec(recipe.data)
+            note = f"# note: the data could not be read ({e}); the model is as the recipe describes it" + (
+                f", with {assumed} assumed" if assumed else "")
+            return task, build_model(recipe, None, device="meta", spec=spec), note
 
 
 def describe(recipe: Recipe, task, model) -> str:

@@ -210,18 +210,18 @@ class SequenceClassificationTask(BuiltinTask):
         return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n}
 
 
-def build_model(recipe, data, device=None, say=None):
+def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
     """The recipe's model fitted to the data: a causal LM sized to the tokenizer (documents), or a sequence classifier
     or regressor sized to the labels (labelled documents, arrays). From the registry size + overrides, freshly
     initialised; or with `model.pretrained`, the pretrained config and weights (`say` gets the one-line report of
     what was loaded). `data` None: what the recipe alone tells (the byte tokenizer's or the BPE's size; labels and
-    array files are read); `device` "meta": shapes only, nothing loaded."""
+    array files are read); `device` "meta": shapes only, nothing loaded. `spec`: the data's fields given instead."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..data import data_spec
     from .pretrained import load_pretrained, locate, pretrained_config
 
-    spec = data_spec(recipe.data, data)
+    spec = spec if spec is not None else data_spec(recipe.data, data)
     if recipe.model.pretrained is not None:
         model_dir, root = locate(recipe.model)
         config = pretrained_config(recipe.model, spec, model_dir)
