@@ -4,6 +4,7 @@ and recipe errors answer at once."""
 from __future__ import annotations
 
 import functools
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -126,8 +127,6 @@ def eval_(
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
 ):
     """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics."""
-    import json
-
     from .config import load_recipe
     from .tools.inference import evaluate_model
     from .training.console import quiet_libraries

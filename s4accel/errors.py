@@ -1,6 +1,8 @@
 """Errors a user can cause and fix (the CLI prints their message on one line, without a traceback), and the
 did-you-mean hint their messages share."""
 
+import difflib
+
 
 class S4AccelError(Exception):
     """Base of the user-facing errors; `exit_code` is what the CLI exits with."""
@@ -57,7 +59,5 @@ class ModelError(S4AccelError):
 
 def did_you_mean(word: str, choices) -> str:
     """` (did you mean 'x'?)` for the closest of `choices`, or nothing: the hint every name error carries."""
-    import difflib
-
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""

@@ -18,16 +18,19 @@ become `datasets.Dataset`s of `{"input_values": (L, d) float32, "labels": int64 
 
 from __future__ import annotations
 
+import csv
 import gzip
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 
 from ..config import DataCfg, SourceCfg
 from ..errors import DataError
+from .lra_images import read_image_dataset, read_pathfinder
 
 
 @dataclass
@@ -125,8 +128,6 @@ def _read_csv(path: Path) -> np.ndarray:
     except ValueError:
         table = None
     if table is None:  # find the first bad line, to say what is wrong with it
-        import csv
-
         with open(path, newline="") as f:
             rows = [(i, row) for i, row in enumerate(csv.reader(f), 1) if row]
         width = len(rows[0][1]) if rows else 0
@@ -248,8 +249,6 @@ def _label_name(value) -> str:
 
 
 def build_array_data(cfg: DataCfg) -> ArrayData:
-    import datasets
-
     if cfg.source == "digits":
         x, y, x_te, y_te, classes = read_digits()
     elif cfg.source in ("lra_image", "lra_pathfinder"):
@@ -285,8 +284,6 @@ def build_array_data(cfg: DataCfg) -> ArrayData:
 
 def read_lra_images(cfg: DataCfg):
     """An LRA image task's training split (`data.split`) and evaluation split (`data.val_split`)."""
-    from .lra_images import read_image_dataset, read_pathfinder
-
     def read(split):
         if cfg.source == "lra_pathfinder":
             return (*read_pathfinder(cfg.path, split, cfg.split_seed), ["0", "1"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from ..config import DataCfg
@@ -93,8 +94,6 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
     dtype = token_dtype(tokenizer)
 
     def tokenize(table):
-        import pyarrow as pa
-
         ids = encode(table["text"], tokenizer, None, dtype, max_len=cfg.seq_len)
         labels = np.array([index[v] for v in table["label"].to_pylist()], dtype=np.int64)
         return pa.table({"input_ids": ids, "labels": labels})

@@ -4,9 +4,11 @@ data goes through (seeded shuffling, full batches, a capped validation split).""
 from __future__ import annotations
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from ..config import DataCfg
 from ..errors import DataError
+from .arrays import collate_arrays
 
 
 def collate_lm(examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -21,8 +23,6 @@ def collate_fn(cfg: DataCfg):
     Labelled documents are padded per batch: their collation comes with their data (`collate_labelled_text`)."""
     if cfg.is_text:
         return collate_lm
-    from .arrays import collate_arrays
-
     return collate_arrays
 
 
@@ -32,8 +32,6 @@ def build_dataloaders(cfg: DataCfg, data, seed: int, eval_max_batches: int | Non
     batched by `collate` (default: the data source's own). A map-style train split is shuffled with a seeded generator
     in full batches only; a stream (an iterable dataset, each process reading its own share) is read in order. The
     validation split is read in order, its first `eval_max_batches` batches per process when capped."""
-    from torch.utils.data import DataLoader, IterableDataset, Subset
-
     collate = collate or collate_fn(cfg)
     if isinstance(data.train, IterableDataset):
         # A generator of its own: otherwise each new iterator draws a seed from the global RNG, and a resumed run,

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
 import numpy as np
 
 from ..errors import DataError
+from .sources import load_dataset_source
 
 HELD_OUT = 0.1
 """The share of images held out for each of validation and test where the source has no such split of its own."""
@@ -82,7 +84,7 @@ def pathfinder_samples(folder: Path) -> list[tuple[Path, int]]:
 
 def read_pathfinder(path: str, split: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The `split`'s pixels (n, H*W, 1) uint8 and labels (n,)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # matplotlib's dependency, needed for Pathfinder's PNGs only
 
     _check_split(split, "data.split")
     folder = Path(path)
@@ -111,9 +113,6 @@ def read_pathfinder(path: str, split: str, seed: int) -> tuple[np.ndarray, np.nd
 def read_image_dataset(src, split: str, seed: int, cache_dir=None) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The `split`'s grayscale pixels (n, H*W, 1) uint8, labels (n,) and class names, from a `datasets` source read
     as `source: dataset` reads it (`src`: a `SourceCfg`)."""
-    import datasets
-
-    from .sources import load_dataset_source
 
     _check_split(split, "data.split")
     ds = load_dataset_source(src, "test" if split == "test" else "train", cache_dir)

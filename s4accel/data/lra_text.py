@@ -17,6 +17,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
+from datasets.exceptions import DatasetGenerationError
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 from ..errors import DataError
 
 LISTOPS_OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -40,9 +45,6 @@ def listops_tokenizer():
     """The ListOps vocabulary as a word-level tokenizer: `<pad>`, `</s>`, `<unk>`, then the 15 symbols (18 ids).
     Parentheses are dropped before splitting on whitespace: they only mirror how the generator nested its pairs, and
     without them an expression of the paper's length (at most 2,000 symbols) fits the paper's sequence length."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {token: i for i, token in enumerate((*SPECIALS, *LISTOPS_SYMBOLS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Replace(Regex(r"[()]"), " ")
@@ -95,9 +97,6 @@ def join_pair(text1: str | None, text2: str | None, doc_len: int | None) -> str:
 def _read_tsv(file: Path, cache_dir, columns, header):
     """A tab-separated file through `datasets`' csv builder, every field read as written: no quoting (texts hold
     quotes), nothing turned into a missing value ("NA" is a word), every column a string."""
-    import datasets
-    from datasets.exceptions import DatasetGenerationError
-
     features = datasets.Features({c: datasets.Value("string") for c in columns})
     try:
         return datasets.load_dataset("csv", data_files=[str(file)], split="train", cache_dir=cache_dir,
@@ -112,8 +111,6 @@ def _read_tsv(file: Path, cache_dir, columns, header):
 def _class_labels(ds, names: list[str], file: Path):
     """The `label` column (text such as `7`, `1` or `1.0`) as a `ClassLabel` of `names`; another value is an error
     naming it."""
-    import datasets
-
     def number(value: str) -> str:
         try:
             as_float = float(value)

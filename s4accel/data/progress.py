@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+import datasets
+
 BIG = 10_000
 """Rows from which a map or filter shows its bar: below it our tokenising and packing take well under a second."""
 
@@ -13,8 +15,6 @@ BIG = 10_000
 def bars_for(n_rows: int | None):
     """`datasets`' bars inside the block: on (if they are on at all) for `n_rows` of at least BIG or unknown (a
     stream, a download), off for less."""
-    import datasets
-
     was_on = datasets.is_progress_bar_enabled()
     if n_rows is not None and n_rows < BIG:
         datasets.disable_progress_bars()

@@ -12,10 +12,18 @@ import importlib.util
 import logging
 import os
 import re
+import stat
 from pathlib import Path
+
+import datasets
+import datasets.config
+import pyarrow as pa
+import pyarrow.parquet as pq
+from datasets.exceptions import DatasetGenerationError
 
 from ..config import SourceCfg
 from ..errors import DataError
+from .lra_text import lra_documents
 from .progress import bars_for
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
@@ -59,8 +67,6 @@ def shakespeare(name: str | None = None):
     """`name` None or `plays`: one row per play; `scenes`: one row per scene (the text after each `### SCENE`
     heading, up to the next). Columns: `text` (cleaned), `title` (from the file name), `genre` (the folder: comedies,
     histories, tragedies, problems, roman, romances)."""
-    import datasets
-
     if name not in (None, "plays", "scenes"):
         raise DataError(f"data.name: the built-in plays come as 'plays' (one row per play) or 'scenes', not {name!r}")
     rows = {"text": [], "title": [], "genre": []}
@@ -130,8 +136,6 @@ def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(
 
 
 def _what(path: Path) -> str:
-    import stat
-
     mode = path.stat().st_mode
     return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
             "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a directory" if path.is_dir() else
@@ -143,8 +147,6 @@ def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming
     their columns, are one `DataError` naming the file(s). datasets' own errors here are an undescribed
     `DatasetGenerationError`, a bare `StopIteration` (an empty JSON file), "Instruction 'train' corresponds to no
     data" (a CSV with a header alone), or nothing at all (Parquet files whose text column differs in type: cast)."""
-    import datasets
-
     def load(data_files):
         return datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=cache_dir,
                                      streaming=streaming, **kwargs)
@@ -172,8 +174,6 @@ def _load_builder(builder: str, files: list[str], key: str, cache_dir, streaming
 
 
 def _cause(e: BaseException) -> BaseException:
-    from datasets.exceptions import DatasetGenerationError
-
     return (e.__cause__ or e) if isinstance(e, DatasetGenerationError) else e
 
 
@@ -185,9 +185,6 @@ def _detail(cause: BaseException) -> str:
 def _check_same_schema(builder: str, files: list[str], key: str) -> None:
     """Every Parquet/Arrow file of one source has the first's columns and types (read from each file's footer or
     header, not its data): datasets would otherwise cast a column of integers in one file to the text of another."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     def schema(f):
         try:
             if builder == "parquet":
@@ -254,8 +251,6 @@ def _raise_if_disk_full(e: BaseException, cache_dir) -> None:
 
 
 def disk_full_error(cache_dir) -> DataError:
-    import datasets.config
-
     where = f"data.cache_dir {cache_dir}" if cache_dir else f"the datasets cache {datasets.config.HF_DATASETS_CACHE}"
     return DataError(f"{where}: no space left on device while writing the prepared data: free space, or point "
                      f"data.cache_dir at a larger disk")
@@ -276,8 +271,6 @@ def load_files(patterns: list[str], key: str, cache_dir=None, streaming: bool = 
     """Your files as one dataset: each group of one kind read by its builder (`.txt`: one document per file),
     concatenated in the order given. `columns`: the columns to keep (the first is the text: a `.txt` file's); None:
     all (files of one kind)."""
-    import datasets
-
     files = expand_files(patterns, key)
     parts = []
     for builder in dict.fromkeys(BUILDERS[Path(f).suffix] for f in files):  # in order of first appearance
@@ -317,8 +310,6 @@ def is_saved_dataset(path: Path) -> bool:
 def load_dataset_source(src: SourceCfg, split: str, cache_dir=None, streaming: bool = False):
     """`source: dataset`: a `save_to_disk` folder (`load_from_disk`, the split picked from a `DatasetDict`), or a Hub
     id or local folder through `datasets.load_dataset`."""
-    import datasets
-
     path = Path(src.path)
     if is_saved_dataset(path):
         try:
@@ -370,8 +361,6 @@ def load_source(src: SourceCfg, split: str | None = None, label_field: str | Non
     if files is not None or src.source == "files":
         ds = load_files(files if files is not None else src.files, key, cache_dir, streaming, columns)
     elif src.source in ("lra_listops", "lra_retrieval"):
-        from .lra_text import lra_documents
-
         ds = lra_documents(src.source, src.path, split or src.split, cache_dir, doc_len)
         ds = ds.to_iterable_dataset() if streaming else ds
     elif src.source == "shakespeare":

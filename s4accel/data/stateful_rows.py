@@ -7,6 +7,7 @@ across processes, so a carried state would continue another row's text (the stat
 from __future__ import annotations
 
 import torch
+from torch.utils.data import DataLoader
 
 from ..errors import DataError
 from .loaders import collate_lm
@@ -30,8 +31,6 @@ class StreamBatchSampler:
 
 def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_workers: int = 0):
     """This process's chunks, in order, each batch carrying its `chunk_index` (0 starts a new epoch's streams)."""
-    from torch.utils.data import DataLoader
-
     sampler = StreamBatchSampler(len(data), batch_size, num_processes, rank)
     if sampler.chunks < 1:
         raise DataError(f"stateful training needs at least one chunk per stream: {len(data)} blocks < "

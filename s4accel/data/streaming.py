@@ -13,13 +13,16 @@ from __future__ import annotations
 import copy
 import errno
 
+import datasets
 import numpy as np
 import torch
+from accelerate.utils import gather_object
+from datasets.distributed import split_dataset_by_node
 
 from ..config import DataCfg
 from ..errors import DataError
-from .sources import datasets_read_errors, disk_full_error
-from .sources import load_source
+from .sources import datasets_read_errors, disk_full_error, load_source
+from .text import TextData, to_blocks, validation_documents
 from .tokenize import build_tokenizer, encode, pack, token_dtype
 
 READ_BATCH = 256
@@ -147,8 +150,6 @@ class TokenStream(torch.utils.data.IterableDataset):
         own = self._own_state()
         if self.accelerator is None or self.accelerator.num_processes == 1:
             return {"processes": [own]}
-        from accelerate.utils import gather_object
-
         return {"processes": gather_object([own])}
 
     def load_state_dict(self, state: dict) -> None:
@@ -168,10 +169,6 @@ class TokenStream(torch.utils.data.IterableDataset):
 def build_stream_data(cfg: DataCfg, tokenizer_dir, seed: int, rank: int, world_size: int):
     """TextData whose `train` is this process's `TokenStream` and whose `val` is map-style blocks: the validation set
     of its own, or the first `val_blocks` blocks of the (single) source, which the stream then skips."""
-    import datasets
-    from datasets.distributed import split_dataset_by_node
-
-    from .text import TextData, to_blocks, validation_documents
 
     sources = cfg.sources()
     streams = [load_source(s, cache_dir=cfg.cache_dir, streaming=True) for s in sources]

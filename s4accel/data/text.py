@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 import numpy as np
 
 from ..config import DataCfg, SourceCfg
@@ -96,8 +97,6 @@ def build_text_data(cfg: DataCfg, tokenizer_dir: Path | None = None, seed: int =
 
 
 def concatenate(parts):
-    import datasets
-
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts).with_format("numpy")
 
 
@@ -107,8 +106,6 @@ def mix(trains: list, sources: list[SourceCfg], seed: int, seq_len: int):
     the training tokens of each source."""
     if len(trains) == 1:
         return trains[0], {}
-    import datasets
-
     weights = np.array([s.weight for s in sources], dtype=np.float64)
     tagged = [t.add_column("source", np.full(len(t), i, dtype=np.int64)) for i, t in enumerate(trains)]
     train = datasets.interleave_datasets(tagged, probabilities=(weights / weights.sum()).tolist(), seed=seed,

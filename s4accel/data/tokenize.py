@@ -10,15 +10,20 @@ list's values buffer) and reshapes it.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..config import DataCfg
 from ..errors import DataError
+from .lra_text import listops_tokenizer
 
 BPE_SPECIALS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2, as in ByT5
 BYTE_OFFSET = 3  # ByT5: ids 0-2 special (pad, eos, unk), byte b -> b + 3
@@ -35,15 +40,9 @@ def build_tokenizer(cfg: DataCfg, docs, save_dir: Path | None = None):
     `AutoTokenizer.from_pretrained` (a folder or a Hub id; no remote code). A tokenizer without an end-of-document
     token is refused; one without a pad token pads with its end-of-document token."""
     if cfg.tokenizer == "byte":
-        from transformers import ByT5Tokenizer
-
         return ByT5Tokenizer(extra_ids=0)
     if cfg.tokenizer == "listops":
-        from .lra_text import listops_tokenizer
-
         return listops_tokenizer()
-    from transformers import AutoTokenizer
-
     if cfg.tokenizer == "bpe":
         if save_dir is not None and (save_dir / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(save_dir)
@@ -69,9 +68,6 @@ def build_tokenizer(cfg: DataCfg, docs, save_dir: Path | None = None):
 
 
 def train_bpe(cfg: DataCfg, docs, save_dir: Path | None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     n_train_docs = max(1, math.floor(len(docs) * (1 - cfg.val_fraction)))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -86,8 +82,6 @@ def train_bpe(cfg: DataCfg, docs, save_dir: Path | None):
 
 
 def is_byte_tokenizer(tokenizer) -> bool:
-    from transformers import ByT5Tokenizer
-
     return isinstance(tokenizer, ByT5Tokenizer)
 
 
@@ -117,8 +111,6 @@ def token_byte_and_char_counts(tokenizer) -> tuple[torch.Tensor, torch.Tensor] |
 
     Byte-level tokens cover whole bytes; a character is counted at its lead byte (a byte that is not a UTF-8
     continuation byte 0b10xxxxxx). Special and added tokens count zero."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     byte_of = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE symbol -> byte
     is_byt5 = is_byte_tokenizer(tokenizer)
     if not is_byt5 and not _byte_level_decoder(tokenizer):
@@ -141,8 +133,6 @@ def token_byte_and_char_counts(tokenizer) -> tuple[torch.Tensor, torch.Tensor] |
 
 
 def _byte_level_decoder(tokenizer) -> bool:
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False

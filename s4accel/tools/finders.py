@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate.utils import set_seed
+from torch.utils.data import default_collate
 
 from ..config import Recipe
 from ..errors import RecipeError
+from ..training.setup import build_run, make_accelerator
+from ..training.step import backward_window
+from ..training.task import load_task
 
 
 @dataclass
@@ -44,9 +53,6 @@ def suggest(lrs: list[float], smoothed: list[float], skip_start: int = 3, skip_e
 def probe_run(recipe: Recipe, accelerator, build_dir: Path, what: str):
     """The recipe's run built for a throwaway probe (its files in `build_dir`; nothing of the run directory is
     touched). A task with manual optimisation is refused: these tools step one optimizer on the task's loss."""
-    from ..training.setup import build_run
-    from ..training.task import load_task
-
     task = load_task(recipe)
     if not task.automatic_optimization:
         raise RecipeError(f"{what}: {type(task).__name__} uses manual optimisation; {what} steps one optimizer on "
@@ -62,12 +68,7 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
         raise RecipeError(f"lr-find: need 0 < min_lr < max_lr, got {min_lr}, {max_lr}")
     if steps < 8:
         raise RecipeError(f"lr-find: steps must be >= 8, got {steps}")
-    import tempfile
 
-    from accelerate.utils import set_seed
-
-    from ..training.setup import make_accelerator
-    from ..training.step import backward_window
 
     accelerator = make_accelerator(recipe, trackers=False)  # the loop's precision, accumulation and sampler
     set_seed(recipe.run.seed)
@@ -121,7 +122,7 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
 
 
 def plot(result: LRFindResult, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: ~1 s to import, for one picture at the end of lr-find
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -159,12 +160,7 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
     """Peak memory (MiB) of one training step (forward, backward, optimizer step) of the recipe's task at
     `batch_size` on a fresh model: CUDA's peak allocated memory, or on CPU this process's peak resident set size
     (call it in a fresh process)."""
-    import resource
-    import tempfile
 
-    from torch.utils.data import default_collate
-
-    from ..training.setup import make_accelerator
 
     accelerator = make_accelerator(recipe, trackers=False)
     device = accelerator.device
@@ -228,10 +224,6 @@ def _trial(recipe: Recipe, batch_size: int) -> float | None:
             return None
         finally:
             torch.cuda.empty_cache()
-    import subprocess
-    import sys
-    import tempfile
-
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(recipe.to_yaml())
     code = ("import sys; from s4accel.config import load_recipe; from s4accel.tools.finders import probe_step; "

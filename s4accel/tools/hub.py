@@ -13,7 +13,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
+from safetensors import safe_open
+
 from ..errors import S4AccelError
+from ..training.callbacks import KeepBest
+from .model_card import model_card, render_training_curve
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model")  # weights, config, code, tokenizer
 
@@ -34,8 +41,6 @@ def model_dir_of(run_dir: Path, which: str, recipe: dict, records: list[dict]) -
     """The directory of the `which` model of a run (`final`, `best`, `ema`) and its evaluation metrics, given the
     run's recipe and its `metrics.jsonl` records."""
     if which == "best":
-        from ..training.callbacks import KeepBest
-
         best = recipe.get("checkpoint", {})
         ranked = KeepBest(1, best.get("best_metric", "loss"), best.get("best_mode", "min")).ranked(run_dir)
         if not ranked:
@@ -68,8 +73,6 @@ def _read(path: Path, run_dir: Path) -> str | None:
 
 
 def _recipe(text: str | None) -> dict:
-    import yaml
-
     return (yaml.safe_load(text) if text else None) or {}
 
 
@@ -90,8 +93,6 @@ def _regular(path: Path, run_dir: Path) -> bool:
 def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     """Everything to upload, laid out as the repository: model files, README.md (card), recipe.yaml, metrics.json,
     training_curve.png, runs/ (TensorBoard event files). Only regular files inside the run directory are read."""
-    from .model_card import model_card, render_training_curve
-
     recipe_yaml = _read(run_dir / "recipe.yaml", run_dir) or ""
     records = _metrics(run_dir)
     model_dir, metrics = model_dir_of(run_dir, which, _recipe(recipe_yaml), records)
@@ -121,8 +122,6 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
 def _count_params(weights: Path) -> int | None:
     if not weights.is_file():
         return None
-    from safetensors import safe_open
-
     with safe_open(weights, framework="pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
@@ -131,9 +130,6 @@ def push_run(run_dir: str | Path, repo_id: str, private: bool = False, revision:
              which: str = "final", commit_message: str | None = None) -> str:
     """Upload the `which` model of `run_dir` to `repo_id` (created if missing; `revision` branch created if
     missing). Returns the commit URL. Raises HubError with one line on any Hub or network failure."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise HubError(f"{run_dir}: no such run directory")

@@ -4,14 +4,22 @@ nothing unpickled)."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..config import Recipe
+from ..data import data_spec
 from ..errors import ModelError
 from ..training.ending import finish
-from ..training.safe_load import load_model, resolve_model_dir  # noqa: F401  (the tools' loading, re-exported)
+from ..training.evaluate import evaluate
+from ..training.safe_load import _resolve, load_model, weight_files
+from ..training.setup import build_model, build_run, make_accelerator
+from ..training.task import load_task
+
 
 @torch.no_grad()
 def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -40,13 +48,6 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     `train.eval_max_batches`, so any number of processes gives the same numbers), or over `data` (a file or folder of
     the same kind). A built-in task's model loads through the safe loader; a task of your own builds its model and
     loads the folder's `model.safetensors` into it."""
-    import tempfile
-
-    from ..data import data_spec
-    from ..training.evaluate import evaluate
-    from ..training.safe_load import _resolve
-    from ..training.setup import build_run, make_accelerator
-    from ..training.task import load_task
 
     recipe = _scoring(recipe, data)
     model_dir = _resolve(ref, which)[0]
@@ -82,8 +83,6 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
 def check_model_kind(model_dir: Path, recipe: Recipe) -> None:
     """A model of another kind than the recipe trains (a language model scored on a classifier's recipe, a text
     model on number sequences) is one line, from its config.json alone, before the data is read."""
-    import json
-
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -122,10 +121,6 @@ def _scoring(recipe: Recipe, data) -> Recipe:
 
 def _own_model(task, recipe: Recipe, model_dir: Path):
     """A task of your own: its model, with the folder's weights (safetensors only), every tensor matched."""
-    from safetensors.torch import load_file
-
-    from ..training.safe_load import weight_files
-    from ..training.setup import build_model
 
     model = build_model(task, recipe)
     state = {}

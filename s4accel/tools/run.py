@@ -8,6 +8,7 @@ from pathlib import Path
 from ..config import Recipe, load_recipe
 from ..training import TrainResult
 from ..training import train as train_loop
+from .hub import push_run
 
 
 def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (), resume: str | None = None,
@@ -18,8 +19,6 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     result = train_loop(recipe, resume=resume, force=force)
     hub = recipe.hub
     if hub.push_at_end and result.final_dir is not None and result.is_main_process:
-        from .hub import push_run
-
         url = push_run(result.run_dir, hub.repo_id, private=hub.private, revision=hub.revision, which=hub.which)
         print(f"pushed the {hub.which} model to {hub.repo_id}: {url}")
     return result

@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from ..config import StateCfg
+from ..models.modeling_s4 import S4Cache
 
 
 class CarriedState:
@@ -73,8 +74,6 @@ class CarriedState:
         return {"states": states, "chunks": self.chunks, "context": context}
 
     def load_state_dict(self, sd: dict) -> None:
-        from ..models.modeling_s4 import S4Cache
-
         self.reset()
         n, rank = self.accelerator.num_processes, self.accelerator.process_index
         device = self.accelerator.device

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -28,6 +29,9 @@ from pathlib import Path
 
 import torch
 import yaml
+from accelerate.utils import load
+from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
 
 from ..errors import CheckpointError, ResumeError
 from .run_dir import write_atomic
@@ -180,9 +184,6 @@ def check_pickles(path: Path) -> None:
     `weights_only=True` itself, but its error would be a traceback, and an RNG file that fails to load it skips with
     no more than a log line (the run would go on with other random numbers): each is loaded here first (memory-mapped,
     so a large optimizer state costs no memory), and a file that does not load is one `ResumeError` naming it."""
-    import pickle
-
-    from accelerate.utils import load
 
     for f in sorted(path.iterdir()):
         if f.suffix not in (".pkl", ".bin") or not f.is_file():
@@ -303,8 +304,6 @@ def own_class(model, state_dict: dict, device=None) -> tuple:
     alone. Returns an instance of the model's own class holding the gathered weights, and its state dict, in which
     tied weights (gathered as separate copies) are one tensor again. Without `device` the instance is built empty on
     the meta device and given the tensors (enough to save it); with one, it is a whole model there (to run it)."""
-    from torch.distributed.fsdp import FSDPModule
-
     if not isinstance(model, FSDPModule):
         return model, state_dict
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
@@ -333,8 +332,6 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files:
                 unwrapped, state_dict = own_class(unwrapped, state_dict)
                 unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
             else:  # a plain nn.Module of a task of your own: its weights (load_state_dict(load_file(...)))
-                from safetensors.torch import save_file
-
                 tmp.mkdir(parents=True)
                 # clone: safetensors refuses tensors sharing storage (tied weights are stored twice)
                 save_file({k: v.detach().cpu().clone().contiguous() for k, v in state_dict.items()},

@@ -8,6 +8,9 @@ import sys
 import traceback
 from pathlib import Path
 
+import datasets
+from transformers.utils import logging as hf_logging
+
 from ..errors import S4AccelError
 
 
@@ -24,9 +27,6 @@ def quiet_libraries(progress_bars: bool) -> None:
     """Called once per process before anything is built. transformers' "Writing model shards" / "Loading weights"
     bars are always off (a bar for one file that takes milliseconds); `progress_bars=False` (`log.progress_bar:
     false`, or a command that prints only its result) turns off every `datasets` bar too."""
-    import datasets
-    from transformers.utils import logging as hf_logging
-
     logger = logging.getLogger("accelerate.utils.other")
     if not any(isinstance(f, _DropTiedWeightsNote) for f in logger.filters):
         logger.addFilter(_DropTiedWeightsNote())

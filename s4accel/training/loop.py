@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from accelerate import PartialState
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from ..config import Recipe, flatten, load_recipe
@@ -38,6 +38,7 @@ from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .tracking import check_tracker_kwargs
+
 
 @dataclass(kw_only=True)
 class TrainResult:
@@ -296,8 +297,6 @@ def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], lo
     except: a stream loader of stateful training (fixed rows per process in text order; a sharded loader would
     interleave them, so a carried state would continue another row's text), and under manual optimisation the DDP
     wrapper (`Task.step` averages gradients itself)."""
-    from accelerate.utils import DistributedType
-
     train_dl, val_dl, shard_train = loaders
     objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train else []), val_dl]
     if task.automatic_optimization:

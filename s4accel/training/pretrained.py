@@ -13,6 +13,7 @@ import fnmatch
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..errors import RecipeError
 from .imports import import_object
@@ -56,8 +57,6 @@ def load_pretrained(model, model_cfg, model_dir: Path, root: Path, head: list[st
     """Load the pretrained weights into `model` (built from `pretrained_config`); returns the one-line report. Every
     parameter of `model` must be loaded or allowed new (`model.new_weights`, default `head`); `model.freeze`
     parameters stop training."""
-    from safetensors.torch import load_file
-
     files = weight_files(model_dir, root)
     state: dict[str, torch.Tensor] = {}
     for f in files:

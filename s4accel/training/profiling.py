@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from .callbacks import Callback
 
@@ -23,8 +24,6 @@ class Profile(Callback):
         self.cut_short = False
 
     def on_train_start(self, run) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
         self.out = Path(run.run_dir) / "profile"
         self.first_step = run.state.step + self.schedule["wait"] + self.schedule["warmup"] + 1
         worker = f"rank{run.accelerator.process_index}"

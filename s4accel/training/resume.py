@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
 
 from ..config import Recipe, flatten
 from ..errors import ResumeError
@@ -41,8 +42,6 @@ def recipe_hash(recipe: Recipe) -> str:
 def choose_checkpoint(run_dir: Path, resume: str | None) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from (None: a fresh start) and warnings, decided by the main process and the same on
     every process. Checkpoints newer than the chosen one that failed verification are moved aside."""
-    from accelerate.utils import broadcast_object_list
-
     if resume is None:
         return None, []
     state = PartialState()

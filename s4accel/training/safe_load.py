@@ -9,9 +9,18 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
+from .._autoregister import register_auto_classes
 from ..data.tokenize import vocab_extent
 from ..errors import ModelError
+from ..models import MoEConfig, S4Config
+from .callbacks import KeepBest
 
 # What a model directory holds besides the weights; a Hub download fetches only these (no pickles, no code). A
 # `.txt` file (a tokenizer vocabulary) is downloaded but never read as weights: only `.safetensors` files are.
@@ -37,9 +46,6 @@ def _resolve(ref: str | Path, which: str, revision: str | None = None) -> tuple[
         raise ModelError(f"{ref}: neither a model directory (no config.json) nor a run directory")
     if str(ref).count("/") != 1 or str(ref).startswith((".", "/")):
         raise ModelError(f"{ref}: no such directory (and not a Hub repo id of the form owner/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     try:
         snapshot = Path(snapshot_download(str(ref), allow_patterns=MODEL_FILES, revision=revision))
     except LocalEntryNotFoundError:
@@ -53,9 +59,6 @@ def run_model_dir(run_dir: Path, which: str) -> Path:
     """The `which` model of a run directory: `final/`, `final_ema/`, or the best kept by `checkpoint.keep_best`
     (ranked by the run's own `best_metric`)."""
     if which == "best":
-        import yaml
-
-        from .callbacks import KeepBest
 
         recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) if (run_dir / "recipe.yaml").is_file() else {}
         ck = (recipe or {}).get("checkpoint", {})
@@ -110,8 +113,6 @@ def weight_files(model_dir: Path, root: Path) -> list[Path]:
 def check_weights(model_dir: Path, files: list[Path], config, auto) -> None:
     """The weight files hold exactly the tensors a model of `config` has (tied weights once), with its shapes and a
     floating-point dtype; read from the safetensors headers only."""
-    from safetensors import safe_open
-
     with torch.device("meta"):
         skeleton = auto.from_config(config)
     aliases: dict[int, list[str]] = {}  # tied weights: one tensor, several names; any one of them is enough
@@ -146,9 +147,6 @@ def check_weights(model_dir: Path, files: list[Path], config, auto) -> None:
 
 
 def read_config(model_dir: Path):
-    from transformers import AutoConfig
-
-    from ..models import MoEConfig, S4Config
 
     MODEL_TYPES = (S4Config.model_type, MoEConfig.model_type)
     if not (model_dir / "config.json").is_file():  # a custom task's export: its own module, weights alone
@@ -173,8 +171,6 @@ def load_tokenizer(model_dir: Path):
     """The saved tokenizer (None if there is none), never with remote code: one line for anything that fails."""
     if not (model_dir / "tokenizer_config.json").is_file():
         return None
-    from transformers import AutoTokenizer
-
     try:
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
     except ValueError as e:
@@ -182,8 +178,6 @@ def load_tokenizer(model_dir: Path):
     if isinstance(config, dict) and config.get("auto_map"):
         raise ModelError(f"{model_dir}: its tokenizer needs remote code (auto_map {config['auto_map']}); s4accel "
                          f"never runs code from a model folder")
-    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
-
     name = config.get("tokenizer_class") if isinstance(config, dict) else None
     if name and tokenizer_class_from_name(name) is None and tokenizer_class_from_name(name + "Fast") is None:
         raise ModelError(f"{model_dir}: tokenizer: unknown tokenizer_class {name!r} in tokenizer_config.json")
@@ -199,9 +193,6 @@ def load_model(ref: str | Path, which: str = "final"):
 
     Only `.safetensors` files inside the model's folder are read, after their headers were checked against the
     config (every tensor there, none extra, the right shapes, floating point); the loaded weights must be finite."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .._autoregister import register_auto_classes
 
     register_auto_classes()  # our model types, for the Auto classes (idempotent)
 

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import NonFiniteError
 from ..models.moe import ROUTER_LOSSES, router_outputs
+from .callbacks import local
 from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, WindowStats, count_items
 
@@ -211,8 +214,6 @@ def skip_nonfinite_step(accelerator, model, optimizers: list[TrainOptimizer], st
 
 def weights_finite(accelerator, model) -> bool:
     """Whether every parameter is finite on every process (one norm per tensor, one small all-reduce)."""
-    from .callbacks import local
-
     tensors = [local(p) for p in model.parameters()]
     ok = torch.stack(torch._foreach_norm(tensors)).isfinite().all() if tensors else torch.tensor(True)
     return not agree(accelerator, ~ok.to(accelerator.device)).nonfinite
@@ -235,9 +236,6 @@ class Rewind:
     window short: the checkpoint then holds exactly the state a step boundary would have."""
 
     def __init__(self, accelerator, state: TrainState, task: Task):
-        import random
-
-        import numpy as np
 
         self.accelerator, self.state, self.task = accelerator, state, task
         # accelerate counts micro-batches to know which one synchronises gradients, and saves that count
@@ -247,9 +245,6 @@ class Rewind:
         self.carried = [(obj, obj.snapshot()) for obj in task.stateful() if hasattr(obj, "snapshot")]
 
     def __call__(self, optimizers: list[TrainOptimizer]) -> None:
-        import random
-
-        import numpy as np
 
         for o in optimizers:
             o.optimizer.zero_grad(set_to_none=True)

@@ -45,9 +45,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.data import default_collate
 
+from ..data import build_dataloaders
 from ..errors import RecipeError, did_you_mean
+from .checkpoint import export_pretrained
 from .imports import import_object
+from .optim import build_optimizer, build_scheduler
+from .plan import Plan
 
 
 @dataclass
@@ -185,20 +190,14 @@ class Task:
     def build_optimizers(self, model: torch.nn.Module) -> list[TrainOptimizer]:
         """Default: one AdamW over the recipe's parameter groups (`optim`, fused where the device has the kernel),
         with the recipe's schedule."""
-        from .optim import build_optimizer
-
         device = self.accelerator.device.type if self.accelerator is not None else "cpu"
         optimizer = build_optimizer(model, self.recipe.optim, device)
         return [TrainOptimizer("main", optimizer, self.schedule(optimizer))]
 
     def schedule(self, optimizer):
         """The recipe's schedule (`scheduler`, warmup, the run's length) for an optimizer of your own."""
-        from .optim import build_scheduler
-
         plan = self.context.plan if self.context is not None else None
         if plan is None:  # outside a run (a model described by `show`): the recipe's own length
-            from .plan import Plan
-
             plan = Plan(None, self.recipe.total_steps, self.recipe.warmup_steps)
         return build_scheduler(optimizer, self.recipe.scheduler, plan.warmup_steps, plan.total_steps)
 
@@ -206,9 +205,6 @@ class Task:
         """`Loaders(train, val, shard_train)` (a plain (train, val) pair is accepted too): shuffled full batches of
         `data.batch_size` with a seeded generator, and the validation split in order, cut to
         `train.eval_max_batches` per process."""
-        from torch.utils.data import default_collate
-
-        from ..data import build_dataloaders
 
         r = self.recipe
         train, val = build_dataloaders(r.data, data, r.run.seed, r.train.eval_max_batches,
@@ -239,8 +235,6 @@ class Task:
 
     def export(self, model, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
         """Write the model as a loadable directory (call on every process)."""
-        from .checkpoint import export_pretrained
-
         export_pretrained(self.accelerator, model, self.tokenizer, out_dir, extra_files)
 
     def stateful(self) -> list:

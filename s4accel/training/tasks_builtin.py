@@ -5,15 +5,23 @@ and the one way a model is built from a recipe: its named size + `model.override
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import math
 import re
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from ..config import ModelCfg
 from ..config.sizes import FAMILIES, MODEL_SIZES
+from ..data import (build_array_data, build_data, build_labelled_text, collate_arrays, collate_labelled_text,
+                    collate_lm, data_spec, stream_loader, token_byte_and_char_counts)
 from ..errors import RecipeError
+from .carried_state import CarriedState
+from .pretrained import load_pretrained, locate, pretrained_config
+from .samples import write_samples
 from .task import Loaders, Task, TaskData, count_items
 
 
@@ -24,8 +32,6 @@ The tokenizer is saved beside it, label names and input statistics live in the m
 
 
 def preprocessing(recipe) -> str:
-    import json
-
     d = recipe.data
     kind = "text" if d.is_lm else "labelled_text" if d.is_text else "arrays"
     return json.dumps({"kind": kind, "text_field": d.text_field, "label_field": d.label_field, "seq_len": d.seq_len,
@@ -64,8 +70,6 @@ class CausalLMTask(BuiltinTask):
         self.stream = None  # data.streaming's token stream
 
     def build_data(self) -> TaskData:
-        from ..data import build_data, collate_lm, token_byte_and_char_counts
-
         acc = self.accelerator
         tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
         self.data = build_data(self.recipe.data, tokenizer_dir=tok_dir, seed=self.recipe.run.seed,
@@ -83,8 +87,6 @@ class CausalLMTask(BuiltinTask):
         if self.stream is not None:
             self.stream.accelerator = acc  # its state is gathered from every process into each checkpoint
         if self.recipe.train.state.mode != "none":  # the rows' recurrent state, carried from chunk to chunk
-            from .carried_state import CarriedState
-
             self.carried = CarriedState(self.recipe.train.state, acc)
         return TaskData(self.data.train, self.data.val, collate_lm, self.data.tokenizer, "tokens",
                         self.data.n_train_tokens, self.data.n_val_tokens)
@@ -101,8 +103,6 @@ class CausalLMTask(BuiltinTask):
             return Loaders(train_dl, val_dl, shard_train=False)
         if self.recipe.train.state.mode != "none":  # fixed rows per process in text order: a sharded
             # loader would hand a process another row's continuation
-            from ..data import stream_loader
-
             acc, d = self.accelerator, self.recipe.data
             train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers)
             return Loaders(train_dl, val_dl, shard_train=False)
@@ -146,8 +146,6 @@ class CausalLMTask(BuiltinTask):
             self.carried.reset()  # the streams' state restarts after an evaluation
 
     def on_train_end(self, model):
-        from .samples import write_samples
-
         if self.stream is not None and len(self.stream.labels) > 1:
             seen = self.stream.tokens_seen()
             self.accelerator.print("data mixture, tokens trained on (this process): " + ", ".join(
@@ -167,8 +165,6 @@ class SequenceClassificationTask(BuiltinTask):
         self.tokenizer_dir = tokenizer_dir  # a trained BPE is saved here (or read from here when present)
 
     def build_data(self) -> TaskData:
-        from ..data import build_array_data, build_labelled_text, collate_arrays, collate_labelled_text
-
         cfg = self.recipe.data
         if cfg.is_text:
             tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
@@ -216,10 +212,6 @@ def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
     initialised; or with `model.pretrained`, the pretrained config and weights (`say` gets the one-line report of
     what was loaded). `data` None: what the recipe alone tells (the byte tokenizer's or the BPE's size; labels and
     array files are read); `device` "meta": shapes only, nothing loaded. `spec`: the data's fields given instead."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from ..data import data_spec
-    from .pretrained import load_pretrained, locate, pretrained_config
 
     spec = spec if spec is not None else data_spec(recipe.data, data)
     if recipe.model.pretrained is not None:
@@ -245,8 +237,6 @@ def model_config(cfg: ModelCfg, **tokenizer_fields):
     """The family's `PreTrainedConfig` for a named size + `cfg.overrides` + the tokenizer's fields (vocab size, special
     ids). Override keys were checked by `ModelCfg`; types and values are checked here by the config class itself (a
     `@strict` dataclass with `validate_*` methods)."""
-    import importlib
-
     spec = dict(MODEL_SIZES[cfg.name])
     module, cls = FAMILIES[spec.pop("family")][0].split(":")
     config_cls = getattr(importlib.import_module(f"s4accel.models.{module}"), cls)

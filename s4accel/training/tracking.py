@@ -10,7 +10,9 @@ with the others.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import json
 import os
 import time
@@ -18,7 +20,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from accelerate.tracking import GeneralTracker, TensorBoardTracker, on_main_process
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, on_main_process
+
+from ..errors import RecipeError
 
 
 class JSONLTracker(GeneralTracker):
@@ -78,7 +82,7 @@ class FastTensorBoardTracker(TensorBoardTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.summary_pb2 import Summary  # loaded with the tracker, not with the package
 
         scalars = [Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items() if not isinstance(v, str)]
         self.writer.file_writer.add_summary(Summary(value=scalars), global_step=step)
@@ -153,8 +157,6 @@ class GuardedTracker(GeneralTracker):
 def tracker_class(name: str) -> type[GeneralTracker]:
     """One of Accelerate's trackers by name, or a `GeneralTracker` subclass by import path (`module:Class`)."""
     if ":" not in name:
-        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-
         return LOGGER_TYPE_TO_CLASS[name]
     module, _, attr = name.partition(":")
     obj = importlib.import_module(module)
@@ -167,9 +169,6 @@ def check_tracker_kwargs(log_cfg) -> None:
     """`log.tracker_kwargs` checked against each tracker's constructor before training starts: a misspelt argument
     would otherwise only disable the tracker (with a warning) once the run is under way. Trackers that pass their
     arguments on (`**kwargs`, e.g. to `wandb.init`) are checked by their own package when they start."""
-    import inspect
-
-    from ..errors import RecipeError
 
     own = {"tensorboard": FastTensorBoardTracker, "jsonl": JSONLTracker}
     for name, kwargs in log_cfg.tracker_kwargs.items():
@@ -183,8 +182,6 @@ def check_tracker_kwargs(log_cfg) -> None:
         allowed = [p for p in params if p not in ("self", "run_name", "logging_dir", "resume_step")]
         for key in kwargs:
             if key not in allowed:
-                import difflib
-
                 close = difflib.get_close_matches(key, allowed, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise RecipeError(f"log.tracker_kwargs.{name}: unknown argument {key!r}{hint}; "
