@@ -11,6 +11,15 @@ RECIPES = REPO / "recipes"
 TINY = RECIPES / "s4_tiny_debug.yaml"
 
 
+TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}
+"""The environment a subprocess needs to import the tests' own modules (testing_callbacks, testing_tasks)."""
+
+
+def sets(*items: str) -> list[str]:
+    """`--set` before each recipe override, for `run_cli`."""
+    return [arg for item in items for arg in ("--set", item)]
+
+
 def run_cli(*args, env=None, timeout=600, cwd=REPO):
     """`python -m s4accel ARGS` in a subprocess, offline; returns the CompletedProcess. `env` adds to this process's
     environment; a value of None removes that variable."""

@@ -1,10 +1,13 @@
 """The CLI end to end on the tiny recipe, in a subprocess as a user runs it; and the Python API without the CLI."""
 
 
+import re
+import shlex
+
 import pytest
 import yaml
 
-from helpers import TINY, read_metrics, run_cli
+from helpers import TESTS_ON_PATH, TINY, read_metrics, run_cli, sets, small_text_file
 
 pytestmark = pytest.mark.slow
 
@@ -95,3 +98,42 @@ def test_python_api_trains_without_the_cli(tmp_path, hf_cache):
     assert set(result.eval_metrics) == {"loss", "ppl", "bits_per_byte", "bits_per_char"}
     assert result.eval_metrics["bits_per_byte"] < 8.5  # 259-way uniform is 8.02 bits; 4 steps already learn a bit
     assert not (tmp_path / "api" / "metrics.jsonl").exists()
+
+
+def test_the_command_printed_after_ctrl_c_resumes_the_same_run_from_anywhere(tmp_path):
+    text = small_text_file(tmp_path)
+    # Started with --set items that move the run directory: the printed command must not depend on them.
+    out = tmp_path / "elsewhere" / "my-run"
+    proc = run_cli("train", TINY, *sets(
+        f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "train.max_steps=8",
+        "checkpoint.every_steps=100", "log.progress_bar=false", "log.log_every=1", "sample.prompts=[]",
+        "callbacks=[{target: 'testing_callbacks:SignalAt', args: {step: 3, signal_name: SIGINT}}]"),
+        env=TESTS_ON_PATH, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    command = re.search(r"continue with: (.+)", proc.stdout).group(1)
+    args = shlex.split(command)
+    assert args[:2] == ["s4accel", "train"] and args[-1] == "--resume"
+    other = tmp_path / "another-folder"
+    other.mkdir()
+    resumed = run_cli(*args[1:], env=TESTS_ON_PATH, cwd=other)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "done: 8 steps" in resumed.stdout
+    steps = [r["step"] for r in read_metrics(out) if "train/loss" in r]
+    assert steps == list(range(1, 9))  # one run, continued from step 3, never restarted
+    assert not (other / "runs").exists() and (out / "final" / "model.safetensors").is_file()
+
+
+def test_resume_that_finds_no_checkpoint_says_so_in_one_line(tmp_path):
+    text = small_text_file(tmp_path)
+    proc = run_cli("train", TINY, "--resume", *sets(
+        f"run.out_dir={tmp_path / 'fresh'}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
+        "train.max_steps=2", "log.progress_bar=false", "sample.prompts=[]"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert f"--resume: no checkpoint in {tmp_path / 'fresh'}" in said and "starting a fresh run" in said
+
+
+def test_a_directory_without_a_recipe_is_one_line(tmp_path):
+    proc = run_cli("train", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "is a directory without a recipe.yaml" in proc.stderr

@@ -1,12 +1,13 @@
 """Recipes: YAML -> typed config, overrides, and the one-line errors a user sees."""
 
+import json
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from helpers import TINY, run_cli
+from helpers import REPO, TINY, run_cli, sets, small_text_file
 from s4accel.config import Recipe, load_recipe
 from s4accel.errors import RecipeError
 
@@ -153,3 +154,70 @@ def test_a_recipe_never_changes_after_it_is_loaded():
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         recipe.train = recipe.train
     assert not hasattr(recipe, "set_epoch_length") and recipe.to_yaml() == before
+
+
+def test_show_prints_a_per_layer_summary_whose_top_rows_add_up():
+    import yaml
+
+    proc = run_cli("show", TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["model"]["name"] == "s4-tiny"  # still YAML: the table is comments
+    rows = [line[2:] for line in proc.stdout.splitlines() if line.startswith("# ") and not line.startswith("# model")]
+    assert rows[0].split() == ["layer", "type", "parameters"]
+    table = {r.split()[0]: (r.split()[1], int(r.split()[2].replace(",", ""))) for r in rows[1:]}
+    assert table["backbone.layers.0"] == ("S4Block", 10_624) and table["backbone.layers.1"] == ("S4Block", 10_624)
+    assert "backbone.layers" not in table  # a container is no level: its blocks are
+    top = [r for r in rows[1:] if not r.startswith(" ")]
+    assert sum(int(r.split()[2].replace(",", "")) for r in top) == 37_952  # the total on the last line
+    lm_head = next(r for r in rows if r.startswith("lm_head"))
+    assert "(shares backbone.embeddings.weight)" in lm_head  # tied to the input embedding, counted once
+
+    deeper = run_cli("show", TINY, "--depth", "3").stdout
+    assert "backbone.layers.0.layer " in deeper and "backbone.layers.0.layer " not in proc.stdout
+    assert not any(line.startswith("# layer") for line in run_cli("show", TINY, "--depth", "0").stdout.splitlines())
+
+
+def test_relative_paths_in_a_recipe_mean_files_next_to_it_and_set_ones_the_current_directory(tmp_path):
+    """A project folder (recipe, text, callback file) trained from elsewhere; a --set path is the shell's."""
+    import yaml
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "data" / "text.txt").write_text(small_text_file(tmp_path).read_text())
+    (project / "hooks.py").write_text(
+        "import json\nfrom s4accel import Callback\n\n\nclass Note(Callback):\n"
+        "    def on_train_end(self, run):\n"
+        "        (run.run_dir / 'note.json').write_text(json.dumps(run.state.step))\n")
+    recipe = yaml.safe_load((REPO / "recipes" / "s4_tiny_debug.yaml").read_text())
+    recipe.update(data={**recipe["data"], "source": "files", "files": ["data/*.txt"], "seq_len": 32},
+                  train={**recipe["train"], "max_steps": 3}, callbacks=[{"target": "hooks.py:Note"}],
+                  sample={"prompts": []})
+    (project / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    run = tmp_path / "run"
+    proc = run_cli("train", project / "recipe.yaml", *sets(f"run.out_dir={run}", "log.progress_bar=false"),
+                   cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run / "note.json").read_text()) == 3  # the callback from the recipe's folder ran
+    kept = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert kept["data"]["files"] == [str(project / "data" / "*.txt")]  # absolute: resumable from anywhere
+    assert kept["callbacks"][0]["target"] == f"{project / 'hooks.py'}:Note"
+
+    # --set paths are the current directory's: a text in `elsewhere`, none of that name next to the recipe
+    (elsewhere / "other.txt").write_text((project / "data" / "text.txt").read_text())
+    proc = run_cli("show", project / "recipe.yaml", *sets("data.files=[other.txt]"), cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["data"]["files"] == [str(elsewhere / "other.txt")]
+    # a path found nowhere stays as written, for the data code to report
+    proc = run_cli("train", project / "recipe.yaml", *sets(f"run.out_dir={tmp_path / 'r2'}", "data.files=[nope.txt]"),
+                   cwd=elsewhere)
+    assert proc.returncode == 2 and "nope.txt" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_a_bad_model_override_is_reported_before_the_data_is_read(tmp_path):
+    # the data file does not exist: an error about it would mean the data was read first
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "data.source=files",
+                                        f"data.files=[{tmp_path / 'missing.txt'}]", "model.overrides={d_model: -3}"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert proc.stderr.startswith("error: model.overrides") and "d_model" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import read_metrics, run_cli, train_in_process
+from helpers import TINY, read_metrics, run_cli, small_text_file, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +142,16 @@ def test_predict_memory_stays_flat_however_many_rows(run, tmp_path):
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert len(lines) == 2_000 and json.loads(lines[-1])["id"] == "r1999"
     assert growth < 2 * 2**20, f"{growth / 2**20:.1f} MB more for 10x the rows"
+
+
+def test_eval_of_a_model_on_a_recipe_of_another_kind_is_one_line(tmp_path):
+    from helpers import RECIPES, short_epochs, train_in_process
+
+    text = small_text_file(tmp_path)
+    train_in_process(TINY, short_epochs(text, tmp_path / "lm", "train.max_steps=2", "checkpoint.every_steps=100"))
+    for recipe, wanted in [("shakespeare_genre.yaml", "a sequence classifier of text"),
+                           ("digits.yaml", "a sequence classifier of number sequences")]:
+        proc = run_cli("eval", tmp_path / "lm", RECIPES / recipe)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
+        assert "a language model of text (S4ForCausalLM) cannot be scored with this recipe" in proc.stderr
+        assert f"which trains {wanted}" in proc.stderr

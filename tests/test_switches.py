@@ -1,9 +1,12 @@
-"""Speed and memory switches of a recipe: activation checkpointing, torch.compile, fused AdamW (TF32 needs CUDA)."""
+"""Speed and memory switches of a recipe: activation checkpointing, torch.compile, fused AdamW (TF32 needs CUDA), and
+the profiler over chosen steps."""
+
+import json
 
 import pytest
 import torch
 
-from helpers import TINY, final_weights, train_in_process
+from helpers import TINY, final_weights, small_text_file, train_in_process
 
 
 def tiny(out, text, *extra):
@@ -54,3 +57,29 @@ def test_compiled_run_matches_eager_and_exports_plain_parameter_names(tmp_path, 
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
     assert compiled.eval_metrics["loss"] == pytest.approx(eager.eval_metrics["loss"], rel=1e-4)
     AutoModelForCausalLM.from_pretrained(tmp_path / "compiled" / "final")  # loads without missing keys
+
+
+def test_profile_traces_the_chosen_steps_into_the_run_directory(tmp_path):
+    from helpers import short_epochs, train_in_process
+
+    text = small_text_file(tmp_path)
+    run = tmp_path / "run"
+    train_in_process(TINY, short_epochs(text, run, "train.max_steps=7", "checkpoint.every_steps=100",
+                                        "train.profile={wait: 2, warmup: 1, active: 2}"))
+    traces = list((run / "profile").glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    assert steps == ["ProfilerStep#3", "ProfilerStep#4"]  # optimizer steps 4 and 5: after 2 waited, 1 warmed up
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the model's operators are in it
+    assert "Self CPU" in (run / "profile" / "summary.txt").read_text()
+    log = (run / "train.log").read_text()
+    assert f"profile: steps 4-5 traced into {run / 'profile'}" in log
+
+    # a run that ends before the schedule's active steps: nothing half-written, the run ends normally
+    short = tmp_path / "short"
+    result = train_in_process(TINY, short_epochs(text, short, "train.max_steps=3", "checkpoint.every_steps=100",
+                                                 "train.profile={wait: 2, warmup: 1, active: 2}"))
+    assert result.steps == 3 and not list((short / "profile").glob("*.json"))
+    assert "profile: the run ended before step 5, the last one to profile; no trace written" in (
+        short / "train.log").read_text()
