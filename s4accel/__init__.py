@@ -6,13 +6,13 @@ Public API (each name imports its heavy dependencies only when first used):
     >>> recipe = s4accel.load_recipe("recipes/quickstart.yaml", ["train.max_steps=10"])
     >>> result = s4accel.train(recipe)
 
-`import s4accel` also registers the models with transformers' Auto classes, so
+`import s4accel` also registers the models with transformers' Auto classes (the call below `_LAZY`), so
 `AutoModelForCausalLM.from_pretrained(run_dir / "final")` works.
 """
 
 import importlib
 
-from . import _autoregister
+from ._autoregister import register_when_transformers_loads
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,10 @@ def __dir__():
     return sorted([*globals(), *_LAZY])
 
 
-_autoregister.install()
+# The models join transformers' Auto classes (AutoConfig, AutoModel, AutoModelForCausalLM,
+# AutoModelForSequenceClassification) here: at once if transformers is imported already, else the moment it finishes
+# importing. Not by importing it now: its model classes take ~3.5 s, which `s4accel --help` and a recipe error must
+# not pay.
+register_when_transformers_loads()
 
 __all__ = ["__version__", *_LAZY]

@@ -56,7 +56,8 @@ class _RegisterAfterTransformers(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install() -> None:
+def register_when_transformers_loads() -> None:
+    """Register now if transformers is imported, else right after its import finishes (a one-shot import hook)."""
     if "transformers" in sys.modules:
         _register()
     elif not any(isinstance(f, _RegisterAfterTransformers) for f in sys.meta_path):
