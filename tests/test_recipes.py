@@ -76,3 +76,16 @@ def test_example_recipe_loads_and_imports_its_task(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # anywhere: the examples name their task files relative to themselves
     task = load_task(load_recipe(path))
     assert isinstance(task, Task) and type(task).__module__.startswith("s4accel_task_")
+
+
+def test_each_family_names_the_config_class_that_builds_it():
+    """Recipes are checked against the config's fields read from its file (no torch); the model is built from the
+    class itself: both must be the same class."""
+    from s4accel.config.sizes import FAMILIES, config_fields
+    from s4accel.training.tasks_builtin import CONFIG_CLASSES
+
+    assert set(FAMILIES) == set(CONFIG_CLASSES)
+    for family, (module, name) in FAMILIES.items():
+        cls = CONFIG_CLASSES[family]
+        assert (cls.__module__, cls.__name__) == (f"s4accel.models.{module}", name)
+        assert set(config_fields(family)) <= set(cls().to_dict())

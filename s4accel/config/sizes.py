@@ -27,10 +27,12 @@ MODEL_SIZES: dict[str, dict] = {
     "moe-base": {"family": "moe", "d_model": 512, "n_layer": 8, "n_head": 8, "d_ffn": 1024, "num_experts": 8},
 }
 
-# family -> (config class, causal LM class), as "module:Class" inside s4accel.models.
+# family -> its config class's file in s4accel/models and name: named, not imported, because recipes are checked
+# without importing torch or transformers (`config_fields` reads the file). The classes themselves: CONFIG_CLASSES in
+# training/tasks_builtin.py.
 FAMILIES: dict[str, tuple[str, str]] = {
-    "s4": ("configuration_s4:S4Config", "modeling_s4:S4ForCausalLM"),
-    "moe": ("configuration_moe:MoEConfig", "modeling_moe:MoEForCausalLM"),
+    "s4": ("configuration_s4", "S4Config"),
+    "moe": ("configuration_moe", "MoEConfig"),
 }
 
 
@@ -39,7 +41,7 @@ def config_fields(family: str) -> tuple[str, ...]:
     """The fields a family's config class declares (its annotated class attributes), read from the source file
     without importing it, so recipes are checked without importing torch. Inherited `PreTrainedConfig` fields are
     not included: recipes do not set them."""
-    module, cls = FAMILIES[family][0].split(":")
+    module, cls = FAMILIES[family]
     tree = ast.parse((Path(__file__).parents[1] / "models" / f"{module}.py").read_text())
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls).body
     return tuple(n.target.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))

@@ -5,7 +5,6 @@ and the one way a model is built from a recipe: its named size + `model.override
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import re
@@ -15,10 +14,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from ..config import ModelCfg
-from ..config.sizes import FAMILIES, MODEL_SIZES
+from ..config.sizes import MODEL_SIZES
 from ..data import (build_array_data, build_data, build_labelled_text, collate_arrays, collate_labelled_text,
                     collate_lm, data_spec, stream_loader, token_byte_and_char_counts)
 from ..errors import RecipeError
+from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
 from .pretrained import load_pretrained, locate, pretrained_config
 from .samples import write_samples
@@ -229,6 +229,9 @@ def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
     return model
 
 
+CONFIG_CLASSES = {"s4": S4Config, "moe": MoEConfig}
+"""Each family's config class (`config.sizes.FAMILIES` names them for the recipe checks that import no torch)."""
+
 HEADS = {True: ["lm_head.*"], False: ["score.*"]}
 """The head of a causal LM and of a classifier: what may start untrained by default with `model.pretrained`."""
 
@@ -238,8 +241,7 @@ def model_config(cfg: ModelCfg, **tokenizer_fields):
     ids). Override keys were checked by `ModelCfg`; types and values are checked here by the config class itself (a
     `@strict` dataclass with `validate_*` methods)."""
     spec = dict(MODEL_SIZES[cfg.name])
-    module, cls = FAMILIES[spec.pop("family")][0].split(":")
-    config_cls = getattr(importlib.import_module(f"s4accel.models.{module}"), cls)
+    config_cls = CONFIG_CLASSES[spec.pop("family")]
     try:
         return config_cls(**{**spec, **cfg.overrides, **tokenizer_fields})
     except Exception as e:  # huggingface_hub's StrictDataclass*Error ("...:\n    TypeError: ..."), or a ValueError
