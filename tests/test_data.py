@@ -2,15 +2,17 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from s4accel.config import DataCfg
+from helpers import TINY
+from s4accel.config import DataCfg, load_recipe
 from s4accel.data.sources import clean_play, load_source, shakespeare_files
 from s4accel.data.text import build_text_data
 from s4accel.data.tokenize import build_tokenizer, token_byte_and_char_counts
-from s4accel.data import build_dataloaders
-from s4accel.errors import DataError
+from s4accel.data import build_dataloaders, collate_lm
+from s4accel.errors import DataError, RecipeError
 
 
 def test_shakespeare_ships_38_plays_and_cleans_markdown(hf_cache):
@@ -86,3 +88,34 @@ def test_loaders_full_train_batches_and_capped_eval(tmp_path, hf_cache):
     assert sum(b["input_ids"].shape[0] for b in val_dl) == 4
     with pytest.raises(DataError, match="fewer than one batch"):
         build_dataloaders(cfg.model_copy(update={"batch_size": 10_000}), data, seed=0)
+
+
+def test_isolated_packing_marks_each_document_start_and_masks_the_target_across_it():
+    from s4accel.data import collate_isolated
+
+    block = {"input_ids": np.array([5, 6, 1, 7, 8, 9, 1, 4], np.uint16)}  # 1: the end-of-document token
+    batch = collate_isolated(1)([block])
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+    # the model shifts targets (t predicts t + 1): the first token after each end of document is predicted from
+    # nothing of its own, so it is no target
+    assert batch["labels"].tolist() == [[5, 6, 1, -100, 8, 9, 1, -100]]
+    assert batch["input_ids"].tolist() == [[5, 6, 1, 7, 8, 9, 1, 4]]
+    assert set(collate_lm([block])) == {"input_ids", "labels"}  # concat: one text, as before
+
+
+def test_a_stateful_stream_continues_a_document_into_the_next_chunk_unless_the_chunk_before_ended_it():
+    from s4accel.data import collate_isolated, stream_loader
+
+    blocks = [[5, 6, 7, 1], [8, 9, 1, 5], [6, 7, 8, 9], [1, 5, 6, 7]]  # one row, four chunks, in text order
+    loader = stream_loader([{"input_ids": np.array(b)} for b in blocks], 1, 1, 0, collate_fn=collate_isolated(1),
+                           eos=1)
+    assert [b["position_ids"].tolist()[0] for b in loader] == [
+        [0, 1, 2, 3],  # a stream's first chunk starts from a zero state
+        [0, 1, 2, 0],  # the chunk before ended its document
+        [1, 2, 3, 4],  # continues the document begun in the chunk before: the carried state reaches it
+        [1, 0, 1, 2]]  # continues it for one token (its end), then a new document
+
+
+def test_isolated_packing_is_for_language_model_text():
+    with pytest.raises(RecipeError, match="data.packing: isolated packs documents for a language model"):
+        load_recipe(TINY, ["data.source=digits", "data.packing=isolated"])

@@ -22,8 +22,11 @@ def launch(*args, timeout=600):
                           env=env)
 
 
-def test_two_process_gradients_equal_one_big_batch():
-    proc = launch(REPO / "tests" / "scripts" / "grad_check.py")
+@pytest.mark.parametrize("packed", [False, True], ids=["ragged", "packed-documents"])
+def test_two_process_gradients_equal_one_big_batch(packed):
+    """Two processes, two micro-batches each: the step's gradient is the whole batch's. With packed documents, it is
+    the gradient of every document trained alone."""
+    proc = launch(REPO / "tests" / "scripts" / "grad_check.py", *(["packed"] if packed else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["num_processes"] == 2

@@ -77,3 +77,34 @@ def test_two_processes_equal_one_process_with_all_rows(text, tmp_path):
     a, b = final_weights(one), final_weights(two)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("mode", ["tbptt", "bptt"])
+def test_a_carried_state_stops_at_a_document_boundary(mode):
+    """Packed documents (`data.packing: isolated`): a chunk whose first position starts a document reads it from a
+    zero state, whatever the chunks before left; one continuing a document reads the carried state."""
+    from types import SimpleNamespace
+
+    from s4accel import S4Config, S4ForCausalLM
+    from s4accel.config import StateCfg
+    from s4accel.data import collate_isolated
+    from s4accel.training.carried_state import CarriedState
+
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=8)).eval()
+    carried = CarriedState(StateCfg(mode=mode), SimpleNamespace(num_processes=1, process_index=0))
+    collate = collate_isolated(1)
+    first = collate([{"input_ids": torch.tensor([5, 6, 7, 1, 8, 9])}])  # ends inside a document
+    ends = collate([{"input_ids": torch.tensor([5, 6, 7, 8, 9, 1])}])  # ends with its document's end
+    nxt = [5, 6, 7, 8, 9, 5]
+    with torch.no_grad():
+        carried.forward(model, {**first, "chunk_index": torch.tensor(0)})
+        continued = carried.forward(model, {**collate([{"input_ids": torch.tensor(nxt)}], torch.tensor([True])),
+                                            "chunk_index": torch.tensor(1)}).logits
+        carried.reset()
+        carried.forward(model, {**ends, "chunk_index": torch.tensor(0)})
+        fresh = carried.forward(model, {**collate([{"input_ids": torch.tensor(nxt)}], torch.tensor([False])),
+                                        "chunk_index": torch.tensor(1)}).logits
+        alone = model(input_ids=torch.tensor([nxt])).logits
+    assert torch.equal(fresh, alone)
+    assert not torch.allclose(continued, alone, atol=1e-4)

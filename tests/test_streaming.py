@@ -162,9 +162,11 @@ def test_a_mixture_draws_by_weight_the_same_way_under_the_same_seed(tmp_path, hf
         assert 2.5 < counts[str(tmp_path / "a")] / counts[str(tmp_path / "b")] < 3.5
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-def test_a_mixture_run_resumes_exactly(tmp_path, hf_cache, streaming):
+@pytest.mark.parametrize("streaming, packing", [(False, "concat"), (True, "concat"), (False, "isolated"),
+                                                (True, "isolated")])
+def test_a_mixture_run_resumes_exactly(tmp_path, hf_cache, streaming, packing):
     common = [*mixture(tmp_path, streaming=streaming), "data.batch_size=4", "model.overrides={dropout: 0.1}",
+              f"data.packing={packing}",
               "train.max_steps=10", "train.eval_every=5", "checkpoint.every_steps=3", "scheduler.warmup_steps=0",
               "log.progress_bar=false", "log.log_with=[jsonl]"]
     train_in_process(TINY, [f"run.out_dir={tmp_path / 'ref'}", *common])

@@ -18,6 +18,35 @@ def collate_lm(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
+def document_positions(input_ids: torch.Tensor, eos: int, continued: torch.Tensor | None = None) -> torch.Tensor:
+    """`position_ids (B, L)` of packed documents: each position's index within its document, a document starting
+    after every `eos` and at the block's first position. `continued (B,)`: rows whose first document began in an
+    earlier block (a stateful stream's next chunk): their first document counts from 1, not 0, so the model carries
+    its state into it."""
+    B, L = input_ids.shape
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos
+    starts[:, 0] = True
+    column = torch.arange(L).expand(B, L)
+    start_of = torch.where(starts, column, 0).cummax(-1).values  # (B, L): the column its document starts at
+    positions = column - start_of
+    if continued is not None:
+        positions = positions + (continued[:, None] & (start_of == 0))
+    return positions
+
+
+def collate_isolated(eos: int):
+    """`collate_lm` for `data.packing: isolated`: `position_ids` mark where each document starts, and the target
+    after each `eos` (the next document's first token, predicted from the one before) is masked."""
+    def collate(examples: list[dict], continued: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        batch = collate_lm(examples)
+        ids = batch["input_ids"]
+        batch["position_ids"] = document_positions(ids, eos, continued)
+        batch["labels"][:, 1:][ids[:, :-1] == eos] = -100
+        return batch
+    return collate
+
+
 def collate_fn(cfg: DataCfg):
     """Examples -> a batch: packed text blocks (`collate_lm`) or labelled sequences of numbers (`collate_arrays`).
     Labelled documents are padded per batch: their collation comes with their data (`collate_labelled_text`)."""

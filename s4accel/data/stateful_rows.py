@@ -29,16 +29,24 @@ class StreamBatchSampler:
         return self.chunks
 
 
-def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_workers: int = 0):
-    """This process's chunks, in order, each batch carrying its `chunk_index` (0 starts a new epoch's streams)."""
+def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_workers: int = 0, collate_fn=None,
+                  eos: int | None = None):
+    """This process's chunks, in order, each batch carrying its `chunk_index` (0 starts a new epoch's streams).
+    `collate_fn` with `eos` (packed documents, `collate_isolated`): it is told which rows continue a document from
+    their previous chunk (the chunk before did not end with `eos`)."""
     sampler = StreamBatchSampler(len(data), batch_size, num_processes, rank)
     if sampler.chunks < 1:
         raise DataError(f"stateful training needs at least one chunk per stream: {len(data)} blocks < "
                         f"{batch_size} x {num_processes} rows")
 
     def collate(examples, chunk_of=sampler.chunks):
-        batch = collate_lm(examples)
-        batch["chunk_index"] = torch.tensor(int(examples[0]["__index__"]) % chunk_of)
+        chunk = int(examples[0]["__index__"]) % chunk_of
+        if eos is None:
+            batch = (collate_fn or collate_lm)(examples)
+        else:  # a stream's first chunk starts from a zero state anyway
+            continued = torch.tensor([chunk > 0 and int(e["__previous_last__"]) != eos for e in examples])
+            batch = collate_fn(examples, continued)
+        batch["chunk_index"] = torch.tensor(chunk)
         return batch
 
     # A generator of its own: without one, every new iterator (each epoch, and the first after a resume) draws its
@@ -55,4 +63,5 @@ class _WithIndex(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, i):
-        return {**self.data[i], "__index__": i}
+        previous = self.data[i - 1]["input_ids"][-1] if i else -1  # the token before this block in the stream
+        return {**self.data[i], "__index__": i, "__previous_last__": previous}

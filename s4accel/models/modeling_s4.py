@@ -198,13 +198,17 @@ class _SSMKernel(nn.Module):
         C = torch.randn(*self.C.shape[:-1], dtype=torch.complex64, device=device)  # E|C|^2 = 1
         init.copy_(self.C, torch.view_as_real(C * torch.as_tensor(C_scale, device=device).to(C.dtype)))
 
-    def recurrence(self, u: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def recurrence(self, u: torch.Tensor, state: torch.Tensor | None = None,
+                   starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Slow, obviously correct reference: the discrete SSM one step at a time. u: (B, H, L) -> y (B, H, L) and the
-        final state. Equal to the convolution (plus `state_output` of `state`) up to rounding (see tests)."""
+        final state. Equal to the convolution (plus `state_output` of `state`) up to rounding (see tests).
+        `starts (B, L)` bool: a document starts there, its state from zero."""
         params = self.step_params()
         x = self.zero_state(u.shape[0], u) if state is None else state
         ys = []
         for k in range(u.shape[-1]):
+            if starts is not None:
+                x = x * ~starts[:, k, None, None]
             y, x = self.step(u[..., k], x, params)
             ys.append(y)
         return torch.stack(ys, dim=-1), x
@@ -400,6 +404,66 @@ class S4Kernel(_SSMKernel):
         return torch.einsum("hnl,bhn->bhl", rows, state).real
 
 
+class Documents:
+    """Where the documents packed into a batch lie, for the SSM convolution to read each one on its own.
+
+    From `position_ids (B, L)`, transformers' convention for packed sequences: a position whose id is 0 starts a
+    document, which runs to the next start or the row's end. Column 0 continues the state the row was given (a cache
+    or a carried state) unless its id is 0. Each document is convolved in a row of its own, zero-padded to a bucket
+    length (the next power of two, at least 16; one batched convolution per bucket length, not a loop over
+    documents), so no output reads another document's inputs: bit for bit, not only up to rounding.
+    """
+
+    MIN_BUCKET = 16
+
+    @staticmethod
+    def of(position_ids: torch.Tensor | None) -> "Documents | None":
+        """The documents of `position_ids`, or None when a row holds one (or none given): then nothing is split."""
+        if position_ids is None or position_ids.shape[1] < 2 or not bool((position_ids[:, 1:] == 0).any()):
+            return None
+        return Documents(position_ids)
+
+    def __init__(self, position_ids: torch.Tensor):
+        B, L = position_ids.shape
+        device = position_ids.device
+        starts = position_ids == 0  # (B, L)
+        self.continues = ~starts[:, 0]  # (B,) the row's first document began before this block
+        starts = starts.clone()
+        starts[:, 0] = True  # every row's first position starts a segment
+        seg = starts.long().cumsum(-1)  # (B, L) 1-based segment number within the row
+        self.first = (seg == 1) & self.continues[:, None]  # (B, L): positions a given initial state reaches
+        self.last = seg == seg[:, -1:]  # (B, L): the row's last segment, whose end state is the row's
+        self.single = seg[:, -1] == 1  # (B,) one segment: an initial state reaches the row's end too
+        flat_starts = starts.flatten().nonzero().squeeze(-1)  # (S,) into the B*L positions, in order
+        row_end = (flat_starts // L + 1) * L
+        ends = torch.cat([flat_starts[1:], flat_starts.new_tensor([B * L])])
+        ends = torch.minimum(ends, row_end)
+        lengths = ends - flat_starts  # (S,)
+        # the next power of two (at least MIN_BUCKET), never past the block: a document's bucket depends on its own
+        # length alone, so which other documents share its convolution never changes its outputs
+        buckets = torch.clamp(2 ** torch.ceil(torch.log2(lengths.double())).long(), min=self.MIN_BUCKET).clamp(max=L)
+        self.groups = []  # (bucket length, gather index (n, Lb) into B*L + 1, the last being a zero row)
+        where = torch.empty(B * L, dtype=torch.long, device=device)  # each position's row in the outputs
+        offset = 0
+        for Lb in sorted(set(buckets.tolist())):
+            pick = (buckets == Lb).nonzero().squeeze(-1)
+            s, n = flat_starts[pick], lengths[pick]
+            steps = torch.arange(Lb, device=device)
+            index = s[:, None] + steps  # (n, Lb)
+            valid = steps < n[:, None]
+            self.groups.append((Lb, torch.where(valid, index, B * L)))
+            where[index[valid]] = offset + (torch.arange(len(pick), device=device)[:, None] * Lb + steps)[valid]
+            offset += len(pick) * Lb
+        self.where = where
+
+    def convolve(self, u: torch.Tensor, conv) -> torch.Tensor:
+        """`conv(v (n, H, Lb), Lb) -> (n, H, Lb)` applied to each document of `u (B, H, L)` alone -> (B, H, L)."""
+        B, H, L = u.shape
+        rows = torch.cat([u.transpose(1, 2).reshape(B * L, H), u.new_zeros(1, H)])  # (B*L + 1, H)
+        outs = [conv(rows[index].transpose(1, 2), Lb).transpose(1, 2).reshape(-1, H) for Lb, index in self.groups]
+        return torch.cat(outs)[self.where].reshape(B, L, H).transpose(1, 2)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Layers
 
@@ -421,18 +485,31 @@ class S4Layer(nn.Module):
         """Pointwise nonlinearity and mixing across channels: (..., H) -> (..., H)."""
         return self.glu(self.output_linear(self.dropout(self.activation(y))))
 
-    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None, return_state: bool = False):
+    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None, return_state: bool = False,
+                documents: Documents | None = None):
         """u (B, L, H) -> y (B, L, H) and, with `return_state`, the SSM state after the last step (else None).
-        `state`: the SSM state before the first step (None: zeros)."""
+        `state`: the SSM state before the first step (None: zeros). `documents`: each document of a packed row read
+        on its own (the state reaches only the row's first one, when it continues; the state returned is the last
+        one's)."""
         L = u.shape[1]
         # The SSM in float32 whatever the autocast dtype: exp(dtA * l) over long l and the FFT lose everything in half
         # precision (log_dt going NaN under fp16 is a known report against the reference).
         with torch.autocast(device_type=u.device.type, enabled=False):
             u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
-            y = fft_conv(u32, self.kernel(L), _fp32_or_wider(self.D))  # (B, H, L), with the skip D u
+            K, D = self.kernel(L), _fp32_or_wider(self.D)
+            if documents is None:
+                y = fft_conv(u32, K, D)  # (B, H, L), with the skip D u
+            else:  # each document alone: its kernel taps are the first Lb of the block's
+                y = documents.convolve(u32, lambda v, Lb: fft_conv(v, K[..., :Lb], D))
             if state is not None:
-                y = y + self.kernel.state_output(state, L)
-            new_state = self.kernel.forward_state(u32, state) if return_state else None
+                reach = self.kernel.state_output(state, L)  # (B, H, L)
+                y = y + (reach if documents is None else reach * documents.first[:, None, :])
+            new_state = None
+            if return_state and documents is None:
+                new_state = self.kernel.forward_state(u32, state)
+            elif return_state:  # the row's last document, from zero unless it is the continued first one
+                carried = None if state is None else state * (documents.single & documents.continues)[:, None, None]
+                new_state = self.kernel.forward_state(u32 * documents.last[:, None, :], carried)
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
         return self._mix(y.transpose(1, 2).contiguous().to(u.dtype)), new_state
 
@@ -491,13 +568,13 @@ class S4Block(GradientCheckpointingLayer):
             return self._residual(x, lambda z: self.ffn(z, mask), self.ffn_norm)
         return self._residual(x, lambda z: (self.ffn(z), None), self.ffn_norm)
 
-    def forward(self, x, mask=None, state=None, return_state=False):
+    def forward(self, x, mask=None, state=None, return_state=False, documents=None):
         def ssm(z):
             if mask is not None:
                 # Padded positions feed zeros into the SSM, so a left-padded prompt leaves the same state as no
                 # padding.
                 z = z * mask[..., None].to(z.dtype)
-            return self.layer(z, state, return_state)
+            return self.layer(z, state, return_state, documents)
 
         x, state = self._residual(x, ssm, self.norm)
         x, aux = self._feed_forward(x, mask)
@@ -676,6 +753,7 @@ class S4Model(S4PreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         cache_params: S4Cache | None = None,
+        position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> S4ModelOutput:
         r"""
@@ -693,6 +771,11 @@ class S4Model(S4PreTrainedModel):
             convolution costs a second pass over the sequence).
         output_attentions (`bool`, *optional*): Refused: an S4 model has no attention weights.
         cache_params (`S4Cache`, *optional*): The name of `cache` before transformers 5.24, still accepted.
+        position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Documents packed into
+            a row, as transformers' padding-free collators mark them: a position whose id is 0 starts a document,
+            which starts from a zero state and never reads the documents before it (each is convolved on its own, in
+            one batched convolution per length bucket). At the first column, 0 also drops the state a cache carries.
+            Only where the ids are 0 is read.
         """
         cache = one_cache(cache, cache_params=cache_params)
         if output_attentions or (output_attentions is None and self.config.output_attentions):
@@ -710,19 +793,23 @@ class S4Model(S4PreTrainedModel):
             raise ValueError("a bidirectional S4 model reads whole sequences: it has no recurrent state")
         seen = cache.get_seq_length() if states is not None else 0
         attention_mask = self._new_columns(attention_mask, seen, L)
+        if states is not None and position_ids is not None:  # a row whose first position starts a document
+            fresh = position_ids[:, 0] == 0
+            states = [state * ~fresh.view(-1, *[1] * (state.dim() - 1)) for state in states]
+        documents = Documents.of(position_ids)  # None: one document per row, nothing to split
         # 3. The layers: one position after a state runs the recurrent step (O(1) per token), anything longer the
         # convolution from that state. Each returns its state after the last position (when asked) and its router's
         # auxiliary outputs (an MoE feed-forward).
         all_hidden = [] if output_hidden_states else None
         if states is not None and L == 1:
-            x, new_states, auxes = self._decode_one(x, cache, attention_mask, all_hidden)
+            x, new_states, auxes = self._decode_one(x, cache, states, attention_mask, all_hidden)
         else:
             new_states, auxes = [], []
             for i, block in enumerate(self.layers):
                 if all_hidden is not None:
                     all_hidden.append(x)
                 x, state, aux = block(x, mask=attention_mask, state=states[i] if states is not None else None,
-                                      return_state=bool(use_cache))
+                                      return_state=bool(use_cache), documents=documents)
                 new_states.append(state)
                 auxes.append(aux)
         # 4. The final norm; the states after the last position go into the cache for the next call.
@@ -763,15 +850,15 @@ class S4Model(S4PreTrainedModel):
                              f"ones) or {seen + L} (the {seen} the cache has read, then the new ones)")
         return attention_mask[:, seen:]  # (B, L)
 
-    def _decode_one(self, x, cache: S4Cache, attention_mask, all_hidden: list | None):
-        """One position (B, 1, H) through every layer's recurrent step from the cache's states; the step's
+    def _decode_one(self, x, cache: S4Cache, states: list, attention_mask, all_hidden: list | None):
+        """One position (B, 1, H) through every layer's recurrent step from `states` (the cache's); the step's
         discretised parameters are computed once per cache."""
         if cache.step_params is None:
             cache.step_params = [block.layer.kernel.step_params() for block in self.layers]
         h = x[:, 0]
         mask = attention_mask[:, 0] if attention_mask is not None else None
         new_states, auxes = [], []
-        for block, state, params in zip(self.layers, cache.states, cache.step_params):
+        for block, state, params in zip(self.layers, states, cache.step_params):
             if all_hidden is not None:
                 all_hidden.append(h[:, None])
             h, state, aux = block.step(h, state, params, mask)
@@ -865,6 +952,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         num_items_in_batch: torch.Tensor | int | None = None,
         cache_params: S4Cache | None = None,
+        position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> S4CausalLMOutput:
         r"""
@@ -877,6 +965,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             When given, the loss is `sum of token losses / num_items_in_batch` rather than a mean over this batch, so
             a trainer can normalise by the real token count of a whole accumulation window across processes.
         cache_params (`S4Cache`, *optional*): The name of `cache` before transformers 5.24, still accepted.
+        position_ids (`torch.LongTensor`, *optional*): Packed documents, each read on its own (see `S4Model`).
         kwargs: Passed on to `self.loss_function`, e.g. `shift_labels` (targets already shifted, as context-parallel
             training gives them) or `ignore_index`.
         """
@@ -888,6 +977,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            position_ids=position_ids,
             return_dict=True,
         )
         hidden = out.last_hidden_state  # (B, L, H)

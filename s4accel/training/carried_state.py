@@ -33,6 +33,7 @@ class CarriedState:
         self.cache = None  # S4Cache of the last chunk (tbptt, reset)
         self.chunks = 0  # chunks read since the last reset (reset)
         self.context: deque = deque(maxlen=self.n_context)  # previous chunks' input_ids (bptt)
+        self.positions: deque = deque(maxlen=self.n_context)  # and their position_ids (packed documents), or None
 
     def forward(self, model, batch: dict, **kwargs):
         if int(batch.pop("chunk_index")) == 0:  # a new epoch: the streams start again
@@ -42,9 +43,10 @@ class CarriedState:
         if self.mode == "bptt":
             cache = None
             with torch.no_grad():  # rebuild the context's state with the current weights
-                for ids in self.context:
-                    cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+                for ids, positions in zip(self.context, self.positions):
+                    cache = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).cache
             self.context.append(batch["input_ids"])
+            self.positions.append(batch.get("position_ids"))
         else:
             cache = self.cache
         out = model(**batch, cache=cache, use_cache=True, **kwargs)
@@ -57,12 +59,14 @@ class CarriedState:
         """What `forward` changes, to go back to it (a window cut short by a stop signal). The model's forward sets
         new attributes on the cache it is given (its `states` list), never changes the tensors: a shallow copy keeps
         the state as it is now."""
-        return copy.copy(self.cache), self.chunks, list(self.context)
+        return copy.copy(self.cache), self.chunks, list(self.context), list(self.positions)
 
     def restore(self, snap) -> None:
-        self.cache, self.chunks, context = snap
+        self.cache, self.chunks, context, positions = snap
         self.context.clear()
         self.context.extend(context)
+        self.positions.clear()
+        self.positions.extend(positions)
 
     # Checkpointing: every process calls state_dict (Accelerate's save_state), the main process writes it.
     def state_dict(self) -> dict:
@@ -71,7 +75,8 @@ class CarriedState:
         if self.cache is not None:  # (B, H, n) complex per layer -> all rows, as real pairs
             states = [gather(torch.view_as_real(s).contiguous()) for s in self.cache.states]
         context = [gather(ids.contiguous()) for ids in self.context]
-        return {"states": states, "chunks": self.chunks, "context": context}
+        positions = [None if p is None else gather(p.contiguous()) for p in self.positions]
+        return {"states": states, "chunks": self.chunks, "context": context, "positions": positions}
 
     def load_state_dict(self, sd: dict) -> None:
         self.reset()
@@ -86,3 +91,4 @@ class CarriedState:
             self.cache = S4Cache([torch.view_as_complex(mine(s).contiguous()) for s in sd["states"]])
         self.chunks = sd["chunks"]
         self.context.extend(mine(ids) for ids in sd["context"])
+        self.positions.extend(None if p is None else mine(p) for p in sd.get("positions", [None] * len(sd["context"])))

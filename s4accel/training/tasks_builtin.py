@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from ..config import ModelCfg
 from ..config.sizes import MODEL_SIZES
 from ..data import (build_array_data, build_data, build_labelled_text, collate_arrays, collate_labelled_text,
-                    collate_lm, data_spec, stream_loader, token_byte_and_char_counts)
+                    collate_isolated, collate_lm, data_spec, stream_loader,
+                    token_byte_and_char_counts)
 from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
@@ -88,7 +89,10 @@ class CausalLMTask(BuiltinTask):
             self.stream.accelerator = acc  # its state is gathered from every process into each checkpoint
         if self.recipe.train.state.mode != "none":  # the rows' recurrent state, carried from chunk to chunk
             self.carried = CarriedState(self.recipe.train.state, acc)
-        return TaskData(self.data.train, self.data.val, collate_lm, self.data.tokenizer, "tokens",
+        self.collate = collate_lm
+        if self.recipe.data.packing == "isolated":  # where each document starts, for the model to read it alone
+            self.collate = collate_isolated(self.data.tokenizer.eos_token_id)
+        return TaskData(self.data.train, self.data.val, self.collate, self.data.tokenizer, "tokens",
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
     def build_model(self):
@@ -104,7 +108,9 @@ class CausalLMTask(BuiltinTask):
         if self.recipe.train.state.mode != "none":  # fixed rows per process in text order: a sharded
             # loader would hand a process another row's continuation
             acc, d = self.accelerator, self.recipe.data
-            train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers)
+            train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers,
+                                     self.collate, self.data.tokenizer.eos_token_id if self.collate is not collate_lm
+                                     else None)
             return Loaders(train_dl, val_dl, shard_train=False)
         return Loaders(train_dl, val_dl)
 
@@ -118,7 +124,8 @@ class CausalLMTask(BuiltinTask):
         return batch["input_ids"].numel()
 
     def validation_step(self, model, batch):
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # (B, L-1, V), position t predicts t + 1
+        logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits[:, :-1]
+        # (B, L-1, V): position t predicts t + 1
         targets = batch["labels"][:, 1:]  # (B, L-1)
         mask = targets != -100
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
