@@ -171,16 +171,19 @@ def attention_mask_4d(attention_mask: torch.Tensor | None, L: int, S: int, devic
     return allowed | (k == q)
 
 
-def document_mask_4d(position_ids: torch.Tensor, mask4: torch.Tensor | None) -> torch.Tensor:
-    """Packed documents (a position whose id is 0 starts one) -> (B, 1, L, L) bool: each query sees the keys of its
-    own document at or before it (block-diagonal causal attention), and the padding rule of `mask4` if given."""
+def document_mask_4d(position_ids: torch.Tensor, past: int, mask4: torch.Tensor | None) -> torch.Tensor | None:
+    """Documents read alone: a query at index i whose position is p (counted within its document) sees the keys
+    i - p .. i, so packed documents (positions restarting at 0) attend block-diagonally, in one forward or through a
+    cache while generating. (B, 1, L, S) bool with `mask4`'s padding rule, or `mask4` itself where every query sees
+    all the keys before it anyway."""
     L = position_ids.shape[1]
-    starts = position_ids == 0
-    starts[:, 0] = True
-    doc = starts.long().cumsum(-1)  # (B, L)
-    causal = torch.ones(L, L, dtype=torch.bool, device=doc.device).tril()
-    allowed = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, L, L)
-    return allowed if mask4 is None else allowed & mask4 | torch.eye(L, dtype=torch.bool, device=doc.device)
+    i = torch.arange(past, past + L, device=position_ids.device)[None, :, None]  # (1, L, 1)
+    first = i - position_ids[:, :, None]  # (B, L, 1): the first key each query sees
+    if not bool((first > 0).any()):
+        return mask4
+    k = torch.arange(past + L, device=position_ids.device)
+    allowed = ((k <= i) & (k >= first))[:, None]  # (B, 1, L, S)
+    return allowed if mask4 is None else allowed & mask4 | (k == i)[:, None]
 
 
 class MoEModel(MoEPreTrainedModel):
@@ -204,8 +207,9 @@ class MoEModel(MoEPreTrainedModel):
         r"""
         cache (`DynamicCache`, *optional*): The keys and values of the positions before these ones.
         position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Rotary positions
-            (default: counted from each row's first real token). Restarting at 0 inside a row, they mark packed
-            documents, as transformers' padding-free collators do: each attends only to itself.
+            (default: counted from each row's first real token). Counted within each document, they mark packed
+            documents (restarting at 0, as transformers' padding-free collators give them): a query at position p
+            sees the p keys before it and itself, so each document attends to itself only, also when generating.
         use_cache (`bool`, *optional*): Return the key/value cache (`cache`, updated in place when one was given).
             Default: `config.use_cache` when continuing from `cache`, else False (no cache is built for a plain
             forward, e.g. in training or evaluation).
@@ -231,17 +235,15 @@ class MoEModel(MoEPreTrainedModel):
         S = past + L
         if attention_mask is not None and attention_mask.shape[1] != S:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, expected {S}")
-        packed = position_ids is not None and L > 1 and bool((position_ids[:, 1:] == 0).any())
-        if packed and past:
-            raise ValueError("position_ids restarting inside a row (packed documents) need a forward without a cache")
+        given = position_ids is not None
         if position_ids is None:
             if attention_mask is not None:  # left padding: count positions from each row's first real token
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, S, device=x.device).expand(B, L)
         mask4 = attention_mask_4d(attention_mask, L, S, x.device)
-        if packed:  # each document attends to itself only, its positions restarting at 0 (rotary)
-            mask4 = document_mask_4d(position_ids, mask4)
+        if given:  # packed documents (positions restarting at 0): each attends to itself only
+            mask4 = document_mask_4d(position_ids, past, mask4)
         token_mask = attention_mask[:, past:] if attention_mask is not None else None  # (B, L): route real tokens
         hidden, auxes = [] if output_hidden_states else None, []
         attentions = [] if output_attentions else None

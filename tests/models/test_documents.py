@@ -133,3 +133,22 @@ def test_documents_of_any_length_fall_in_buckets_that_cover_them():
     covered = torch.cat([index[index < sum(lengths)] for _, index in docs.groups])
     assert sorted(covered.tolist()) == list(range(sum(lengths)))  # every position in exactly one document row
     assert Documents.of(torch.arange(10)[None]) is None  # one document per row: nothing to split
+
+
+@pytest.mark.parametrize("variant", ["s4d", "s4", "moe"])
+def test_generate_after_a_packed_prompt_continues_its_last_document_alone(variant):
+    """position_ids handed to `generate()` (which extends them while decoding): the recurrent state or the key/value
+    cache of the earlier documents never reaches the continuation."""
+    m = model(variant)
+    m.generation_config.pad_token_id = 0
+    torch.manual_seed(3)
+    a, b = torch.randint(3, VOCAB, (1, 9)), torch.randint(3, VOCAB, (1, 6))
+    prompt = torch.cat([a, b], 1)
+    positions = torch.cat([torch.arange(9), torch.arange(6)])[None]
+    kw = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    packed_out, alone = m.generate(prompt, position_ids=positions, **kw), m.generate(b, **kw)
+    assert torch.equal(packed_out.sequences[:, -5:], alone.sequences[:, -5:])
+    for x, y in zip(packed_out.scores, alone.scores):
+        assert torch.allclose(x, y, atol=1e-5, rtol=0)
+    together = m.generate(prompt, **kw)  # read as one text, the continuation differs
+    assert not all(torch.allclose(x, y, atol=1e-4) for x, y in zip(together.scores, alone.scores))
