@@ -29,6 +29,7 @@ from transformers.utils import can_return_tuple
 
 from .cache_names import cache_field, one_cache
 from .configuration_moe import MoEConfig
+from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
 
@@ -63,9 +64,11 @@ class MoEAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x, positions, attn_mask, cache, eager=False):
+    def forward(self, x, positions, attn_mask, cache, eager=False, documents: Documents | None = None):
         """x (B, L, D), positions (B, L), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None.
-        -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None)."""
+        -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None). `documents` (packed, no
+        cached prefix): each document's causal attention on its own, in one batched call per length bucket (the
+        work grows with the sum of the squared lengths, not with L^2)."""
         B, L, D = x.shape
         q, k, v = self.qkv_proj(x).view(B, L, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, h, L, d)
         q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
@@ -75,6 +78,11 @@ class MoEAttention(nn.Module):
         weights = None
         if eager:
             y, weights = eager_attention(q, k, v, attn_mask, dropout_p)
+        elif documents is not None:
+            def causal(*qkv):  # (n, Lb, h, d) each: the bucket's documents
+                qkv = [t.transpose(1, 2) for t in qkv]
+                return F.scaled_dot_product_attention(*qkv, is_causal=True, dropout_p=dropout_p).transpose(1, 2)
+            y = documents.apply(causal, *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)  # (B, h, L, d)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and L > 1,
                                                dropout_p=dropout_p)
@@ -91,9 +99,9 @@ class MoEBlock(GradientCheckpointingLayer):
         self.ffn = MoELayer(config, config.d_model) if self.is_moe else SwiGLUMLP(config.d_model, config.d_ffn)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, attn_mask, cache, token_mask, eager=False):
+    def forward(self, x, positions, attn_mask, cache, token_mask, eager=False, documents=None):
         """-> x, MoE aux dict or None, attention weights or None (see `MoEAttention`)."""
-        a, weights = self.attn(self.attn_norm(x), positions, attn_mask, cache, eager)
+        a, weights = self.attn(self.attn_norm(x), positions, attn_mask, cache, eager, documents)
         x = x + self.dropout(a)
         h = self.ffn_norm(x)
         aux = None
@@ -242,7 +250,12 @@ class MoEModel(MoEPreTrainedModel):
             else:
                 position_ids = torch.arange(past, S, device=x.device).expand(B, L)
         mask4 = attention_mask_4d(attention_mask, L, S, x.device)
-        if given:  # packed documents (positions restarting at 0): each attends to itself only
+        # Packed documents (positions restarting at 0) attend to themselves only: in bucketed batches of documents
+        # when the whole rows are here, else (decoding after them, padding, attention weights asked for) by a mask.
+        documents = None
+        if given and not past and mask4 is None and not eager:
+            documents = Documents.of(position_ids)
+        if given and documents is None:
             mask4 = document_mask_4d(position_ids, past, mask4)
         token_mask = attention_mask[:, past:] if attention_mask is not None else None  # (B, L): route real tokens
         hidden, auxes = [] if output_hidden_states else None, []
@@ -250,7 +263,7 @@ class MoEModel(MoEPreTrainedModel):
         for block in self.layers:
             if hidden is not None:
                 hidden.append(x)
-            x, aux, weights = block(x, position_ids, mask4, cache, token_mask, eager)
+            x, aux, weights = block(x, position_ids, mask4, cache, token_mask, eager, documents)
             if aux is not None:
                 auxes.append(aux)
             if attentions is not None:

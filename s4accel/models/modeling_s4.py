@@ -41,6 +41,7 @@ from transformers.utils import can_return_tuple
 
 from .cache_names import cache_field, one_cache
 from .configuration_s4 import S4Config
+from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,66 +405,6 @@ class S4Kernel(_SSMKernel):
         return torch.einsum("hnl,bhn->bhl", rows, state).real
 
 
-class Documents:
-    """Where the documents packed into a batch lie, for the SSM convolution to read each one on its own.
-
-    From `position_ids (B, L)`, transformers' convention for packed sequences: a position whose id is 0 starts a
-    document, which runs to the next start or the row's end. Column 0 continues the state the row was given (a cache
-    or a carried state) unless its id is 0. Each document is convolved in a row of its own, zero-padded to a bucket
-    length (the next power of two, at least 16; one batched convolution per bucket length, not a loop over
-    documents), so no output reads another document's inputs: bit for bit, not only up to rounding.
-    """
-
-    MIN_BUCKET = 16
-
-    @staticmethod
-    def of(position_ids: torch.Tensor | None) -> "Documents | None":
-        """The documents of `position_ids`, or None when a row holds one (or none given): then nothing is split."""
-        if position_ids is None or position_ids.shape[1] < 2 or not bool((position_ids[:, 1:] == 0).any()):
-            return None
-        return Documents(position_ids)
-
-    def __init__(self, position_ids: torch.Tensor):
-        B, L = position_ids.shape
-        device = position_ids.device
-        starts = position_ids == 0  # (B, L)
-        self.continues = ~starts[:, 0]  # (B,) the row's first document began before this block
-        starts = starts.clone()
-        starts[:, 0] = True  # every row's first position starts a segment
-        seg = starts.long().cumsum(-1)  # (B, L) 1-based segment number within the row
-        self.first = (seg == 1) & self.continues[:, None]  # (B, L): positions a given initial state reaches
-        self.last = seg == seg[:, -1:]  # (B, L): the row's last segment, whose end state is the row's
-        self.single = seg[:, -1] == 1  # (B,) one segment: an initial state reaches the row's end too
-        flat_starts = starts.flatten().nonzero().squeeze(-1)  # (S,) into the B*L positions, in order
-        row_end = (flat_starts // L + 1) * L
-        ends = torch.cat([flat_starts[1:], flat_starts.new_tensor([B * L])])
-        ends = torch.minimum(ends, row_end)
-        lengths = ends - flat_starts  # (S,)
-        # the next power of two (at least MIN_BUCKET), never past the block: a document's bucket depends on its own
-        # length alone, so which other documents share its convolution never changes its outputs
-        buckets = torch.clamp(2 ** torch.ceil(torch.log2(lengths.double())).long(), min=self.MIN_BUCKET).clamp(max=L)
-        self.groups = []  # (bucket length, gather index (n, Lb) into B*L + 1, the last being a zero row)
-        where = torch.empty(B * L, dtype=torch.long, device=device)  # each position's row in the outputs
-        offset = 0
-        for Lb in sorted(set(buckets.tolist())):
-            pick = (buckets == Lb).nonzero().squeeze(-1)
-            s, n = flat_starts[pick], lengths[pick]
-            steps = torch.arange(Lb, device=device)
-            index = s[:, None] + steps  # (n, Lb)
-            valid = steps < n[:, None]
-            self.groups.append((Lb, torch.where(valid, index, B * L)))
-            where[index[valid]] = offset + (torch.arange(len(pick), device=device)[:, None] * Lb + steps)[valid]
-            offset += len(pick) * Lb
-        self.where = where
-
-    def convolve(self, u: torch.Tensor, conv) -> torch.Tensor:
-        """`conv(v (n, H, Lb), Lb) -> (n, H, Lb)` applied to each document of `u (B, H, L)` alone -> (B, H, L)."""
-        B, H, L = u.shape
-        rows = torch.cat([u.transpose(1, 2).reshape(B * L, H), u.new_zeros(1, H)])  # (B*L + 1, H)
-        outs = [conv(rows[index].transpose(1, 2), Lb).transpose(1, 2).reshape(-1, H) for Lb, index in self.groups]
-        return torch.cat(outs)[self.where].reshape(B, L, H).transpose(1, 2)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Layers
 
@@ -500,7 +441,8 @@ class S4Layer(nn.Module):
             if documents is None:
                 y = fft_conv(u32, K, D)  # (B, H, L), with the skip D u
             else:  # each document alone: its kernel taps are the first Lb of the block's
-                y = documents.convolve(u32, lambda v, Lb: fft_conv(v, K[..., :Lb], D))
+                y = documents.apply(lambda v: fft_conv(v.transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2),
+                                    u32.transpose(1, 2)).transpose(1, 2)
             if state is not None:
                 reach = self.kernel.state_output(state, L)  # (B, H, L)
                 y = y + (reach if documents is None else reach * documents.first[:, None, :])
