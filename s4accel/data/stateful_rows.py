@@ -51,17 +51,21 @@ def stream_loader(data, batch_size: int, num_processes: int, rank: int, num_work
 
     # A generator of its own: without one, every new iterator (each epoch, and the first after a resume) draws its
     # workers' base seed from the global RNG, which shifts the dropout masks of a resumed run.
-    return DataLoader(_WithIndex(data), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+    return DataLoader(_WithIndex(data, previous=eos is not None), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       generator=torch.Generator().manual_seed(0))
 
 
 class _WithIndex(torch.utils.data.Dataset):
-    def __init__(self, data):
-        self.data = data
+    """Each block with its index, and (`previous`, for packed documents) the last token of the block before it."""
+
+    def __init__(self, data, previous: bool = False):
+        self.data, self.previous = data, previous
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
-        previous = self.data[i - 1]["input_ids"][-1] if i else -1  # the token before this block in the stream
-        return {**self.data[i], "__index__": i, "__previous_last__": previous}
+        item = {**self.data[i], "__index__": i}
+        if self.previous:  # the token before this block in the stream
+            item["__previous_last__"] = self.data[i - 1]["input_ids"][-1] if i else -1
+        return item
