@@ -122,7 +122,8 @@ def quality(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="s4accel-packing-") as tmp:
         tmp = Path(tmp)
         corpus = tmp / "paragraphs.jsonl"
-        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents("paragraphs")))
+        docs = documents("paragraphs")[: args.documents]
+        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         common = ["--set", "data.source=files", "--set", f"data.files=[{corpus}]",
                   "--set", f"data.seq_len={args.seq_len}", "--set", f"data.batch_size={args.batch}",
                   "--set", f"train.max_steps={args.steps}", "--set", f"train.eval_every={args.steps}",
@@ -143,8 +144,8 @@ def quality(args) -> dict:
                 scores[f"read_{read}"] = round(metrics["bits_per_byte"], 4)
             out[f"trained_{packing}"] = {"bits_per_byte": scores, "train_seconds": round(seconds, 1)}
             print(f"{packing}: {out[f'trained_{packing}']}", file=sys.stderr)
-    return {"what": "quality", "corpus": "paragraphs", "steps": args.steps, "seq_len": args.seq_len,
-            "batch": args.batch, "results": out}
+    return {"what": "quality", "corpus": "paragraphs", "documents": len(docs), "steps": args.steps,
+            "seq_len": args.seq_len, "batch": args.batch, "results": out}
 
 
 def main():
@@ -161,6 +162,7 @@ def main():
     q.add_argument("--steps", type=int, default=400)
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--batch", type=int, default=8)
+    q.add_argument("--documents", type=int, default=None, help="The first N paragraphs only (default: all 39,270).")
     args = parser.parse_args()
     report = throughput(args) if args.what == "throughput" else quality(args)
     report["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),

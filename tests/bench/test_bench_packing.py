@@ -28,7 +28,8 @@ def test_packing_throughput_reports_both_readings_and_their_ratio():
 
 @pytest.mark.slow
 def test_packing_quality_trains_both_ways_and_scores_both_readings():
-    out = bench("quality", "--steps", "2", "--seq-len", "64", "--batch", "2")
+    out = bench("quality", "--steps", "2", "--seq-len", "64", "--batch", "2", "--documents", "2000")
+    assert out["documents"] == 2000
     for trained in ("trained_concat", "trained_isolated"):
         scores = out["results"][trained]["bits_per_byte"]
         assert set(scores) == {"read_isolated", "read_concat"} and all(0 < v < 20 for v in scores.values())
