@@ -37,7 +37,9 @@ def document_positions(input_ids: torch.Tensor, eos: int, continued: torch.Tenso
 
 def collate_isolated(eos: int):
     """`collate_lm` for `data.packing: isolated`: `position_ids` mark where each document starts, and the target
-    after each `eos` (the next document's first token, predicted from the one before) is masked."""
+    after each `eos` (the next document's first token, predicted from the one before) is masked. (transformers'
+    `DataCollatorWithFlattening` gives the same `position_ids` for separate examples it joins into one row; our
+    blocks are cut from a stream of documents, whose boundaries are the end-of-document tokens.)"""
     def collate(examples: list[dict], continued: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         batch = collate_lm(examples)
         ids = batch["input_ids"]

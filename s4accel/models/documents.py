@@ -3,6 +3,10 @@ document into a zero-padded row of a length bucket, runs a computation on every 
 back in place. Used by the S4 convolution and the MoE transformer's attention for `position_ids` that restart inside
 a row (transformers' convention for packed sequences).
 
+Hand-written because transformers' support for packed sequences is for attention (variable-length flash kernels on
+CUDA, block-diagonal masks elsewhere): a convolution needs the documents apart, and the same buckets make attention
+within documents cost the sum of their squared lengths rather than the block's.
+
 Copied into Hub repositories with the modeling files that import it: it imports only torch.
 """
 
