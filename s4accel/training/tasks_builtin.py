@@ -108,9 +108,9 @@ class CausalLMTask(BuiltinTask):
         if self.recipe.train.state.mode != "none":  # fixed rows per process in text order: a sharded
             # loader would hand a process another row's continuation
             acc, d = self.accelerator, self.recipe.data
+            eos = self.data.tokenizer.eos_token_id if d.packing == "isolated" else None  # chunks told if they continue
             train_dl = stream_loader(data.train, d.batch_size, acc.num_processes, acc.process_index, d.num_workers,
-                                     self.collate, self.data.tokenizer.eos_token_id if self.collate is not collate_lm
-                                     else None)
+                                     self.collate, eos)
             return Loaders(train_dl, val_dl, shard_train=False)
         return Loaders(train_dl, val_dl)
 
