@@ -21,6 +21,14 @@ Three ways to run the experts over those slices (`moe_dispatch`), all giving the
 - `loop`: the same per-slice matmuls under plain autograd, the slow obviously-correct reference the others are
   tested against.
 
+Every expert's slice is padded to a multiple of `EXPERT_ROWS` rows (pairs of weight 0), and every matmul over the
+pairs has such a row count. A BLAS rounds a row of a product differently depending on how many rows the product has
+(one row takes a matrix-vector kernel; with the weight transposed, fewer than 16 rows another kernel again), and which
+tokens share an expert's matmul depends on every token's routing: without the padding, a token's output would move
+by rounding when another token (another document of a packed block, another sequence of the batch) changes. With
+it, a token's output is bit for bit the same whatever else is in the batch (checked on MKL here: results are the same
+for every multiple of 16 rows). It costs at most `EXPERT_ROWS - 1` rows per expert and layer.
+
 With `capacity_factor` set, an expert takes at most `ceil(capacity_factor T k / E)` pairs; first choices are served
 before second choices, each in token order. A dropped pair contributes nothing; a token whose pairs are all dropped
 gets a zero output, so the residual connection around the layer passes it through unchanged.
@@ -37,6 +45,7 @@ from torch.nn import functional as F
 DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
 _CHUNK_BYTES = 4 * 2**20  # size of the `fused` path's largest per-chunk buffer: in cache, and well under glibc's
 # mmap threshold, so the buffers are recycled between steps instead of being page-faulted in again (s4accel.allocator)
+EXPERT_ROWS = 16  # every expert matmul has a multiple of this many rows: a token's result never depends on the others
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
@@ -62,6 +71,19 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
     if mask is not None:
         z = z[mask]
     return z.mean() if z.numel() else logits.new_zeros(())
+
+
+def pad_slices(token: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor,
+               rows: int = EXPERT_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad each expert's slice of the pairs sorted by expert to a multiple of `rows` with pairs (token 0, weight 0),
+    which add exactly nothing: token (P,), weight (P,), expert (P,) sorted, counts (E,) -> token (P',), weight (P',),
+    counts (E,), P' = sum of the padded counts. The weights keep their gradient (the padding's is dropped)."""
+    padded = (counts + rows - 1) // rows * rows  # (E,)
+    starts, new_starts = counts.cumsum(0) - counts, padded.cumsum(0) - padded
+    dest = new_starts[expert] + torch.arange(token.shape[0], device=token.device) - starts[expert]  # (P,)
+    total = int(padded.sum())  # a host sync, as the dispatch's own split sizes are
+    return (token.new_zeros(total).index_copy(0, dest, token), weight.new_zeros(total).index_copy(0, dest, weight),
+            padded)
 
 
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
@@ -121,7 +143,8 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
     def forward(ctx, x, gate_up, down, token, weight, sizes):
         with torch.autocast(device_type=x.device.type, enabled=False):
             D, Fh = x.shape[1], down.shape[-1]
-            chunks = _chunks(sizes, max(1, _CHUNK_BYTES // (2 * Fh * x.element_size())))
+            rows = _CHUNK_BYTES // (2 * Fh * x.element_size()) // EXPERT_ROWS * EXPERT_ROWS  # whole tiles per window
+            chunks = _chunks(sizes, max(EXPERT_ROWS, rows))
             R = max((end - start for start, end, _, _ in chunks), default=0)
             x_buf, a_buf, y_buf = x.new_empty(R, D), x.new_empty(R, Fh), x.new_empty(R, D)  # scratch, every window
             gate_up_t, down_t = gate_up.transpose(1, 2).unbind(0), down.transpose(1, 2).unbind(0)  # (D, 2F), (F, D)
@@ -297,7 +320,8 @@ class MoELayer(nn.Module):
             dropped = (~fits).sum()
             order, sorted_expert = order[fits], sorted_expert[fits]
         kept_counts = torch.bincount(sorted_expert, minlength=E)
-        out = self.experts(flat, pair_token[order], pair_weight[order], kept_counts)  # (T, D), autocast dtype if any
+        token, weight, kept_counts = pad_slices(pair_token[order], pair_weight[order], sorted_expert, kept_counts)
+        out = self.experts(flat, token, weight, kept_counts)  # (T, D), autocast dtype if any
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         aux = {"router_logits": logits, "balance_loss": load_balancing_loss(probs, experts, E, valid),
