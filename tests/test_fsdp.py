@@ -2,6 +2,7 @@
 gathered export that `from_pretrained` loads (with the model's own remote code), a sharded EMA, samples, and the
 same model as a DDP run. tests/scripts/fsdp_on_cpu.py explains how the FSDP path runs without GPUs."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,9 +18,10 @@ pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
 
 
-def launch(config, script, text, out, *extra, resume=False):
+def launch(config, script, text, out, *extra, resume=False, precision="no"):
     args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", "2", "--mixed_precision", "no", *script, "train", str(TINY)]
+            "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", "0", *script, "train",
+            str(TINY)]
     # MoE feed-forward (expert weights sharded too), dropout, grad_accum 2, EMA, a kept best model ranked by EMA loss
     for item in short_epochs(text, out, "train.max_steps=16", "checkpoint.every_steps=8", "checkpoint.keep_last=4",
                              "model.overrides={dropout: 0.1, ffn: moe, num_experts: 4, num_experts_per_tok: 2}",
@@ -87,3 +89,42 @@ def test_fsdp_trains_the_same_model_as_ddp(fsdp_run):
         assert ref.keys() == got.keys(), name
         for k in ref:  # the sums of the gradient reduction differ in order only
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
+
+
+def precision_report(*args):
+    """tests/scripts/fsdp_precision.py under FSDP2 with bf16 on 2 CPU processes: its JSON report."""
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(CONFIGS / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision", "bf16",
+                           "--main_process_port", "0", str(REPO / "tests" / "scripts" / "fsdp_precision.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "scripts")])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_under_fsdp_bf16_the_ssm_and_the_router_are_gathered_in_float32_and_gradients_reduced_in_float32():
+    report = precision_report()
+    assert report["units"] == [f"backbone.layers.{i}.{part}" for i in (0, 1) for part in ("layer.kernel", "ffn.router")]
+    assert report["dtypes"] == {"kernel": "torch.float32", "router": "torch.float32", "linear": "torch.bfloat16"}
+    assert report["a_imag_max"] > 64  # where bfloat16 steps by 0.5
+    assert report["ssm_exact_at_start"] and report["ssm_exact_after_step"]  # bit for bit the float32 values
+    assert set(report["reduce_dtype"].values()) == {"torch.float32"}
+    # Accelerate's own policy (one for the whole model) is what this replaces: the SSM rounded to bfloat16
+    default = precision_report("accelerate-default")
+    assert default["dtypes"]["kernel"] == "torch.bfloat16" and not default["ssm_exact_at_start"]
+    assert default["reduce_dtype"]["block"] == "torch.bfloat16"
+
+
+def test_an_fsdp_bf16_run_trains_resumes_bit_for_bit_and_exports_float32_weights(tmp_path, text):
+    out = tmp_path / "bf16"
+    steps = ("train.max_steps=8", "checkpoint.every_steps=4", "train.ema=null", "checkpoint.keep_best=0")
+    proc = launch("fsdp.yaml", FSDP_ON_CPU, text, out, *steps, precision="bf16")
+    assert "FSDP mixed precision: 4 float32 units (kernel, router), bf16 for the rest" in proc.stdout
+    assert "mixed precision bf16" in proc.stdout and "done: 8 steps" in proc.stdout
+    again = tmp_path / "again"
+    shutil.copytree(out / "checkpoints" / "step_00000004", again / "checkpoints" / "step_00000004")
+    shutil.copy(out / "recipe.yaml", again / "recipe.yaml")
+    launch("fsdp.yaml", FSDP_ON_CPU, text, again, *steps, precision="bf16", resume=True)
+    ref, got = final_weights(out), final_weights(again)
+    assert all(v.dtype == torch.float32 for v in ref.values())
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)

@@ -155,6 +155,9 @@ class MoEPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["MoEBlock"]
+    # Float32 whatever the dtype a user loads the model in, and its own float32 FSDP unit under mixed precision: the
+    # router, whose softmax decides the routing.
+    _keep_in_fp32_modules_strict = ["router"]
     _supports_sdpa = True
     supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
 

@@ -164,7 +164,14 @@ class _SSMKernel(nn.Module):
         log_A_real (S, N/2)         Re A = -exp(log_A_real) < 0 keeps every mode stable
         A_imag     (S, N/2)         Im A
         C          (c, H, N/2, 2)   complex C as (real, imag) pairs; c = 2 with a second, anti-causal kernel
+
+    They stay float32 when the rest of the model is half precision (`_keep_in_fp32_modules_strict`): Im A reaches
+    ~100, where bfloat16 steps by 0.5.
     """
+
+    fsdp_forward_methods = ("state_output", "forward_state", "step_params")
+    """Methods besides `forward` that read the parameters: where this module is an FSDP unit of its own (the float32
+    unit of mixed precision), each must gather them as `forward` does."""
 
     def __init__(self, config: S4Config):
         super().__init__()
@@ -637,6 +644,9 @@ class S4PreTrainedModel(PreTrainedModel):
     base_model_prefix = "backbone"
     main_input_name = "input_ids"
     _no_split_modules = ["S4Block"]
+    # Float32 whatever the dtype a user loads the model in, and their own float32 FSDP unit under mixed precision:
+    # the SSM parameters (Im A ~100, where bfloat16 steps by 0.5) and the MoE router (its softmax decides routing).
+    _keep_in_fp32_modules_strict = ["kernel", "router"]
     supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
     # As Mamba: the state cannot be rolled back to an earlier position, so generate() refuses assisted and
     # prompt-lookup decoding (which must discard rejected candidate tokens) with its own message.

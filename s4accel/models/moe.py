@@ -287,7 +287,9 @@ class MoELayer(nn.Module):
             x = x.float()
             if self.training and self.jitter > 0:  # Switch's multiplicative input jitter
                 x = x * torch.empty_like(x).uniform_(1 - self.jitter, 1 + self.jitter)
-            return F.linear(x, self.router.weight.float())
+            w = self.router.weight
+            # Through the module where it is float32 already, so that an FSDP unit of its own gathers it (in float32)
+            return self.router(x) if w.dtype == torch.float32 else F.linear(x, w.float())
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         shape = x.shape

@@ -20,6 +20,7 @@ from ..config import Recipe
 from ..errors import RecipeError
 from .checkpoint import checkpoint_step
 from .plan import Plan, make_plan
+from .precision import apply_fsdp_precision
 from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
 from .tracking import build_trackers
@@ -83,7 +84,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
               model: Callable[[Task], torch.nn.Module] | None = None, optimizers: bool = True) -> Run:
     """Task, data (the main process first: it tokenises, or trains a BPE, and the others read its cache), model
     (`model(task)` instead of the task's own: a trained one loaded for evaluation), the recipe's freezing and
-    activation checkpointing, loaders, the plan (before the schedules: `train.max_epochs` counts batches), then the
+    activation checkpointing, FSDP's float32 units (precision.py), loaders, the plan (before the schedules: `train.max_epochs` counts batches), then the
     optimizers with their schedules (unless `optimizers=False`)."""
     task, context = setup_task(recipe, accelerator, build_dir, task)
     with accelerator.main_process_first():
@@ -97,6 +98,10 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
             enable_activation_checkpointing(net)
     else:
         net = model(task)
+    if units := apply_fsdp_precision(accelerator, net):
+        kinds = ", ".join(sorted({u.rsplit(".", 1)[-1] for u in units}))
+        accelerator.print(f"FSDP mixed precision: {len(units)} float32 units ({kinds}), "
+                          f"{accelerator.mixed_precision} for the rest, gradients reduced in float32")
     loaders = as_loaders(task.dataloaders(context.data), task)
     context.plan = make_plan(recipe, loaders.train, accelerator.num_processes, loaders.shard_train)
     built = check_optimizers(task.build_optimizers(net), task) if optimizers else []

@@ -29,6 +29,31 @@ def test_kernel_and_fft_stay_fp32_under_autocast():
     assert (low.float() - ref).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("family", ["s4", "moe"])
+def test_loaded_in_half_precision_the_ssm_and_the_router_stay_float32_and_the_model_generates(family, tmp_path):
+    """`from_pretrained(dtype=torch.bfloat16)` keeps what half precision breaks in float32 (transformers'
+    `_keep_in_fp32_modules_strict`): S4's Im A reaches ~97 at d_state 64, where bfloat16 steps by 0.5."""
+    from transformers import AutoModelForCausalLM
+
+    from s4accel import MoEConfig, MoEForCausalLM
+
+    torch.manual_seed(0)
+    model = (S4ForCausalLM(S4Config(d_model=32, n_layer=2, d_state=64, vocab_size=40, ffn="moe", num_experts=4,
+                                    d_ffn=32)) if family == "s4" else
+             MoEForCausalLM(MoEConfig(vocab_size=40, d_model=32, n_layer=2, n_head=4, d_ffn=32, num_experts=4)))
+    model.save_pretrained(tmp_path)
+    half = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    full = dict(model.named_parameters())
+    kept = {n for n, p in half.named_parameters() if p.dtype == torch.float32}
+    assert kept == {n for n in full if ".kernel." in n or ".router." in n} and kept
+    assert all(torch.equal(p, full[n]) for n, p in half.named_parameters() if n in kept)  # exact, not rounded
+    assert all(p.dtype == torch.bfloat16 for n, p in half.named_parameters() if n not in kept)
+    ids = torch.randint(3, 40, (2, 16))
+    with torch.no_grad():
+        assert (half(ids).logits.float() - model(ids).logits).abs().max() < 0.05
+    assert half.generate(ids[:, :4], max_new_tokens=4, do_sample=False).shape == (2, 8)
+
+
 # ---------------------------------------------------------------------------------------------------- LM contract
 
 

@@ -17,6 +17,8 @@ def init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
     _init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
     if self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None:
         self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":  # as Accelerate sets it up for FSDP on GPUs: one policy for the model
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.fsdp_plugin = fsdp_plugin
         state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # later AcceleratorState() calls
 
