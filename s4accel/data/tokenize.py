@@ -89,8 +89,13 @@ def tokenizer_spec(cfg: DataCfg) -> dict:
     """The model config fields the tokenizer decides, known without training a BPE (for `s4accel show`)."""
     if cfg.tokenizer == "bpe":
         return {"vocab_size": cfg.vocab_size, "pad_token_id": 0, "eos_token_id": 1}
-    tok = build_tokenizer(cfg, docs=None)
-    return {"vocab_size": vocab_extent(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    return tokenizer_fields(build_tokenizer(cfg, docs=None))
+
+
+def tokenizer_fields(tokenizer) -> dict:
+    """The model config fields a tokenizer decides: the embedding rows and the special ids."""
+    return {"vocab_size": vocab_extent(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id}
 
 
 def vocab_extent(tokenizer) -> int:
