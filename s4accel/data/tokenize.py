@@ -45,7 +45,12 @@ def build_tokenizer(cfg: DataCfg, docs, save_dir: Path | None = None):
         return listops_tokenizer()
     if cfg.tokenizer == "bpe":
         if save_dir is not None and (save_dir / "tokenizer.json").exists():
-            return AutoTokenizer.from_pretrained(save_dir)
+            tok = AutoTokenizer.from_pretrained(save_dir)
+            # transformers records how it loaded a tokenizer (`is_local`, `local_files_only`: true when offline) and
+            # saves that into every model folder; the BPE as trained has neither, so every run saves the same files
+            for key in ("is_local", "local_files_only"):
+                tok.init_kwargs.pop(key, None)
+            return tok
         return train_bpe(cfg, docs, save_dir)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=False)
