@@ -1,6 +1,7 @@
 """FSDP2 through Accelerate, on 2 CPU processes (gloo): sharded training checkpoints that resume bit-exactly, a
 gathered export that `from_pretrained` loads (with the model's own remote code), a sharded EMA, samples, the same
-model as a DDP run, and `s4accel export` of the sharded checkpoints in one process. tests/scripts/fsdp_on_cpu.py explains how the FSDP path runs without GPUs."""
+model as a DDP run, and `s4accel export` of the sharded checkpoints in one process. tests/scripts/fsdp_on_cpu.py
+explains how the FSDP path runs without GPUs."""
 
 import os
 import shutil
