@@ -183,6 +183,29 @@ def push(
     typer.echo(f"pushed {which} model of {run_dir} to {repo_id}: {url}")
 
 
+@command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="The folder to write: from_pretrained loads it.", show_default=False)],
+    step: Annotated[int | None, typer.Option("--step", min=0, help="The checkpoint of this optimizer step (default: "
+                                             "the newest complete one).", show_default=False)] = None,
+    ema: Annotated[bool, typer.Option("--ema", help="The EMA weights of that checkpoint (train.ema).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it holds files.")] = False,
+):
+    """Write the model of a training checkpoint (one process, DDP or FSDP-sharded) as a from_pretrained folder with
+    its tokenizer, code and model card: any step of a run, also of one stopped before its end."""
+    from .tools.export import export_checkpoint
+    from .training.console import quiet_libraries
+
+    quiet_libraries(progress_bars=False)  # the result is what counts
+
+    done = export_checkpoint(run_dir, out, step=step, ema=ema, overwrite=overwrite)
+    for warning in done.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    typer.echo(f"exported the {'EMA' if ema else 'model'} of step {done.step} ({done.kind} checkpoint "
+               f"{done.checkpoint}) to {done.out}")
+
+
 @command("lr-find")
 def lr_find(
     recipe: RecipeArg,

@@ -57,6 +57,13 @@ class ModelError(S4AccelError):
     exit_code = 2
 
 
+class ExportError(S4AccelError):
+    """A checkpoint that cannot be exported as a model: none there, not the step asked for, weights in a format that
+    can be read only by unpickling it, a task of your own, or an output folder in the way."""
+
+    exit_code = 2
+
+
 def did_you_mean(word: str, choices) -> str:
     """` (did you mean 'x'?)` for the closest of `choices`, or nothing: the hint every name error carries."""
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)

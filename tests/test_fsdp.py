@@ -1,6 +1,7 @@
 """FSDP2 through Accelerate, on 2 CPU processes (gloo): sharded training checkpoints that resume bit-exactly, a
-gathered export that `from_pretrained` loads (with the model's own remote code), a sharded EMA, samples, and the
-same model as a DDP run. tests/scripts/fsdp_on_cpu.py explains how the FSDP path runs without GPUs."""
+gathered export that `from_pretrained` loads (with the model's own remote code), a sharded EMA, samples, the same
+model as a DDP run, and `s4accel export` of the sharded checkpoints in one process. tests/scripts/fsdp_on_cpu.py
+explains how the FSDP path runs without GPUs."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TINY, final_weights, short_epochs
+from helpers import REPO, TINY, final_weights, run_cli, short_epochs
 
 pytestmark = pytest.mark.slow
 
@@ -91,20 +92,50 @@ def test_fsdp_trains_the_same_model_as_ddp(fsdp_run):
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
 
 
+def test_export_of_a_sharded_checkpoint_in_one_process_equals_the_gathered_model(fsdp_run, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from s4accel.tools.export import export_checkpoint
+
+    def same(folder, reference):  # every file byte for byte, and equal state dicts as from_pretrained loads them
+        assert all((folder / f.name).read_bytes() == f.read_bytes() for f in reference.iterdir()), folder
+        ref, got = (AutoModelForCausalLM.from_pretrained(p, trust_remote_code=True).state_dict()
+                    for p in (reference, folder))
+        assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+    _, out, _ = fsdp_run
+    proc = run_cli("export", out, tmp_path / "step16", "--step", "16")  # no process group: a plain process
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 16 (sharded checkpoint" in proc.stdout
+    same(tmp_path / "step16", out / "final")
+    export_checkpoint(out, tmp_path / "ema16", step=16, ema=True)
+    same(tmp_path / "ema16", out / "final_ema")  # the averaged parameters; the tied head stays the embeddings'
+    export_checkpoint(out, tmp_path / "step8", step=8)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "step8", trust_remote_code=True)
+    assert type(model).__name__ == "S4ForCausalLM" and model.lm_head.weight is model.backbone.embeddings.weight
+    step8, final = load_file(tmp_path / "step8" / "model.safetensors"), final_weights(out)
+    assert "lm_head.weight" not in step8 and any(not torch.equal(step8[k], final[k]) for k in final)
+    ids = torch.tensor([[40, 41, 42]])
+    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          pad_token_id=0).shape[1] == 11
+
+
 def precision_report(*args):
     """tests/scripts/fsdp_precision.py under FSDP2 with bf16 on 2 CPU processes: its JSON report."""
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(CONFIGS / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision", "bf16",
                            "--main_process_port", "0", str(REPO / "tests" / "scripts" / "fsdp_precision.py"), *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "scripts")])})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests/scripts")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_under_fsdp_bf16_the_ssm_and_the_router_are_gathered_in_float32_and_gradients_reduced_in_float32():
     report = precision_report()
-    assert report["units"] == [f"backbone.layers.{i}.{part}" for i in (0, 1) for part in ("layer.kernel", "ffn.router")]
+    parts = ("layer.kernel", "ffn.router")
+    assert report["units"] == [f"backbone.layers.{i}.{part}" for i in (0, 1) for part in parts]
     assert report["dtypes"] == {"kernel": "torch.float32", "router": "torch.float32", "linear": "torch.bfloat16"}
     assert report["a_imag_max"] > 64  # where bfloat16 steps by 0.5
     assert report["ssm_exact_at_start"] and report["ssm_exact_after_step"]  # bit for bit the float32 values

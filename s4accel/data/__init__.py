@@ -26,7 +26,7 @@ from .sources import clean_play, disk_full_error, shakespeare_files
 from .stateful_rows import stream_loader
 from .streaming import build_stream_data
 from .text import TextData, build_text_data
-from .tokenize import token_byte_and_char_counts, tokenizer_spec, vocab_extent
+from .tokenize import build_tokenizer, token_byte_and_char_counts, tokenizer_fields, tokenizer_spec, vocab_extent
 
 
 def build_data(cfg: DataCfg, tokenizer_dir: Path | None = None, seed: int = 0, rank: int = 0, world_size: int = 1):
@@ -60,8 +60,7 @@ def data_spec(cfg: DataCfg, data=None) -> dict:
             return tokenizer_spec(cfg)
         if data is None:
             data = build_labelled_text(cfg)
-        tok = data.tokenizer
-        spec = {"vocab_size": vocab_extent(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+        spec = tokenizer_fields(data.tokenizer)
         if cfg.is_lm:
             return spec
     elif data is None:
@@ -101,6 +100,6 @@ def recipe_spec(cfg: DataCfg) -> tuple[dict, str | None]:
 
 
 __all__ = ["ArrayData", "LabelledTextData", "TextData", "build_array_data", "build_data", "build_dataloaders",
-           "build_labelled_text", "build_text_data", "clean_play", "collate_arrays", "collate_fn",
+           "build_labelled_text", "build_text_data", "build_tokenizer", "clean_play", "collate_arrays", "collate_fn",
            "collate_isolated", "collate_labelled_text", "collate_lm", "data_spec", "recipe_spec", "shakespeare_files",
-           "stream_loader", "token_byte_and_char_counts", "tokenizer_spec", "vocab_extent"]
+           "stream_loader", "token_byte_and_char_counts", "tokenizer_fields", "tokenizer_spec", "vocab_extent"]

@@ -45,7 +45,12 @@ def build_tokenizer(cfg: DataCfg, docs, save_dir: Path | None = None):
         return listops_tokenizer()
     if cfg.tokenizer == "bpe":
         if save_dir is not None and (save_dir / "tokenizer.json").exists():
-            return AutoTokenizer.from_pretrained(save_dir)
+            tok = AutoTokenizer.from_pretrained(save_dir)
+            # transformers records how it loaded a tokenizer (`is_local`, `local_files_only`: true when offline) and
+            # saves that into every model folder; the BPE as trained has neither, so every run saves the same files
+            for key in ("is_local", "local_files_only"):
+                tok.init_kwargs.pop(key, None)
+            return tok
         return train_bpe(cfg, docs, save_dir)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=False)
@@ -89,8 +94,13 @@ def tokenizer_spec(cfg: DataCfg) -> dict:
     """The model config fields the tokenizer decides, known without training a BPE (for `s4accel show`)."""
     if cfg.tokenizer == "bpe":
         return {"vocab_size": cfg.vocab_size, "pad_token_id": 0, "eos_token_id": 1}
-    tok = build_tokenizer(cfg, docs=None)
-    return {"vocab_size": vocab_extent(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    return tokenizer_fields(build_tokenizer(cfg, docs=None))
+
+
+def tokenizer_fields(tokenizer) -> dict:
+    """The model config fields a tokenizer decides: the embedding rows and the special ids."""
+    return {"vocab_size": vocab_extent(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id}
 
 
 def vocab_extent(tokenizer) -> int:

@@ -7,7 +7,6 @@ one `huggingface_hub` finds (`HF_TOKEN`, `hf auth login`); it is never printed o
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -16,11 +15,10 @@ from pathlib import Path
 import yaml
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
-from safetensors import safe_open
 
 from ..errors import S4AccelError
 from ..training.callbacks import KeepBest
-from .model_card import model_card, render_training_curve
+from .model_card import eval_metrics, write_card
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model")  # weights, config, code, tokenizer
 
@@ -54,10 +52,7 @@ def model_dir_of(run_dir: Path, which: str, recipe: dict, records: list[dict]) -
     if not (path / "config.json").is_file():
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
         raise HubError(f"{run_dir}: no {path.name}/ model{hint}")
-    prefix = "eval_ema/" if which == "ema" else "eval/"
-    last = next((r for r in reversed(records) if any(k.startswith(prefix) for k in r)), {})
-    metrics = {"step": last.get("step")} | {k.removeprefix(prefix): v for k, v in last.items() if k.startswith(prefix)}
-    return path, metrics
+    return path, eval_metrics(records, ema=which == "ema")
 
 
 def _inside(model_dir: Path, run_dir: Path) -> Path:
@@ -99,11 +94,6 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     for f in sorted(model_dir.iterdir()):
         if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
-    (out / "recipe.yaml").write_text(recipe_yaml)
-    (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
-                                                  "train_last": next((r for r in reversed(records)
-                                                                      if "train/loss" in r), {})}, indent=1))
-    has_curve = render_training_curve(records, out / "training_curve.png")
     tb = run_dir / "tensorboard"
     if tb.is_dir():
         for f in sorted(tb.rglob("events.out.tfevents.*")):
@@ -112,18 +102,8 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
             target = out / "runs" / f.relative_to(tb)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, target)
-    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-    n_params = _count_params(out / "model.safetensors")  # the staged copy: a regular file, or none
-    (out / "README.md").write_text(model_card(repo_id, config, _recipe(recipe_yaml), recipe_yaml, metrics, which,
-                                              n_params, has_curve))
+    write_card(out, repo_id, recipe_yaml, records, metrics, which)  # counts the staged weights: regular files
     return out
-
-
-def _count_params(weights: Path) -> int | None:
-    if not weights.is_file():
-        return None
-    with safe_open(weights, framework="pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def push_run(run_dir: str | Path, repo_id: str, private: bool = False, revision: str | None = None,

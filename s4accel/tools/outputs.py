@@ -1,21 +1,37 @@
-"""Files a command writes for the user (predictions, generated data): the place is checked before any compute (a
-folder where a file goes, a path under a file, a place that cannot be written, a release that would be overwritten),
-and each file is written whole or not at all (a temporary file beside it, renamed over it)."""
+"""Files and folders a command writes for the user (predictions, generated data, an exported model): the place is
+checked before any compute (a folder where a file goes, a path under a file, a place that cannot be written, a release
+or a folder that would be overwritten), and each is written whole or not at all (a temporary file or folder beside
+it, renamed over it)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from ..errors import DataError
+from ..training.checkpoint import is_write_error, write_error_text
+from ..training.run_dir import replace_dir
 
 
 def check_output_file(path: Path, option: str) -> None:
     """`path` can be written as a file: not a folder, its folder made if missing, writable."""
     if path.is_dir():
         raise DataError(f"{option} {path}: is a folder; give a file path")
+    check_output_dir(path.parent, option, shown=path)
+
+
+def check_output_folder(path: Path, option: str, overwrite: bool) -> None:
+    """`path` can become a folder of new files: not a file, missing or empty unless `overwrite` (then it is
+    replaced), in a folder that can be written."""
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{option} {path}: is a file; give a folder")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise DataError(f"{option} {path}: exists and is not empty; choose another folder, or add --overwrite to "
+                        f"replace it")
     check_output_dir(path.parent, option, shown=path)
 
 
@@ -75,3 +91,38 @@ class WholeFile:
         if isinstance(exc, OSError):
             raise self.error(exc) from None
         return False
+
+
+class WholeFolder:
+    """A folder written beside its name and renamed into place when the `with` block ends normally (a folder already
+    there is replaced only then, and stays whole until then); an error in the block removes the temporary folder. The
+    block gets the temporary folder. A failed write (a full disk, however the library that wrote reports it) is one
+    line naming the option."""
+
+    def __init__(self, path: Path, option: str):
+        self.path, self.option = path, option
+        # a unique name (two commands writing the same place do not mix their files); made by mkdir, so the folder
+        # gets the usual permissions (a tempfile.mkdtemp folder would stay private to its owner once renamed)
+        self.tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+    def __enter__(self) -> Path:
+        try:
+            self.tmp.mkdir()
+        except OSError as e:
+            raise self.error(e) from None
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            try:
+                replace_dir(self.tmp, self.path)
+                return False
+            except OSError as e:
+                exc = e
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if is_write_error(exc):
+            raise self.error(exc) from None
+        return False
+
+    def error(self, e: BaseException) -> DataError:
+        return DataError(f"{self.option} {self.path}: cannot write ({write_error_text(e)}); nothing was written")

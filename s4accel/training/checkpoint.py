@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 
 from ..errors import CheckpointError, ResumeError
-from .run_dir import write_atomic
+from .run_dir import replace_dir, write_atomic
 
 COMPLETE = "COMPLETE"
 
@@ -340,12 +340,7 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files:
                 tokenizer.save_pretrained(tmp)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if out_dir.exists():
-                os.replace(out_dir, old)  # the previous export stays whole until the new one is in place
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
+            replace_dir(tmp, out_dir)  # the previous export stays whole until the new one is in place
         except Exception as e:  # a full disk: OSError, torch's RuntimeError or safetensors' SafetensorError
             shutil.rmtree(tmp, ignore_errors=True)
             if not is_write_error(e):

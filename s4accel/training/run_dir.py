@@ -34,6 +34,18 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename the folder `new` to `target`. A folder already at `target` is moved aside first and deleted once `new`
+    is in place: at every moment `target` is whole, the old one or the new one (after a crash in between, the old one
+    waits as `.<name>.old`, removed by the next replacement)."""
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 class RunDir:
     """One run's directory. `resuming`: a checkpoint of it will be loaded; `resume_requested`: `--resume` was given
     (maybe finding nothing to resume); `overwrite`: `run.overwrite`. Methods that write act on the main process."""

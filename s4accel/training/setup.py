@@ -84,8 +84,8 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
               model: Callable[[Task], torch.nn.Module] | None = None, optimizers: bool = True) -> Run:
     """Task, data (the main process first: it tokenises, or trains a BPE, and the others read its cache), model
     (`model(task)` instead of the task's own: a trained one loaded for evaluation), the recipe's freezing and
-    activation checkpointing, FSDP's float32 units (precision.py), loaders, the plan (before the schedules: `train.max_epochs` counts batches), then the
-    optimizers with their schedules (unless `optimizers=False`)."""
+    activation checkpointing, FSDP's float32 units (precision.py), loaders, the plan (before the schedules:
+    `train.max_epochs` counts batches), then the optimizers with their schedules (unless `optimizers=False`)."""
     task, context = setup_task(recipe, accelerator, build_dir, task)
     with accelerator.main_process_first():
         context.data = task.build_data()
