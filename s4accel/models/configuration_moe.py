@@ -82,8 +82,8 @@ class MoEConfig(PreTrainedConfig):
             no limit.
         num_shared_experts (`int`): Always-on experts (one SwiGLU of width `num_shared_experts * d_ffn`) added to
             every token's output.
-        moe_dispatch (`str`): `"auto"` (grouped matmul on CUDA in bf16, else `"fused"`), `"grouped_mm"`, `"fused"` or
-            `"loop"` (the plain-autograd reference).
+        moe_dispatch (`str`): `"auto"` (grouped matmul on CUDA in bf16 and float32, else `"fused"`), `"grouped_mm"`,
+            `"fused"` or `"loop"` (the plain-autograd reference).
         rope_theta (`float`): Base of the rotary embedding frequencies.
         max_position_embeddings (`int`): Longest sequence the model is meant for (informational; rotary embeddings
             extrapolate).

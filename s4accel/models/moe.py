@@ -11,8 +11,8 @@ routed to `k` experts (`num_experts_per_tok`). Per token `x`:
 Dispatch sorts the `T k` (token, expert) pairs by expert so that each expert runs one matmul on a contiguous slice.
 Three ways to run the experts over those slices (`moe_dispatch`), all giving the same values and gradients:
 
-- `grouped_mm`: `torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA in bf16, where it is one
-  fused kernel);
+- `grouped_mm`: `torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA, in bf16 and float32,
+  where it is one kernel);
 - `fused` (the default elsewhere): the pairs go through in windows of a few thousand rows; per window one matmul per
   expert slice into a window-sized buffer, with the gather, activation, routing weight and scatter-add on rows that
   are still in cache, and a hand-written backward (`SwiGLUExpertsFunction`) that writes each expert's weight gradient
@@ -87,10 +87,11 @@ def pad_slices(token: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, 
 
 
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
-    """Where `grouped_mm` is one fused kernel: CUDA, bf16, compute capability >= 8. On CPU it runs a matmul per group
-    anyway, under autograd's bookkeeping; `fused` is within a few percent of it there and keeps a third of the
-    activations."""
-    return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
+    """Where `grouped_mm` is the fastest: CUDA (compute capability >= 8) in bf16 or float32. Measured on an H200 (one
+    layer, 8,192 tokens, d_model 512, experts 1,024 wide, E = 8, k = 2, forward + backward): 3.4 ms against 10.2 ms
+    for `fused` in bf16, 7.4 against 19.2 ms in float32. On CPU it runs a matmul per group anyway, under autograd's
+    bookkeeping; `fused` is within a few percent of it there and keeps a third of the activations."""
+    return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float32)
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
