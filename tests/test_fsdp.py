@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
 
 
-def launch(config, script, text, out, *extra, resume=False, precision="no"):
+def launch(config, script, text, out, *extra, resume=False, precision="no", processes=2, force=False):
     args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", "0", *script, "train",
+            "--num_processes", str(processes), "--mixed_precision", precision, "--main_process_port", "0", *script, "train",
             str(TINY)]
     # MoE feed-forward (expert weights sharded too), dropout, grad_accum 2, EMA, a kept best model ranked by EMA loss
     for item in short_epochs(text, out, "train.max_steps=16", "checkpoint.every_steps=8", "checkpoint.keep_last=4",
@@ -29,8 +29,7 @@ def launch(config, script, text, out, *extra, resume=False, precision="no"):
                              "checkpoint.keep_best=1", "checkpoint.best_metric=ema_loss",
                              "sample.prompts=['ROMEO.']", "sample.max_new_tokens=16", *extra):
         args += ["--set", item]
-    if resume:
-        args.append("--resume")
+    args += ["--resume"] * resume + ["--force"] * force
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,6 +118,30 @@ def test_export_of_a_sharded_checkpoint_in_one_process_equals_the_gathered_model
     ids = torch.tensor([[40, 41, 42]])
     assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                           pad_token_id=0).shape[1] == 11
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run, tmp_path):
+    """2 -> 4 processes: torch.distributed.checkpoint deals the 2 shards of the weights and the optimizer's state out
+    again as 4; the global batch is kept by accumulating less (--force recomputes train.grad_accum)."""
+    from s4accel.tools.export import export_checkpoint
+
+    text, out, _ = fsdp_run
+    for name, steps in (("loaded", 8), ("continued", 10)):
+        again = tmp_path / name
+        shutil.copytree(out / "checkpoints" / "step_00000008", again / "checkpoints" / "step_00000008")
+        shutil.copy(out / "recipe.yaml", again / "recipe.yaml")
+        proc = launch("fsdp.yaml", FSDP_ON_CPU, text, again, f"train.max_steps={steps}", processes=4, resume=True,
+                      force=True)
+        assert "resumed on 4 process(es) from a checkpoint of 2" in proc.stdout and "(FSDP)" in proc.stdout
+        assert "4 process(es) x data.batch_size 4 x train.grad_accum 1 = 16 examples per step" in proc.stdout
+        assert f"done: {steps} steps" in proc.stdout
+    # What 4 processes loaded from 2 shards is the checkpoint's model, bit for bit
+    export_checkpoint(out, tmp_path / "step8", step=8)
+    loaded, saved = final_weights(tmp_path / "loaded"), final_weights(tmp_path, "step8")
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    continued = final_weights(tmp_path / "continued")  # and two more steps from its resharded optimizer state
+    assert all(torch.isfinite(v).all() for v in continued.values())
+    assert any(not torch.equal(continued[k], saved[k]) for k in saved)
 
 
 def precision_report(*args):

@@ -25,3 +25,18 @@ class SignalAtMicroBatch(CausalLMTask):
 def halve_every_3(step: int) -> float:
     """A learning-rate multiplier for `scheduler.name: lambda` (the optimizer steps since the warmup)."""
     return 0.5 ** (step // 3)
+
+
+class RecordBatches(CausalLMTask):
+    """The built-in language-model task that appends each training micro-batch's rows (as hashes) with the step it
+    belongs to, to `<run_dir>/rows_<process>.jsonl`: what a test audits for examples skipped or repeated."""
+
+    def training_step(self, model, batch, step):
+        import hashlib
+        import json
+
+        rank = int(os.environ.get("RANK", "0"))
+        rows = [hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:16] for row in batch["input_ids"]]
+        with open(self.recipe.run.dir / f"rows_{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "rows": rows}) + "\n")
+        return super().training_step(model, batch, step)

@@ -38,6 +38,7 @@ from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .tracking import check_tracker_kwargs
+from .world import World, move_to_world, plan_world_change
 
 
 @dataclass(kw_only=True)
@@ -86,7 +87,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult:
     """`train`, once the run directory is this run's."""
     # 0. The checkpoint to resume from and the recipe against it, the Accelerator, the run directory checked.
-    accelerator, run_files, ckpt, changed = open_run(recipe, resume, force)
+    recipe, accelerator, run_files, resumed = open_run(recipe, resume, force)
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)
 
@@ -101,7 +102,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     del built  # the unprepared objects: the prepared ones above replace them
 
     # 2. The checkpointed state, restored when resuming; what callbacks see of the run.
-    state = restore(accelerator, ckpt, changed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
+    state = restore(accelerator, resumed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
     signals = StopSignals()
     run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer,
                       partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
@@ -115,7 +116,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
     meter, bar = Meter(accelerator, state, recipe.log), progress_bar(accelerator, recipe, total, state.step)
-    eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, ckpt, None, False, time.perf_counter()
+    eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, resumed.checkpoint, None, False, time.perf_counter()
     with signals, frozen_setup_objects():
         while state.step < total and stop_reason is None:
             # a. The micro-batch window, clipping, the agreement of every process, the update (step.py).
@@ -160,17 +161,32 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     return result
 
 
+@dataclass(frozen=True)
+class Resuming:
+    """What a run continues from: the checkpoint (None for a fresh run), the training-relevant fields `--force`
+    changed, and the world the checkpoint was saved by when it is not this one (`world.py`)."""
+
+    checkpoint: Path | None = None
+    changed: list[str] = field(default_factory=list)
+    saved_world: World | None = None
+
+
 def open_run(recipe: Recipe, resume: str | None, force: bool):
     """The checkpoint to resume from (the main process verifies it, the same for all) and the recipe checked against
-    it; the Accelerator set for it; the run directory checked (refused when it holds another run). Returns the
-    Accelerator, the `RunDir`, the checkpoint (None for a fresh run) and the training-relevant fields that changed."""
+    it (on another number of processes too); the Accelerator set for it; the run directory checked (refused when it
+    holds another run). Returns the recipe to run (`--force` may recompute `train.grad_accum` to keep the
+    checkpoint's global batch on another number of processes), the Accelerator, the `RunDir` and the `Resuming`."""
     ckpt, notes = choose_checkpoint(recipe.run.dir, resume)
-    changed = check_resumed_recipe(ckpt, recipe, force) if ckpt is not None else []
+    resuming = Resuming()
+    if ckpt is not None:
+        recipe, saved_world = plan_world_change(ckpt, recipe, PartialState().num_processes, force)
+        changed = check_resumed_recipe(ckpt, recipe, force, batching_may_change=saved_world is not None)
+        resuming = Resuming(ckpt, changed, saved_world)
     accelerator = make_accelerator(recipe, ckpt)
     run_files = RunDir(recipe.run.dir, accelerator.is_main_process, resuming=ckpt is not None,
                        resume_requested=resume is not None, overwrite=recipe.run.overwrite)
     warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
-    return accelerator, run_files, ckpt, changed
+    return recipe, accelerator, run_files, resuming
 
 
 def run_context(accelerator, recipe: Recipe, task: Task, model, optimizers: list[TrainOptimizer], state: TrainState,
@@ -186,15 +202,23 @@ def progress_bar(accelerator, recipe: Recipe, total: int, initial: int) -> tqdm:
                 disable=not (accelerator.is_main_process and recipe.log.progress_bar))
 
 
-def restore(accelerator, ckpt: Path | None, changed: list, recipe: Recipe, optimizers: list[TrainOptimizer],
+def restore(accelerator, resuming: Resuming, recipe: Recipe, optimizers: list[TrainOptimizer],
             stateful: list) -> TrainState:
     """What a checkpoint holds, in registration order (the checkpoint format): schedules, loop counters, the task's
-    own state (stateful training's carried state), stateful callbacks. Loaded when resuming."""
+    own state (stateful training's carried state), stateful callbacks. Loaded when resuming; from a checkpoint of
+    another number of processes, the position in the epoch and the random streams are this world's (`world.py`)."""
     state = TrainState(recipe_hash=recipe_hash(recipe))
     saved = [*(o.scheduler for o in optimizers), state, *stateful]
     accelerator.register_for_checkpointing(*saved)
-    if ckpt is not None:
-        resume_from(accelerator, ckpt, saved, optimizers, changed)
+    old = resuming.saved_world
+    if resuming.checkpoint is not None:
+        resume_from(accelerator, resuming.checkpoint, saved, optimizers, resuming.changed, other_world=old is not None)
+    if old is not None:
+        here = World(accelerator.num_processes, recipe.data.batch_size, recipe.train.grad_accum)
+        move_to_world(state, old, here, recipe.run.seed, accelerator.process_index)
+        accelerator.print(f"resumed on {here.processes} process(es) from a checkpoint of {old.processes}: "
+                          f"{here.describe()} (as saved: {old.global_batch}); random streams derived again from "
+                          f"run.seed, the step and the process")
     return state
 
 

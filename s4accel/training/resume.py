@@ -60,10 +60,14 @@ def choose_checkpoint(run_dir: Path, resume: str | None) -> tuple[Path | None, l
     return (Path(choice[0]) if choice[0] else None), choice[1]
 
 
-def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool) -> list[str]:
+def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool, batching_may_change: bool = False) -> list[str]:
     """The training-relevant fields that differ from the checkpoint's recipe (`key: old -> new`): refused, or with
-    `force` returned (to apply and print), except those that cannot take effect in a resumed run."""
+    `force` returned (to apply and print), except those that cannot take effect in a resumed run.
+    `batching_may_change`: on another number of processes with the same global batch (checked by `world.py`),
+    `data.batch_size` and `train.grad_accum` are how the batch is dealt out, not a change of the run."""
     diff = recipe_diff(checkpoint_recipe(ckpt), recipe.to_dict())
+    if batching_may_change:
+        diff = [line for line in diff if not line.startswith(("data.batch_size:", "train.grad_accum:"))]
     fixed = [line for line in diff if line.startswith(FIXED_ON_RESUME) and "dropout" not in line.split(":")[0]]
     if fixed:
         raise ResumeError(f"{', '.join(line.split(':')[0] for line in fixed)} cannot change when resuming, even with "
@@ -79,17 +83,18 @@ FIXED_ON_RESUME = ("run.seed", "model.", "task.target", "train.state.", "data.to
 """Recipe fields a resumed run cannot honour: the weights' shapes and meaning, the random streams, the task."""
 
 
-def load_checkpoint(accelerator, ckpt: Path, n_saved: int) -> None:
+def load_checkpoint(accelerator, ckpt: Path, n_saved: int, other_world: bool = False) -> None:
     """`accelerator.load_state` after checks it does not make: the files this run needs are all there, nothing in
     them is more than tensors and plain data (checked before anything is unpickled), and any error while loading is
-    one line (Accelerate would swallow a damaged RNG state with a log message)."""
+    one line (Accelerate would swallow a damaged RNG state with a log message). `other_world`: saved by another
+    number of processes (accepted by `world.py`), so this process may have no random states of its own there."""
     found = len(list(ckpt.glob("custom_checkpoint_*.pkl")))
     if found != n_saved:
         raise ResumeError(f"{ckpt}: the checkpoint saved {found} objects besides model and optimizer, this run has "
                           f"{n_saved} (schedulers, loop state, carried state, stateful callbacks: a callback added or "
                           f"removed?)")
     ranks = len(list(ckpt.glob("random_states_*.pkl")))
-    if not (ckpt / f"random_states_{accelerator.process_index}.pkl").is_file():
+    if not other_world and not (ckpt / f"random_states_{accelerator.process_index}.pkl").is_file():
         raise ResumeError(f"{ckpt}: saved by {ranks} process(es), resumed by {accelerator.num_processes}: process "
                           f"{accelerator.process_index} has no random states to continue from")
     check_pickles(ckpt)
@@ -129,11 +134,12 @@ def restore_hyperparameters(optimizers: list[TrainOptimizer], fresh: list) -> No
         sched._last_lr = list(lrs)
 
 
-def resume_from(accelerator, ckpt: Path, saved: list, optimizers: list[TrainOptimizer], changed: list[str]) -> None:
+def resume_from(accelerator, ckpt: Path, saved: list, optimizers: list[TrainOptimizer], changed: list[str],
+                other_world: bool = False) -> None:
     """Load the checkpoint into model, optimizers and the registered objects `saved`; with `--force` changes, the
     recipe's optimizer settings and schedule replace the checkpoint's (and the changes are printed)."""
     fresh = hyperparameters(optimizers)
-    load_checkpoint(accelerator, ckpt, len(saved))
+    load_checkpoint(accelerator, ckpt, len(saved), other_world)
     if changed:  # --force: what the recipe now says is what runs from here on
         restore_hyperparameters(optimizers, fresh)
         accelerator.print(f"resuming with changed fields (--force): {'; '.join(changed)}")

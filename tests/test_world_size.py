@@ -1,0 +1,169 @@
+"""A run resumed on another number of processes (1 -> 2, 2 -> 1, 2 -> 4 CPU processes) keeps its global batch and
+trains every later step on exactly the examples of the run that never stopped (audited by a task that records each
+micro-batch's rows), ending within floating-point rounding of its weights; a different global batch is refused in
+one line unless `--force` may recompute `train.grad_accum`; what cannot move (stateful training, streams) is
+refused. s4accel/training/world.py says why the position is a count of examples."""
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, TESTS_ON_PATH, TINY, final_weights, small_text_file
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory, hf_cache):
+    """A training text of exactly 128 blocks of 32 bytes (4,095 characters and the end-of-document token), so every
+    epoch divides into global micro-batches of 8 and 16 examples, and a validation text of its own."""
+    folder = tmp_path_factory.mktemp("world")
+    text = small_text_file(folder, chars=6000).read_text()
+    assert len(text.encode()) == len(text)  # one byte, one token
+    (folder / "train.txt").write_text(text[:4095])
+    (folder / "val.txt").write_text(text[4095:])
+    return folder / "train.txt", folder / "val.txt"
+
+
+def launch(processes: int, texts, out: Path, *extra: str, resume: bool = False, force: bool = False):
+    train, val = texts
+    sets = [f"run.out_dir={out}", "data.source=files", f"data.files=[{train}]", f"data.val_files=[{val}]",
+            "data.seq_len=32", "model.overrides={dropout: 0.0}", f"train.max_steps={STEPS}",
+            f"train.eval_every={STEPS}", "checkpoint.every_steps=6", "checkpoint.keep_last=3",
+            "log.progress_bar=false", "sample.prompts=[]", "task.target=testing_tasks:RecordBatches", *extra]
+    launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                 str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(processes),
+                 "--main_process_port", "0"] if processes > 1 else [sys.executable])
+    args = [*launcher, "-m", "s4accel", "train", str(TINY), *(a for s in sets for a in ("--set", s)),
+            *(["--resume"] if resume else []), *(["--force"] if force else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), TESTS_ON_PATH["PYTHONPATH"]])}
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+
+
+def batching(processes, batch_size, grad_accum):
+    return f"data.batch_size={batch_size}", f"train.grad_accum={grad_accum}"
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, texts):
+    """Uninterrupted runs of 12 steps at 16 examples per step, checkpointed at step 6: 2 processes x 4 x 2, and
+    1 process x 8 x 2."""
+    root = tmp_path_factory.mktemp("references")
+    runs = {}
+    for processes, sets in ((2, batching(2, 4, 2)), (1, batching(1, 8, 2))):
+        proc = launch(processes, texts, root / f"p{processes}", *sets)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[processes] = root / f"p{processes}"
+    return runs
+
+
+def from_checkpoint(reference: Path, out: Path, step: int = 6) -> Path:
+    """A run directory holding only `reference`'s checkpoint at `step` and its recipe: a run stopped there."""
+    shutil.copytree(reference / "checkpoints" / f"step_{step:08d}", out / "checkpoints" / f"step_{step:08d}")
+    shutil.copy(reference / "recipe.yaml", out / "recipe.yaml")
+    return out
+
+
+def examples_per_step(run: Path) -> dict[int, collections.Counter]:
+    """Every process's micro-batch rows, by the optimizer step they trained."""
+    steps = collections.defaultdict(collections.Counter)
+    for f in run.glob("rows_*.jsonl"):
+        for line in f.read_text().splitlines():
+            record = json.loads(line)
+            steps[record["step"]].update(record["rows"])
+    return steps
+
+
+@pytest.mark.parametrize("before, after, sets", [
+    (2, 1, batching(1, 8, 2)),  # the same micro-batches, gathered on one process
+    (1, 2, batching(2, 4, 2)),
+    (2, 4, batching(4, 4, 1)),  # one micro-batch per process and step instead of two
+])
+def test_a_run_resumed_on_another_number_of_processes_trains_on_the_same_examples(references, texts, tmp_path,
+                                                                                     before, after, sets):
+    reference = references[before]
+    out = from_checkpoint(reference, tmp_path / "resumed")
+    proc = launch(after, texts, out, *sets, resume=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed on {after} process(es) from a checkpoint of {before}" in proc.stdout
+    assert "= 16 examples per step (as saved: 16)" in proc.stdout
+    assert f"done: {STEPS} steps" in proc.stdout
+
+    ref, got = examples_per_step(reference), examples_per_step(out)
+    assert sorted(got) == list(range(6, STEPS))  # it trained steps 6..11, and nothing before
+    for step in got:  # no example skipped, none repeated, none moved to another step
+        assert got[step] == ref[step], step
+    a, b = final_weights(reference), final_weights(out)
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-6, worst  # the order of floating-point sums only (measured: 6e-8 to 1.2e-7)
+
+
+def test_a_different_global_batch_is_refused_unless_force_recomputes_the_accumulation(references, texts, tmp_path):
+    out = from_checkpoint(references[2], tmp_path / "half")
+    proc = launch(1, texts, out, *batching(1, 4, 2), resume=True)  # 1 x 4 x 2 = 8 examples per step, not 16
+    assert proc.returncode == 2
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "saved by 2 process(es), this run has 1" in error[0]
+    assert "2 process(es) x data.batch_size 4 x train.grad_accum 2 = 16" in error[0]
+    assert "set data.batch_size=16" in error[0] and "--force" in error[0]
+    assert not (out / "final").exists()
+
+    proc = launch(1, texts, out, *batching(1, 4, 2), resume=True, force=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 process(es) x data.batch_size 4 x train.grad_accum 4 = 16 examples per step" in proc.stdout
+    ref, got = examples_per_step(references[2]), examples_per_step(out)
+    assert all(got[step] == ref[step] for step in range(6, STEPS))
+    worst = max((final_weights(references[2])[k] - v).abs().max().item() for k, v in final_weights(out).items())
+    assert worst < 1e-6, worst
+
+
+@pytest.mark.parametrize("sets, refused", [
+    (["train.state={mode: tbptt}"], "stateful training"),
+    (["data.streaming=true"], "a streamed source"),
+])
+def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, text, sets, refused):
+    from s4accel import load_recipe
+    from s4accel.errors import ResumeError
+    from s4accel.training.world import plan_world_change
+
+    ckpt = tmp_path / "checkpoints" / "step_00000006"
+    ckpt.mkdir(parents=True)
+    recipe = load_recipe(TINY, [f"run.out_dir={tmp_path}", "data.source=files", f"data.files=[{text}]", *sets])
+    (ckpt / "recipe.yaml").write_text(recipe.to_yaml())
+    for rank in (0, 1):  # saved by two processes
+        (ckpt / f"random_states_{rank}.pkl").write_bytes(b"")
+    assert plan_world_change(ckpt, recipe, 2, force=False) == (recipe, None)  # the same world: nothing to do
+    with pytest.raises(ResumeError, match=f"saved by 2 process\\(es\\), this run has 1: {refused}.*resume on 2"):
+        plan_world_change(ckpt, recipe, 1, force=True)
+    with pytest.raises(ResumeError):
+        plan_world_change(ckpt, recipe, 4, force=False)
+
+
+def test_the_position_in_an_epoch_is_a_count_of_examples():
+    from s4accel.errors import ResumeError
+    from s4accel.training.checkpoint import TrainState
+    from s4accel.training.world import World, derived_seed, move_to_world
+
+    state = TrainState(step=7, epoch=1, batch_in_epoch=6)  # 6 micro-batches x 4 examples x 2 processes = 48
+    move_to_world(state, World(2, 4, 2), World(4, 2, 2), seed=0, rank=3)
+    assert state.batch_in_epoch == 6  # 48 examples = 6 micro-batches of 4 processes x 2
+    move_to_world(state, World(4, 2, 2), World(1, 16, 1), seed=0, rank=0)
+    assert state.batch_in_epoch == 3
+    with pytest.raises(ResumeError, match="48 examples into epoch 1.*not a whole number"):
+        move_to_world(state, World(1, 16, 1), World(1, 32, 1), seed=0, rank=0)
+    first = torch.rand(3)
+    move_to_world(TrainState(step=7), World(2, 4, 2), World(2, 4, 2), seed=0, rank=1)
+    again = torch.rand(3)
+    move_to_world(TrainState(step=7), World(2, 4, 2), World(2, 4, 2), seed=0, rank=1)
+    assert torch.equal(again, torch.rand(3)) and not torch.equal(first, again)  # derived, reproducibly
+    assert len({derived_seed(0, step, rank) for step in range(50) for rank in range(8)}) == 400
