@@ -21,8 +21,8 @@ CONFIGS = REPO / "accelerate_configs"
 
 def launch(config, script, text, out, *extra, resume=False, precision="no", processes=2, force=False):
     args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", str(processes), "--mixed_precision", precision, "--main_process_port", "0", *script, "train",
-            str(TINY)]
+            "--num_processes", str(processes), "--mixed_precision", precision, "--main_process_port", "0", *script,
+            "train", str(TINY)]
     # MoE feed-forward (expert weights sharded too), dropout, grad_accum 2, EMA, a kept best model ranked by EMA loss
     for item in short_epochs(text, out, "train.max_steps=16", "checkpoint.every_steps=8", "checkpoint.keep_last=4",
                              "model.overrides={dropout: 0.1, ffn: moe, num_experts: 4, num_experts_per_tok: 2}",
