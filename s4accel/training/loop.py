@@ -316,4 +316,5 @@ def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], lo
 
 
 def count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """All parameters, whole: DeepSpeed ZeRO-3 leaves each process an empty tensor and its size (`ds_numel`)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
