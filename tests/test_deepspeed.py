@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 through Accelerate, on 2 CPU processes (gloo): partitioned training checkpoints that
-resume bit-exactly, a gathered export that `from_pretrained` loads, the same model as a DDP run.
-tests/scripts/deepspeed_on_cpu.py explains how the DeepSpeed path runs without GPUs. Skipped where DeepSpeed is not
-installed (`pip install deepspeed`)."""
+resume bit-exactly, a gathered export that `from_pretrained` loads, the same model as a DDP run, and under bf16 the
+S4 parameters and their gradient reductions kept in float32. tests/scripts/deepspeed_on_cpu.py explains how the
+DeepSpeed path runs without GPUs. Skipped where DeepSpeed is not installed (`pip install deepspeed`)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TESTS_ON_PATH, TINY, final_weights, short_epochs
+from helpers import REPO, TESTS_ON_PATH, TINY, callback_override, final_weights, short_epochs
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
 DEEPSPEED_ON_CPU = [str(REPO / "tests" / "scripts" / "deepspeed_on_cpu.py")]
 STAGES = {2: "deepspeed_zero2.yaml", 3: "deepspeed_zero3.yaml"}
+SSM = ("log_dt", "A_imag", "log_A_real", "kernel.C", "layer.D")  # S4D's parameters (models/modeling_s4.py)
 
 
 def launch(config, text, out, *extra, script=DEEPSPEED_ON_CPU, precision="no", resume=False, ok=True):
@@ -104,6 +106,25 @@ def test_deepspeed_trains_the_same_model_as_ddp(ds_run, ddp_run):
         assert ref.keys() == got.keys(), name
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES), ids=[f"zero{s}" for s in sorted(STAGES)])
+def test_bf16_under_deepspeed_keeps_the_ssm_parameters_and_their_gradient_reduction_in_float32(stage, tmp_path, text):
+    """DeepSpeed's own bf16 mode would cast every parameter to bf16; s4accel runs DeepSpeed's torch_autocast mode:
+    float32 parameters, bf16 compute and bf16 gradient reduction for Linear and Conv layers only."""
+    out, record = tmp_path / "run", tmp_path / "precision.json"
+    proc = launch(CONFIGS / STAGES[stage], text, out, *no_ema(stage), "train.max_steps=2", "train.eval_every=0",
+                  "checkpoint.every_steps=0", "sample.prompts=[]",
+                  callback_override("testing_callbacks:ParamPrecision", path=str(record)), precision="bf16")
+    params = json.loads(record.read_text())
+    ssm = {k: v for k, v in params.items() if any(s in k for s in SSM)}
+    assert len(ssm) == 10  # 5 per S4 layer, 2 layers
+    for name, p in ssm.items():  # after an update: float32 values that bf16 cannot hold, reduced in float32
+        assert p == {"dtype": "float32", "beyond_bf16": True, "reduce": "float32"}, name
+    linear = {k: v for k, v in params.items() if "output_linear" in k}
+    assert linear and all(p["dtype"] == "float32" and p["reduce"] == "bfloat16" for p in linear.values()), linear
+    assert all(v.dtype == torch.float32 for v in final_weights(out).values())
+    assert "mixed precision bfloat16 autocast, parameters float32" in proc.stdout
 
 
 @pytest.mark.parametrize("setting, config_line, error", [
