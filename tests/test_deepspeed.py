@@ -3,6 +3,7 @@ resume bit-exactly, a gathered export that `from_pretrained` loads, the same mod
 S4 parameters and their gradient reductions kept in float32. tests/scripts/deepspeed_on_cpu.py explains how the
 DeepSpeed path runs without GPUs. Skipped where DeepSpeed is not installed (`pip install deepspeed`)."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -87,6 +88,33 @@ def test_deepspeed_run_resumed_from_its_partitioned_checkpoint_ends_bit_identica
     for name in ["final", *(["final_ema"] if stage == 2 else [])]:
         ref, got = final_weights(out, name), final_weights(again, name)
         assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), name
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_deepspeed_file_that_would_run_code_is_refused_before_deepspeed_unpickles_it(ds_run, tmp_path):
+    """DeepSpeed reads its checkpoint files with a full unpickler: one replaced by a pickle that runs code (with the
+    manifest rewritten to match) stops the resume with one line, and the code never runs."""
+    stage, text, out, _ = ds_run
+    run = tmp_path / "run"
+    shutil.copytree(out / "checkpoints" / "step_00000006", run / "checkpoints" / "step_00000006")
+    shutil.copy(out / "recipe.yaml", run / "recipe.yaml")
+    ckpt = run / "checkpoints" / "step_00000006"
+    name = "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": Evil(tmp_path / "pwned")}, ckpt / name)
+    manifest = json.loads((ckpt / "COMPLETE").read_text())
+    data = (ckpt / name).read_bytes()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "COMPLETE").write_text(json.dumps(manifest))
+    proc = launch(CONFIGS / STAGES[stage], text, run, *no_ema(stage), resume=True, ok=False)
+    assert proc.returncode != 0 and f"{name}: holds more than tensors and plain data" in proc.stdout + proc.stderr
+    assert not (tmp_path / "pwned").exists()
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..errors import CheckpointError, ResumeError
 from .run_dir import write_atomic
+from .zero import safe_globals
 
 COMPLETE = "COMPLETE"
 
@@ -183,14 +184,19 @@ def check_pickles(path: Path) -> None:
     unpickler admits nothing else. The optimizer, scheduler, sampler and RNG states Accelerate reads with
     `weights_only=True` itself, but its error would be a traceback, and an RNG file that fails to load it skips with
     no more than a log line (the run would go on with other random numbers): each is loaded here first (memory-mapped,
-    so a large optimizer state costs no memory), and a file that does not load is one `ResumeError` naming it."""
+    so a large optimizer state costs no memory), and a file that does not load is one `ResumeError` naming it.
+    DeepSpeed reads its own files (`pytorch_model/*.pt`: weights, each process's optimizer partition) with
+    `weights_only=False`: they must load with `weights_only=True` too, admitting besides plain data only the three
+    DeepSpeed classes its optimizer states hold (`zero.safe_globals`)."""
 
-    for f in sorted(path.iterdir()):
-        if f.suffix not in (".pkl", ".bin") or not f.is_file():
-            continue
+    accelerate_files = [f for f in sorted(path.iterdir()) if f.suffix in (".pkl", ".bin") and f.is_file()]
+    for f in [*accelerate_files, *sorted(path.glob("pytorch_model/*.pt"))]:
         try:
             if f.name.startswith("custom_checkpoint_"):
                 torch.load(f, map_location="cpu", weights_only=True)
+            elif f.suffix == ".pt":
+                with torch.serialization.safe_globals(safe_globals()):
+                    torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             else:
                 obj = load(f, map_location="cpu", mmap=True)
                 if f.name.startswith("random_states_") and not {"random_state", "numpy_random_seed",

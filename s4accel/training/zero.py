@@ -90,3 +90,13 @@ def model_build(accelerator):
     finally:
         plugin.set_deepspeed_weakref()  # what Accelerate had set: the config transformers sees from here on
 
+
+def safe_globals() -> list:
+    """The classes besides tensors and plain data that DeepSpeed's ZeRO checkpoints hold (its optimizer states: the
+    loss scaler, the ZeRO stage, the address of each parameter's fragment), for `torch.load(weights_only=True)`."""
+    # imported here: DeepSpeed is optional, and only a DeepSpeed checkpoint needs it
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
