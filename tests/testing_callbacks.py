@@ -171,3 +171,27 @@ class LightningNamed(Callback):
 
     def on_train_epoch_end(self, run):
         raise AssertionError("never called")
+
+
+class ParamPrecision(Callback):
+    """After optimizer step 1, writes to `path` (main process), for every parameter: the dtype this process holds it
+    in (its ZeRO-3 partition under DeepSpeed), whether its values hold more than bf16 can (a tensor cast to bf16 and
+    back holds none), and the dtype DeepSpeed reduces its gradient in (None without DeepSpeed)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_step_end(self, run):
+        if run.state.step != 1 or not run.accelerator.is_main_process:
+            return
+        import torch
+
+        zero = getattr(run.model, "optimizer", None)  # the DeepSpeed engine's ZeRO optimizer
+        out = {}
+        for name, p in run.accelerator.unwrap_model(run.model).named_parameters():
+            held = getattr(p, "ds_tensor", p).detach()
+            out[name] = {"dtype": str(held.dtype).removeprefix("torch."),
+                         "beyond_bf16": bool((held.float() != held.to(torch.bfloat16).float()).any()),
+                         "reduce": str(zero.get_param_comm_dtype(p)).removeprefix("torch.")
+                         if hasattr(zero, "get_param_comm_dtype") else None}
+        self.path.write_text(json.dumps(out))

@@ -10,6 +10,7 @@
     carried_state.py  the recurrent state carried along long streams (stateful training)
     callbacks.py      hooks and the built-ins (EMA, early stopping, keep-best)
     checkpoint.py     checkpoints (atomic, checksummed, verified) and the exported model
+    zero.py           DeepSpeed: the recipe's step settings and bf16 policy in its config, the ZeRO-3 model build
     resume.py         which checkpoint, whether the recipe still matches, loading it, what --force changes
     run_dir.py        the run directory's life (checked first, written only once every check passed)
     optim.py          AdamW parameter groups and the schedule

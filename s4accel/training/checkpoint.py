@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate.utils import load
+from accelerate.utils import DistributedType, load
 from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 
 from ..errors import CheckpointError, ResumeError
 from .run_dir import replace_dir, write_atomic
+from .zero import safe_globals
 
 COMPLETE = "COMPLETE"
 
@@ -183,14 +184,19 @@ def check_pickles(path: Path) -> None:
     unpickler admits nothing else. The optimizer, scheduler, sampler and RNG states Accelerate reads with
     `weights_only=True` itself, but its error would be a traceback, and an RNG file that fails to load it skips with
     no more than a log line (the run would go on with other random numbers): each is loaded here first (memory-mapped,
-    so a large optimizer state costs no memory), and a file that does not load is one `ResumeError` naming it."""
+    so a large optimizer state costs no memory), and a file that does not load is one `ResumeError` naming it.
+    DeepSpeed reads its own files (`pytorch_model/*.pt`: weights, each process's optimizer partition) with
+    `weights_only=False`: they must load with `weights_only=True` too, admitting besides plain data only the three
+    DeepSpeed classes its optimizer states hold (`zero.safe_globals`)."""
 
-    for f in sorted(path.iterdir()):
-        if f.suffix not in (".pkl", ".bin") or not f.is_file():
-            continue
+    accelerate_files = [f for f in sorted(path.iterdir()) if f.suffix in (".pkl", ".bin") and f.is_file()]
+    for f in [*accelerate_files, *sorted(path.glob("pytorch_model/*.pt"))]:
         try:
             if f.name.startswith("custom_checkpoint_"):
                 torch.load(f, map_location="cpu", weights_only=True)
+            elif f.suffix == ".pt":
+                with torch.serialization.safe_globals(safe_globals()):
+                    torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             else:
                 obj = load(f, map_location="cpu", mmap=True)
                 if f.name.startswith("random_states_") and not {"random_state", "numpy_random_seed",
@@ -298,13 +304,15 @@ def checkpoint_recipe(path: Path) -> dict:
 # Models
 
 
-def own_class(model, state_dict: dict, device=None) -> tuple:
+def own_class(model, state_dict: dict, device=None, gathered: bool = False) -> tuple:
     """FSDP2 shards a model in place by swapping its class for a generated `FSDP<Name>` subclass; `save_pretrained`
     would name that class and copy torch's FSDP files as the Hub repo's remote code, and one process cannot run it
-    alone. Returns an instance of the model's own class holding the gathered weights, and its state dict, in which
-    tied weights (gathered as separate copies) are one tensor again. Without `device` the instance is built empty on
-    the meta device and given the tensors (enough to save it); with one, it is a whole model there (to run it)."""
-    if not isinstance(model, FSDPModule):
+    alone. DeepSpeed (`gathered`) keeps the class, but ZeRO-3 leaves each process an empty partition of every
+    parameter, and ZeRO-2's state dict is a copy of every tensor. Returns an instance of the model's own class
+    holding the gathered weights, and its state dict, in which tied weights (gathered as separate copies) are one
+    tensor again. Without `device` the instance is built empty on the meta device and given the tensors (enough to
+    save it); with one, it is a whole model there (to run it)."""
+    if not (isinstance(model, FSDPModule) or gathered):
         return model, state_dict
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device(device or "meta"):
@@ -316,20 +324,26 @@ def own_class(model, state_dict: dict, device=None) -> tuple:
     return plain, plain.state_dict()
 
 
+def deepspeed(accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
 def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
     """`save_pretrained` (config, safetensors, generation config) + tokenizer + `extra_files` ({name: text}) into
     `out_dir`, atomically; a model without `save_pretrained` writes its state dict as `model.safetensors`. Call on
     every process: `get_state_dict` gathers sharded weights under FSDP/DeepSpeed."""
     accelerator.wait_for_everyone()
     # torch.compile (whole-model or Accelerate's regional) names parameters `..._orig_mod.x`: export the plain names.
-    state_dict = {k.replace("_orig_mod.", ""): v for k, v in accelerator.get_state_dict(model).items()}
+    # DeepSpeed ZeRO-3 gathers the weights on the main process only (None elsewhere).
+    gathered = accelerator.get_state_dict(model) or {}
+    state_dict = {k.replace("_orig_mod.", ""): v for k, v in gathered.items()}
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
             if hasattr(unwrapped, "save_pretrained"):
-                unwrapped, state_dict = own_class(unwrapped, state_dict)
+                unwrapped, state_dict = own_class(unwrapped, state_dict, gathered=deepspeed(accelerator))
                 unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
             else:  # a plain nn.Module of a task of your own: its weights (load_state_dict(load_file(...)))
                 tmp.mkdir(parents=True)

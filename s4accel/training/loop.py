@@ -37,6 +37,7 @@ from .run_lock import RunLock
 from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
+from .zero import precision
 from .tracking import check_tracker_kwargs
 from .world import World, move_to_world, plan_world_change
 
@@ -281,7 +282,7 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
                       f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
                       f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
-                      f"{accelerator.mixed_precision}")
+                      f"{precision(accelerator)}")
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "
@@ -340,4 +341,5 @@ def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], lo
 
 
 def count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """All parameters, whole: DeepSpeed ZeRO-3 leaves each process an empty tensor and its size (`ds_numel`)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

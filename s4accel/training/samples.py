@@ -10,18 +10,20 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..config import Recipe
 from .checkpoint import own_class, write_atomic
+from .zero import partitioned
 
 
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:
     """Complete the recipe's prompts with `generate()` on the main process; write them to `samples.txt`. Call on
-    every process: a model sharded by FSDP is gathered into a whole copy for the main process first."""
+    every process: a model sharded by FSDP or partitioned by DeepSpeed ZeRO-3 is gathered into a whole copy for the
+    main process first."""
     cfg = recipe.sample
     if not cfg.prompts:
         return []
     lm = accelerator.unwrap_model(model)
-    if isinstance(lm, FSDPModule):
+    if isinstance(lm, FSDPModule) or partitioned(lm):
         full = accelerator.get_state_dict(model)  # collective; the full tensors land on the main process
-        lm = own_class(lm, full, device=accelerator.device)[0] if accelerator.is_main_process else None
+        lm = own_class(lm, full, device=accelerator.device, gathered=True)[0] if accelerator.is_main_process else None
     if not accelerator.is_main_process:
         return []
     lm.eval()
@@ -31,8 +33,10 @@ def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) 
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(accelerator.device)
         sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k or 0}
         with accelerator.autocast():
+            # synced_gpus: this process alone generates; under DeepSpeed ZeRO-3 transformers would otherwise wait
+            # at every token for the other processes, which are not generating
             out = lm.generate(ids, max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              **(sampling if cfg.temperature > 0 else {"do_sample": False}))
+                              synced_gpus=False, **(sampling if cfg.temperature > 0 else {"do_sample": False}))
         samples.append(tokenizer.decode(out[0], skip_special_tokens=True))
     write_atomic(run_dir / "samples.txt", "\n\n".join(f"--- sample {i}\n{s}" for i, s in enumerate(samples)) + "\n")
     for s in samples:

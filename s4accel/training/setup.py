@@ -24,6 +24,7 @@ from .precision import apply_fsdp_precision
 from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
 from .tracking import build_trackers
+from .zero import configure_deepspeed, model_build
 
 CPU = not torch.accelerator.is_available()
 """No accelerator: processes started by `accelerate launch --multi_gpu` (torchrun) must be told they are CPU
@@ -37,7 +38,7 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
     if cfg.tf32 and torch.cuda.is_available():  # before any CUDA work; Ampere and newer
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=CPU,
         mixed_precision=cfg.mixed_precision,  # None: from the accelerate config / launch flags
         # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
@@ -55,6 +56,8 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode, use_regional_compilation=True)
         if cfg.compile else None,  # None: from the accelerate config / launch flags
     )
+    configure_deepspeed(accelerator, recipe)  # under DeepSpeed the engine steps: it takes the recipe's step settings
+    return accelerator
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,8 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     with accelerator.main_process_first():
         context.data = task.build_data()
     if model is None:
-        net = build_model(task, recipe)
+        with model_build(accelerator):
+            net = build_model(task, recipe)
         if recipe.model.freeze:  # fixed parameters, out of the optimizer built next
             frozen = freeze(net, recipe.model.freeze)
             accelerator.print(f"model.freeze: {len(frozen)} parameter tensor(s) fixed")

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from ..errors import NonFiniteError
@@ -139,6 +140,11 @@ def manual_window(accelerator, model, window: list[dict], task: Task, step: int,
 
 def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
     """Clip by value or by norm; return the global gradient norm (before norm clipping) for logging."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DeepSpeed's engine has clipped and stepped already (zero.py); it keeps the norm it measured before clipping
+        # (inf when it dropped the update for non-finite gradients), or None when told not to measure it.
+        norm = accelerator.clip_grad_norm_(params, cfg.clip_grad_norm)
+        return None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
     if cfg.clip_grad_value is not None:
         accelerator.clip_grad_value_(params, cfg.clip_grad_value)  # also unscales fp16 gradients
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -309,7 +315,7 @@ class Stepper:
         if task.automatic_optimization:
             # The window's last micro-batch synchronised the gradients: all below happens once per step.
             norm = clip_gradients(acc, self.params, cfg)
-            if norm is not None:  # None under DeepSpeed, which clips inside its engine and keeps the norm
+            if norm is not None:  # None when DeepSpeed was configured not to measure it
                 scalars["grad_norm"] = norm
             objective = scalars["loss"] + scalars.get("aux_loss", 0)
             nonfinite = ~torch.isfinite(objective + scalars.get("grad_norm", 0))
