@@ -35,6 +35,18 @@ class KilledOnceAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class WaitAt(Callback):
+    """After optimizer step `step`, every process waits until the file `release` exists (a run held alive while a
+    test does something beside it)."""
+
+    def __init__(self, step: int, release: str):
+        self.step, self.release = step, Path(release)
+
+    def on_step_end(self, run):
+        while run.state.step == self.step and not self.release.exists():
+            time.sleep(0.1)
+
+
 class StuckAt(Callback):
     """After optimizer step `step`, hang as a data read that never returns would (`marker` written first)."""
 
