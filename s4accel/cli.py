@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
-import shlex
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from .errors import S4AccelError
+from .tools.launcher import continue_command, report_to_launcher
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train S4 and mixture-of-experts sequence models with HuggingFace Accelerate.")
@@ -27,15 +28,18 @@ SetOpt = Annotated[list[str] | None, typer.Option(
 
 def command(*args, **kwargs):
     """`@app.command()`, with an error a user can cause (any `S4AccelError`) printed as `error: ...` lines and the
-    error's exit code, without a traceback: one place for what every command did in its own try block."""
+    error's exit code, without a traceback: one place for what every command did in its own try block. Under a
+    launcher every process hands the error to the launcher's failure report (which ends with it) and only the first
+    prints it: an error every process meets (a refused resume) is not repeated once per process."""
     def register(function):
         @functools.wraps(function)  # typer reads the wrapped function's signature for the options
         def run(*a, **kw):
             try:
                 return function(*a, **kw)
             except S4AccelError as e:
-                for line in e.lines():
-                    typer.echo(line, err=True)
+                if not report_to_launcher("\n".join(e.lines())) or os.environ.get("RANK", "0") == "0":
+                    for line in e.lines():
+                        typer.echo(line, err=True)
                 raise typer.Exit(e.exit_code) from None
         return app.command(*args, **kwargs)(run)
     return register
@@ -65,9 +69,11 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     from .training.console import append_to_log
 
     if result.preempted:
-        # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else.
+        # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else;
+        # under a launcher, the launcher's command resumes it on the same processes.
+        command, where = continue_command(result.run_dir)
         line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
-                f"continue with: s4accel train {shlex.quote(str(result.run_dir))} --resume")
+                f"continue with{where}: {command}")
     else:
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
         why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""

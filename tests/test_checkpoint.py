@@ -119,7 +119,7 @@ def test_recipe_diff_ignores_what_does_not_change_training():
     a = load_recipe(TINY).to_dict()
     b = load_recipe(TINY, ["log.log_every=1", "checkpoint.keep_last=5", "run.out_dir=elsewhere",
                            "train.eval_every=3", "sample.prompts=[]", "train.max_steps=99",
-                           "data.seq_len=32"]).to_dict()
+                           "data.seq_len=32", "train.resume=auto"]).to_dict()
     assert recipe_diff(a, b) == ["data.seq_len: 64 -> 32", "train.max_steps: 20 -> 99"]
 
 

@@ -65,6 +65,8 @@ def test_wrong_type_and_bad_value_name_the_key(tmp_path):
     assert "train.max_steps: Input should be greater than or equal to 1" in error_of(path, ["train.max_steps=0"])
     msg = error_of(path, ["train.max_steps=3", "train.mixed_precision=fp8"])
     assert "train.mixed_precision: Input should be 'no', 'fp16' or 'bf16' (got 'fp8')" in msg
+    assert "train.resume: Input should be 'auto' (got 'always')" in error_of(path, ["train.max_steps=3",
+                                                                                    "train.resume=always"])
 
 
 def test_override_typo_is_caught_like_a_file_typo(tmp_path):

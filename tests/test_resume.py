@@ -56,6 +56,25 @@ def test_sigterm_mid_epoch_saves_within_one_step_and_resume_is_bit_exact(referen
     assert evals(out) == evals(reference)
 
 
+def test_train_resume_auto_starts_fresh_then_the_same_call_continues_and_resume_given_wins(reference, text, tmp_path,
+                                                                                         capsys):
+    """What a launcher that restarts its job (torchrun --max-restarts, SLURM --requeue) relies on: one command for
+    the first start and every restart."""
+    out = tmp_path / "run"
+    auto = short_epochs(text, out, "train.resume=auto")
+    cut = train_in_process(TINY, [*auto, callback_override("testing_callbacks:SignalAt", step=13)])
+    assert cut.preempted and cut.steps == 14
+    assert "no checkpoint" not in capsys.readouterr().out  # a new run starts fresh without a word
+    resumed = train_in_process(TINY, auto)
+    assert resumed.steps == STEPS and f"resumed from {out / 'checkpoints' / 'step_00000014'} at step 14" in \
+        capsys.readouterr().out
+    assert_same_weights(reference, out)
+    older = out / "checkpoints" / "step_00000020"  # the newest is step 24: an explicit resume wins over auto
+    train_in_process(TINY, auto, resume=str(older))
+    assert f"resumed from {older} at step 20" in capsys.readouterr().out
+    assert_same_weights(reference, out)
+
+
 def test_resume_with_a_changed_recipe_is_refused_with_a_diff_unless_forced(reference, text, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)  # the reference stays as it is for the other tests

@@ -374,10 +374,11 @@ def test_a_live_run_directory_is_refused_to_a_second_run_and_freed_when_the_run_
     assert (out / "final" / "model.safetensors").is_file() and not (out / ".lock").exists()
 
 
-def test_a_two_machine_launch_holds_one_lock_for_its_run_directory(text, tmp_path):
-    """Two launchers (`--num_machines 2`, here both on 127.0.0.1 sharing a filesystem, as nodes share one): only the
-    global main process takes the lock, so the second machine's processes run (a lock per machine would refuse
-    them), and a run started meanwhile from anywhere is refused in one line."""
+def test_two_machines_of_two_processes_train_together_under_one_lock_and_export(text, tmp_path):
+    """Two launchers (`--num_machines 2`, 2 processes each; here both on 127.0.0.1 sharing a filesystem, as nodes
+    share one) train one run on 4 processes and export it. Only the global main process takes the lock, so the second
+    machine's processes run (a lock per machine would refuse them), and a run started meanwhile from anywhere is
+    refused in one line."""
     import socket
     import subprocess
     import sys
@@ -388,29 +389,34 @@ def test_a_two_machine_launch_holds_one_lock_for_its_run_directory(text, tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "run"
-    args = [a for o in base(text, out, "train.max_steps=3000", "checkpoint.every_steps=0", "log.log_every=100")
+    out, release = tmp_path / "run", tmp_path / "release"
+    args = [a for o in base(text, out, "train.max_steps=6", "checkpoint.every_steps=3",
+                            callback_override("testing_callbacks:WaitAt", step=2, release=str(release)))
             for a in ("--set", o)]
     nodes = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_machines", "2",
                                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
-                               str(port), "--num_processes", "2", "-m", "s4accel", "train", str(TINY), *args],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               str(port), "--num_processes", "4", "-m", "s4accel", "train", str(TINY), *args],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")})
              for rank in (0, 1)]
     try:
         deadline = time.monotonic() + 180
-        while not (out / "metrics.jsonl").exists():  # both machines joined and training started
+        while not (out / "metrics.jsonl").exists():  # both machines joined, and the run waits after step 2
             assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "the launch did not start"
             time.sleep(0.2)
         proc = run_cli("train", TINY, *args, "--set", "run.overwrite=true", timeout=120)
         assert proc.returncode == 2 and f"{out} is in use by another run (pid " in proc.stderr, proc.stderr[-2000:]
         assert all(n.poll() is None for n in nodes)
-        errors = [n.communicate(timeout=600)[1] for n in nodes]
+        release.touch()
+        outputs = [n.communicate(timeout=600) for n in nodes]
     finally:
         for n in nodes:
             n.kill()
-    assert [n.returncode for n in nodes] == [0, 0], errors[1][-2000:] + errors[0][-2000:]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[1][1][-2000:] + outputs[0][1][-2000:]
+    assert "4 process(es)" in outputs[0][0] and "done: 6 steps" in outputs[0][0]
+    ckpt = out / "checkpoints" / "step_00000006"
+    assert sorted(p.name for p in ckpt.glob("random_states_*")) == [f"random_states_{i}.pkl" for i in range(4)]
     assert (out / "final" / "model.safetensors").is_file() and not (out / ".lock").exists()
 
 

@@ -130,6 +130,7 @@ def test_a_different_global_batch_is_refused_unless_force_recomputes_the_accumul
 @pytest.mark.parametrize("sets, refused", [
     (["train.state={mode: tbptt}"], "stateful training"),
     (["data.streaming=true"], "a streamed source"),
+    ([], "DeepSpeed's ZeRO checkpoint"),
 ])
 def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, text, sets, refused):
     from s4accel import load_recipe
@@ -142,6 +143,9 @@ def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, t
     (ckpt / "recipe.yaml").write_text(recipe.to_yaml())
     for rank in (0, 1):  # saved by two processes
         (ckpt / f"random_states_{rank}.pkl").write_bytes(b"")
+        if not sets:  # under DeepSpeed: each process's optimizer partition
+            (ckpt / "pytorch_model").mkdir(exist_ok=True)
+            (ckpt / "pytorch_model" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
     assert plan_world_change(ckpt, recipe, 2, force=False) == (recipe, None)  # the same world: nothing to do
     with pytest.raises(ResumeError, match=f"saved by 2 process\\(es\\), this run has 1: {refused}.*resume on 2"):
         plan_world_change(ckpt, recipe, 1, force=True)

@@ -22,6 +22,31 @@ class SignalAt(Callback):
             os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
+class KilledOnceAt(Callback):
+    """After optimizer step `step`, SIGKILL process `rank` (a worker lost to a crash or the OOM killer), the first
+    time only: `marker` is written first, so the group a launcher restarts runs through."""
+
+    def __init__(self, step: int, marker: str, rank: int = 1):
+        self.step, self.marker, self.rank = step, Path(marker), rank
+
+    def on_step_end(self, run):
+        if run.state.step == self.step and run.accelerator.process_index == self.rank and not self.marker.exists():
+            self.marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WaitAt(Callback):
+    """After optimizer step `step`, every process waits until the file `release` exists (a run held alive while a
+    test does something beside it)."""
+
+    def __init__(self, step: int, release: str):
+        self.step, self.release = step, Path(release)
+
+    def on_step_end(self, run):
+        while run.state.step == self.step and not self.release.exists():
+            time.sleep(0.1)
+
+
 class StuckAt(Callback):
     """After optimizer step `step`, hang as a data read that never returns would (`marker` written first)."""
 

@@ -103,6 +103,11 @@ class TrainCfg(_Section):
     """Keep only each block's input in the forward pass and recompute the block in the backward pass (S4 and MoE
     blocks): activation memory of one block instead of all, for about one more forward pass of compute. The gradients
     are the same; needs a model with `activation_checkpointing_enable()` (every s4accel model)."""
+    resume: Literal["auto"] | None = None
+    """`auto`: continue from the newest complete checkpoint of the run directory when there is one, else start fresh
+    (what `--resume` alone does), so that a job its launcher restarts (torchrun `--max-restarts`, SLURM `--requeue`)
+    continues with the very same command. `null`: start fresh, and refuse a directory that holds a run. `--resume` on
+    the command line wins over this key."""
     tf32: bool = False
     """On CUDA: float32 matmuls and convolutions in TF32 (`torch.set_float32_matmul_precision("high")`, Ampere or
     newer), faster at ~1e-3 relative precision. Nothing changes on CPU."""

@@ -5,4 +5,5 @@
     hub.py         push a run's model with its card, recipe, metrics and logs
     model_card.py  the model card and training-curve image
     finders.py     lr-find and find-batch-size, through the recipe's task
+    launcher.py    under accelerate launch / torchrun: the command that continues a stopped run, errors to the launcher
 """

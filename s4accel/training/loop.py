@@ -68,7 +68,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 
     resume: `"latest"` continues from the newest verified checkpoint of the run directory (or starts fresh when there
         is none), a path continues from that checkpoint. The continuation is exact: the same batches, RNG states and
-        counters as a run that never stopped.
+        counters as a run that never stopped. None: the recipe's `train.resume` decides (`auto` means `"latest"`).
     force: resume even though training-relevant recipe fields differ from the checkpoint's recipe; they take effect.
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
@@ -177,6 +177,7 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
     it (on another number of processes too); the Accelerator set for it; the run directory checked (refused when it
     holds another run). Returns the recipe to run (`--force` may recompute `train.grad_accum` to keep the
     checkpoint's global batch on another number of processes), the Accelerator, the `RunDir` and the `Resuming`."""
+    resume, asked_by = requested_resume(recipe, resume)
     ckpt, notes = choose_checkpoint(recipe.run.dir, resume)
     resuming = Resuming()
     if ckpt is not None:
@@ -185,9 +186,19 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
         resuming = Resuming(ckpt, changed, saved_world)
     accelerator = make_accelerator(recipe, ckpt)
     run_files = RunDir(recipe.run.dir, accelerator.is_main_process, resuming=ckpt is not None,
-                       resume_requested=resume is not None, overwrite=recipe.run.overwrite)
+                       resume_requested=asked_by, overwrite=recipe.run.overwrite)
     warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
     return recipe, accelerator, run_files, resuming
+
+
+def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, str | None]:
+    """What to resume from and who asked for it: the command line's `--resume` (the API's `resume`) wins over the
+    recipe's `train.resume: auto`, which means `--resume` alone. (None, None): a fresh run."""
+    if resume is not None:
+        return resume, "--resume"
+    if recipe.train.resume == "auto":
+        return "latest", "train.resume: auto"
+    return None, None
 
 
 def run_context(accelerator, recipe: Recipe, task: Task, model, optimizers: list[TrainOptimizer], state: TrainState,

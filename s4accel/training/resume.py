@@ -18,7 +18,7 @@ from .task import TrainOptimizer
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
-                  "train.eval_every", "train.eval_max_batches",
+                  "train.eval_every", "train.eval_max_batches", "train.resume",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
                   "hub.")
 
@@ -94,9 +94,11 @@ def load_checkpoint(accelerator, ckpt: Path, n_saved: int, other_world: bool = F
                           f"{n_saved} (schedulers, loop state, carried state, stateful callbacks: a callback added or "
                           f"removed?)")
     ranks = len(list(ckpt.glob("random_states_*.pkl")))
-    if not other_world and not (ckpt / f"random_states_{accelerator.process_index}.pkl").is_file():
+    # Decided alike on every process (not only on those lacking their file), so that all stop here together: a
+    # process left to go on alone into load_state ends in a collective whose peer has gone (a gloo traceback).
+    if not other_world and ranks != accelerator.num_processes:
         raise ResumeError(f"{ckpt}: saved by {ranks} process(es), resumed by {accelerator.num_processes}: process "
-                          f"{accelerator.process_index} has no random states to continue from")
+                          f"{ranks} has no random states to continue from")
     check_pickles(ckpt)
     try:
         accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above

@@ -47,10 +47,11 @@ def replace_dir(new: Path, target: Path) -> None:
 
 
 class RunDir:
-    """One run's directory. `resuming`: a checkpoint of it will be loaded; `resume_requested`: `--resume` was given
-    (maybe finding nothing to resume); `overwrite`: `run.overwrite`. Methods that write act on the main process."""
+    """One run's directory. `resuming`: a checkpoint of it will be loaded; `resume_requested`: what asked for a resume
+    (`--resume` or `train.resume: auto`, maybe finding nothing to resume), None when nothing did; `overwrite`:
+    `run.overwrite`. Methods that write act on the main process."""
 
-    def __init__(self, path: Path, is_main: bool, resuming: bool, resume_requested: bool, overwrite: bool):
+    def __init__(self, path: Path, is_main: bool, resuming: bool, resume_requested: str | None, overwrite: bool):
         self.path, self.is_main = path, is_main
         self.resuming, self.resume_requested, self.overwrite = resuming, resume_requested, overwrite
         self.staging = path / ".staging"
@@ -63,6 +64,8 @@ class RunDir:
         """Refuse a directory holding another run unless resuming it or overwriting it; returns a warning to print,
         if any. Reads only."""
         if self.resume_requested and not self.resuming and not self.earlier:
+            if self.resume_requested != "--resume":
+                return None  # train.resume: auto starts every new run this way: nothing to say
             return f"--resume: no checkpoint in {self.path} (nothing was run there); starting a fresh run"
         if not self.earlier or self.resuming or self.overwrite:
             return None

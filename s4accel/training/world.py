@@ -15,8 +15,9 @@ What a checkpoint holds carries over: the model and the optimizer's state (whole
 torch.distributed.checkpoint reshards them), the schedule and the loop's counters, the EMA (saved whole). The
 random streams of each process cannot (there is one per process): they are derived again from the seed, the step
 and the process, so dropout and the router's jitter draw other numbers than the uninterrupted run would have.
-Not carried over, and refused: stateful training (each process carries the recurrent state of its own rows) and a
-streamed source (each process reads its own share of the stream).
+Not carried over, and refused: stateful training (each process carries the recurrent state of its own rows), a
+streamed source (each process reads its own share of the stream) and DeepSpeed's ZeRO checkpoints (one optimizer
+partition per process, which DeepSpeed loads only on as many processes).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def plan_world_change(ckpt: Path, recipe: Recipe, processes: int, force: bool) -
     if recipe.data.streaming:
         raise ResumeError(f"{what}: a streamed source (data.streaming) is read in one share per process, which "
                           f"cannot be dealt out again; resume on {old.processes}")
+    if next(ckpt.rglob("*optim_states.pt"), None) is not None:
+        raise ResumeError(f"{what}: DeepSpeed's ZeRO checkpoint holds one optimizer partition per process, which it "
+                          f"loads only on as many processes; resume on {old.processes}")
     new = World(processes, recipe.data.batch_size, recipe.train.grad_accum)
     if new.global_batch == old.global_batch:
         return recipe, old

@@ -1,0 +1,138 @@
+"""The launchers README names, on two CPU processes (gloo): torchrun, torchrun restarting a group that lost a process,
+and what a run says under a launcher when it stops or is refused."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import (REPO, TINY, callback_override, final_weights, read_metrics, sets, short_epochs,
+                     train_in_process)
+from s4accel.training.checkpoint import checkpoint_problem
+
+pytestmark = pytest.mark.slow
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}  # s4accel, testing_callbacks
+STEPS = 16
+
+
+def recipe(text, out, *extra):
+    """short_epochs (dropout, EMA, grad_accum 2) over 16 steps: checkpoints at steps 5, 10 and 15."""
+    return ["-m", "s4accel", "train", str(TINY), *sets(*short_epochs(text, out, f"train.max_steps={STEPS}", *extra))]
+
+
+def run(*args, cwd=REPO, env=None, timeout=600):
+    return subprocess.run([*map(str, args)], capture_output=True, text=True, cwd=cwd, env={**ENV, **(env or {})},
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(text, tmp_path_factory):
+    """`torchrun --nproc_per_node 2 -m s4accel train RECIPE`, once for the module: the run others must end equal to."""
+    out = tmp_path_factory.mktemp("torchrun") / "run"
+    return out, run(*TORCHRUN, *recipe(text, out))
+
+
+def assert_same_weights(a, b):
+    for name in ("final", "final_ema"):
+        wa, wb = final_weights(a, name), final_weights(b, name)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name
+
+
+def test_torchrun_trains_on_two_cpu_processes(uninterrupted):
+    out, proc = uninterrupted
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) on cpu:0 (MULTI_CPU)" in proc.stdout and proc.stdout.count(f"done: {STEPS} steps") == 1
+    assert sorted(p.name for p in (out / "checkpoints" / "step_00000015").glob("random_states_*")) == [
+        "random_states_0.pkl", "random_states_1.pkl"]
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_torchrun_restarts_a_group_that_lost_a_process_and_it_resumes_bit_exactly(uninterrupted, text, tmp_path):
+    """Process 1 is SIGKILLed after step 12; torchrun (--max-restarts 1) stops process 0 and starts both again with
+    the same command, and `train.resume: auto` continues from the newest complete checkpoint (step 10).
+
+    With a store of its own for each attempt (c10d rendezvous, `--standalone` on one machine, and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): torch 2.13's static rendezvous, and the c10d one sharing its store with
+    the workers, keep one store across restarts, where the restarted group could read the dead group's addresses
+    (here 3 of 4 restarts failed with the static one, 3 of 4 with the shared c10d store: "Connection refused" from
+    gloo, or a group that never formed)."""
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    proc = run(*TORCHRUN, "--standalone", "--max-restarts", "1", *recipe(
+        text, out, "train.resume=auto", callback_override("testing_callbacks:KilledOnceAt", step=12,
+                                                          marker=str(marker))),
+               env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists() and "exitcode: -9" in proc.stderr  # the kill happened, and the launcher saw it
+    assert f"resumed from {out / 'checkpoints' / 'step_00000010'} at step 10" in proc.stdout
+    assert f"done: {STEPS} steps" in proc.stdout
+    assert_same_weights(uninterrupted[0], out)
+    assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, STEPS + 1))
+    # Nothing half-written: every checkpoint verifies, no temporary or staged files, the lock released.
+    ckpts = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step_00000010", "step_00000015"]
+    assert all(checkpoint_problem(p, verify=True) is None for p in ckpts)
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".", "earlier-"))]
+
+
+def test_the_command_printed_after_ctrl_c_under_a_launcher_resumes_on_as_many_processes(text, tmp_path):
+    """Ctrl-C reaches the launcher (its workers run in sessions of their own), which passes it on. The printed
+    command is the launcher's, so the run continues on 2 processes, from any folder; `s4accel train RUN --resume`
+    resumed it on one process, with other batches and random streams."""
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([*ACCELERATE, *recipe(text, out, "train.max_steps=100000", "train.eval_every=0",
+                                                      "checkpoint.every_steps=0")],
+                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    stopped = re.search(r"stopped at step (\d+) \(received SIGINT\); .*; continue with: (.+)", stdout)
+    assert stopped, stdout[-2000:] + stderr[-3000:]
+    args = shlex.split(stopped.group(2))
+    if args[0] == "s4accel":  # (how the one-process command runs here)
+        args[:1] = [sys.executable, "-m", "s4accel"]
+    # The stopped run is not finished: give it 4 more steps (--force accepts the longer run).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    step = int(stopped.group(1))
+    resumed = run(*args, "--force", "--set", f"train.max_steps={step + 4}", cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "2 process(es)" in resumed.stdout and "resumed from " in resumed.stdout
+    assert f"done: {step + 4} steps" in resumed.stdout
+    assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, step + 5))
+
+
+def test_a_refused_resume_under_a_launcher_ends_the_launchers_report_with_its_error(text, tmp_path):
+    """Every process stops at the same check, the first prints the error once, and the launcher's failure report
+    (which s4accel cannot silence) ends with it instead of "To enable traceback see ...": no gloo tracebacks of a
+    process left waiting for one that had gone."""
+    out = tmp_path / "run"
+    train_in_process(TINY, short_epochs(text, out, "train.max_steps=5"))  # one process: rank 0's random states only
+    # Resumed on 2 processes: refused for a changed recipe (the global batch kept), or, the recipe unchanged, for a
+    # global batch twice the checkpoint's.
+    for change, error in [(["--set", "optim.lr=0.1", "--set", "data.batch_size=2"],
+                           "error: the recipe differs from the one"),
+                          ([], "error: " + f"{out / 'checkpoints' / 'step_00000005'} was saved by 1 process(es), "
+                                           "this run has 2: the checkpoint trained on")]:
+        proc = run(*ACCELERATE, "-m", "s4accel", "train", out, "--resume", *change)
+        assert proc.returncode != 0
+        ours, report = proc.stderr.split("ChildFailedError", 1)  # what the processes said, the launcher's report
+        assert ours.count(error) == 1, proc.stderr  # said once, not once per process
+        assert "[rank" not in ours and "gloo" not in ours, proc.stderr
+        assert error in report[report.index("Root Cause"):], proc.stderr[-3000:]
