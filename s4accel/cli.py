@@ -77,7 +77,11 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     else:
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
         why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
-        line = f"done: {result.steps} steps in {result.loop_seconds:.1f}s{why}; {metrics}; model in {result.final_dir}"
+        rate = result.throughput
+        speed = (f" ({rate['tflops']:.3g} TFLOP/s" + (f", MFU {rate['mfu']:.1%}" if "mfu" in rate else "") + ")"
+                 if "tflops" in rate else "")
+        line = (f"done: {result.steps} steps in {result.loop_seconds:.1f}s{speed}{why}; {metrics}; model in "
+                f"{result.final_dir}")
     typer.echo(line)
     append_to_log(result.run_dir, line)
 

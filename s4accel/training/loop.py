@@ -52,6 +52,9 @@ class TrainResult:
     """The last evaluation: loss (nats/token), ppl, bits_per_byte, bits_per_char (and ema_* with train.ema)."""
     loop_seconds: float = 0.0
     """Wall time of the training loop (steps, logging, evaluation, checkpoints), without setup and export."""
+    throughput: dict = field(default_factory=dict)
+    """Over the loop: `tflops` (model TFLOP/s of training, all processes) and `mfu` (their share of the devices'
+    peak), for s4accel's own model families."""
     samples: list[str] = field(default_factory=list)
     is_main_process: bool = True
     stop_reason: str | None = None
@@ -116,7 +119,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     step = Stepper(accelerator, model, task, optimizers, recipe, signals)
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
-    meter, bar = Meter(accelerator, state, recipe.log), progress_bar(accelerator, recipe, total, state.step)
+    meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
     eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, resumed.checkpoint, None, False, time.perf_counter()
     with signals, frozen_setup_objects():
         while state.step < total and stop_reason is None:
@@ -147,8 +150,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches.close()  # ends a pass the last step completed (its on_epoch_end), as the next batch would have
     bar.close()
     result = TrainResult(run_dir=run.run_dir, final_dir=None, steps=state.step, eval_metrics=eval_metrics,
-                         loop_seconds=time.perf_counter() - t_start, is_main_process=accelerator.is_main_process,
-                         stop_reason=stop_reason, checkpoint=last_ckpt, preempted=preempted)
+                         loop_seconds=time.perf_counter() - t_start, throughput=meter.summary(), preempted=preempted,
+                         is_main_process=accelerator.is_main_process, stop_reason=stop_reason, checkpoint=last_ckpt)
 
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).

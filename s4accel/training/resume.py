@@ -20,6 +20,7 @@ from .task import TrainOptimizer
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
                   "train.eval_every", "train.eval_max_batches", "train.resume",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
+                  "train.peak_tflops",
                   "hub.")
 
 
