@@ -291,13 +291,28 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     n_train = "streamed" if streamed and data.n_train is None else f"{data.n_train or len(data.train):,}"
     n_val = data.n_val if data.n_val is not None else len(data.val)
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
-                      f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
+                      f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
                       f"{precision(accelerator)}")
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "
                       f"of an epoch (per process): each optimizer step spans more than one epoch", stacklevel=3)
+
+
+def processes_line(accelerator) -> str:
+    """How the run is spread, in the words a user knows: `single process on cpu`, `DDP over 2 processes on cpu`,
+    `FSDP2 over 4 processes on cuda`, `DeepSpeed ZeRO-3 over 8 processes on cuda` (Accelerate's enum names, such as
+    `MULTI_CPU` or `NO`, say how it was launched, not what runs)."""
+    kind, n, device = accelerator.distributed_type, accelerator.num_processes, accelerator.device.type
+    if kind == DistributedType.NO:
+        return f"single process on {device}"
+    if kind == DistributedType.FSDP:
+        name = "FSDP2" if accelerator.is_fsdp2 else "FSDP"
+    elif kind == DistributedType.DEEPSPEED:
+        name = f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+    else:  # MULTI_CPU, MULTI_GPU and the other accelerators' MULTI_*: DistributedDataParallel
+        name = {DistributedType.XLA: "XLA", DistributedType.MEGATRON_LM: "Megatron-LM"}.get(kind, "DDP")
+    return f"{name} over {n} process{'es' if n != 1 else ''} on {device}"
 
 
 @contextlib.contextmanager
