@@ -38,7 +38,7 @@ from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .zero import precision
-from .tracking import check_tracker_kwargs
+from .tracking import check_tracker_kwargs, check_tracker_packages
 from .world import World, move_to_world, plan_world_change
 
 
@@ -74,9 +74,11 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     run_dir = recipe.run.dir
     quiet_libraries(recipe.log.progress_bar)
-    # 0. Checks that need no compute: the task imported and built, tracker arguments, the checkpoint to resume from
-    # (verified by the main process, the same for all) and the recipe against it, the run directory, callbacks.
+    # 0. Checks that need no compute: the task imported and built, the trackers' packages and arguments, the
+    # checkpoint to resume from (verified by the main process, the same for all) and the recipe against it, the run
+    # directory, callbacks.
     task = load_task(recipe)
+    check_tracker_packages(recipe.log)
     check_tracker_kwargs(recipe.log)
     processes = PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
     # One run per directory (no other overwrites or resumes it now), and what the run prints goes to its train.log.
