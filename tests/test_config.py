@@ -263,8 +263,8 @@ def test_cli_trainer_name_is_one_line_exit_2(tmp_path):
     proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "learning_rate=1e-3"))
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
     assert proc.stderr.strip().splitlines() == [
-        f"error: {TINY}: learning_rate: unknown key; learning_rate is transformers.Trainer's and Lightning's name: in a "
-        "recipe it is optim.lr"]
+        f"error: {TINY}: learning_rate: unknown key; learning_rate is transformers.Trainer's and Lightning's name: "
+        "in a recipe it is optim.lr"]
 
 
 def test_the_readme_table_of_trainer_names_is_the_one_the_errors_use():
