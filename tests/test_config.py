@@ -279,3 +279,37 @@ def test_the_readme_table_of_trainer_names_is_the_one_the_errors_use():
     rows = list(itertools.takewhile(lambda line: line.startswith("|"), table))[2:]  # after the header and |---|
     names = {n for row in rows for cell in row.split("|")[1:3] for n in re.findall(r"`(\w+)`", cell)}
     assert len(rows) > 10 and names == set(TRAINER_NAMES)
+
+
+def test_a_published_recipe_names_files_by_name_and_reads_them_next_to_itself(tmp_path):
+    """What `s4accel push` and `export` publish beside a model: no path of the training machine, and a recipe that
+    finds a user's own files placed under those names beside it."""
+    import yaml
+
+    from s4accel.config.paths import portable_recipe
+
+    machine = tmp_path / "home" / "alice"
+    raw = {"run": {"name": "r", "out_dir": str(machine / "runs" / "r")},
+           "data": {"source": "files", "files": [str(machine / "corpus" / "*.parquet")], "tokenizer": "gpt2",
+                    "val_files": [str(machine / "a" / "val.txt"), str(machine / "b" / "val.txt")],
+                    "cache_dir": str(machine / "cache")},
+           "model": {"name": "s4-tiny"}, "callbacks": [{"target": f"{machine / 'hooks.py'}:Note"}],
+           "sample": {"prompts": ["/home is where the heart is"]}}
+    published, renamed = portable_recipe(raw)
+    assert published["data"]["files"] == ["corpus/*.parquet"]  # a glob keeps the folder it reads
+    assert published["data"]["val_files"] == ["a/val.txt", "b/val.txt"]  # parents added until they differ
+    assert published["callbacks"] == [{"target": "hooks.py:Note"}] and published["data"]["tokenizer"] == "gpt2"
+    assert published["run"]["out_dir"] is None and published["data"]["cache_dir"] is None
+    assert published["sample"] == raw["sample"] and str(machine) not in yaml.safe_dump(published)
+    assert [(r.key, r.name) for r in renamed][:2] == [("data.files", "corpus/*.parquet"),
+                                                      ("data.val_files", "a/val.txt")]
+
+    bob = tmp_path / "bob"
+    for name in ("corpus/x.parquet", "a/val.txt", "b/val.txt", "hooks.py"):
+        (bob / name).parent.mkdir(parents=True, exist_ok=True)
+        (bob / name).write_text("")
+    (bob / "recipe.yaml").write_text(yaml.safe_dump(published))
+    loaded = load_recipe(bob / "recipe.yaml")
+    assert loaded.data.files == [str(bob / "corpus" / "*.parquet")]
+    assert loaded.data.val_files == [str(bob / "a" / "val.txt"), str(bob / "b" / "val.txt")]
+    assert loaded.callbacks[0].target == f"{bob / 'hooks.py'}:Note" and loaded.run.out_dir is None

@@ -21,7 +21,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
-from ..config import Recipe, flatten, load_recipe
+from ..config import Recipe, load_recipe
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState
@@ -38,7 +38,7 @@ from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .zero import precision
-from .tracking import check_tracker_kwargs, check_tracker_packages
+from .tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
 from .world import World, move_to_world, plan_world_change
 
 
@@ -287,8 +287,7 @@ def setup_warnings(accelerator) -> list[str]:
 
 def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl) -> None:
     """Trackers started with the flattened recipe; one line saying what trains on what."""
-    config = {k: "null" if v is None else v for k, v in flatten(recipe.to_dict()).items()}
-    accelerator.init_trackers(recipe.run.name, config={**config, "run_id": state.run_id})
+    accelerator.init_trackers(recipe.run.name, config={**tracker_config(recipe.to_dict()), "run_id": state.run_id})
     streamed = not hasattr(data.train, "__len__")
     n_train = "streamed" if streamed and data.n_train is None else f"{data.n_train or len(data.train):,}"
     n_val = data.n_val if data.n_val is not None else len(data.val)

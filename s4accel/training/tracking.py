@@ -24,6 +24,7 @@ from pathlib import Path
 from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, get_available_trackers,
                                  on_main_process)
 
+from ..config import flatten
 from ..errors import RecipeError
 
 
@@ -154,6 +155,12 @@ class GuardedTracker(GeneralTracker):
     @on_main_process
     def finish(self):
         self._guarded("finish", lambda: self.inner.finish())
+
+
+def tracker_config(recipe: dict) -> dict:
+    """The hyperparameters trackers are started with: the recipe flattened (`optim.lr`), None as "null" (TensorBoard's
+    hparams take no None)."""
+    return {k: "null" if v is None else v for k, v in flatten(recipe).items()}
 
 
 def tracker_class(name: str) -> type[GeneralTracker]:
