@@ -132,7 +132,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run, t
         shutil.copy(out / "recipe.yaml", again / "recipe.yaml")
         proc = launch("fsdp.yaml", FSDP_ON_CPU, text, again, f"train.max_steps={steps}", processes=4, resume=True,
                       force=True)
-        assert "resumed on 4 process(es) from a checkpoint of 2" in proc.stdout and "(FSDP)" in proc.stdout
+        assert "resumed on 4 process(es) from a checkpoint of 2" in proc.stdout
+        assert "FSDP2 over 4 processes on cpu," in proc.stdout
         assert "4 process(es) x data.batch_size 4 x train.grad_accum 1 = 16 examples per step" in proc.stdout
         assert f"done: {steps} steps" in proc.stdout
     # What 4 processes loaded from 2 shards is the checkpoint's model, bit for bit
