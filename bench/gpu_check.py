@@ -207,7 +207,7 @@ def section_fsdp_vs_ddp(text: Path, tmp: Path) -> dict:
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in b)
     scale = max(b[k].float().abs().max().item() for k in b)
     gap = abs(runs["fsdp"]["eval_loss"] - runs["plain"]["eval_loss"])
-    sharded = "(FSDP)" in runs["fsdp"]["first_line"] and "float32 units" in runs["fsdp"]["precision_line"]
+    sharded = "FSDP2 over " in runs["fsdp"]["first_line"] and "float32 units" in runs["fsdp"]["precision_line"]
     return {"ok": gap < 0.05 and sharded, "eval_loss_gap": gap, "max_weight_diff": diff, "max_weight": scale, **runs}
 
 

@@ -151,6 +151,16 @@ class FlakyTracker:
         pass
 
 
+class UnreachableTracker(FlakyTracker):
+    """A tracker whose server cannot be reached when the run starts (its package is installed: the run is not refused
+    up front, the tracker is disabled once its tries are spent)."""
+
+    name = "unreachable"
+
+    def start(self):
+        raise ConnectionError("tracker server unreachable")
+
+
 class SameWeightsOnAllRanks(Callback):
     """At the end of training, gathers every process's parameter checksum and writes them to `path` (main process):
     a loop that forgot to average some gradients leaves the ranks' weights apart."""

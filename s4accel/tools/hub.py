@@ -1,4 +1,5 @@
-"""`s4accel push`: upload one model of a run directory to the Hub with its card, recipe, metrics and TensorBoard logs.
+"""`s4accel push`: upload one model of a run directory to the Hub with its card, recipe, metrics and TensorBoard logs,
+none of which names a path of the training machine (`portable.py`).
 
 What is uploaded is staged in a temporary directory outside the run directory, which is only read. The token is the
 one `huggingface_hub` finds (`HF_TOKEN`, `hf auth login`); it is never printed or written anywhere by s4accel.
@@ -19,6 +20,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from ..errors import S4AccelError
 from ..training.callbacks import KeepBest
 from .model_card import eval_metrics, write_card
+from .portable import copy_event_file, machine_path_in, machine_paths, published_hparams
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model")  # weights, config, code, tokenizer
 
@@ -89,20 +91,25 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     """Everything to upload, laid out as the repository: model files, README.md (card), recipe.yaml, metrics.json,
     training_curve.png, runs/ (TensorBoard event files). Only regular files inside the run directory are read."""
     recipe_yaml = _read(run_dir / "recipe.yaml", run_dir) or ""
-    records = _metrics(run_dir)
-    model_dir, metrics = model_dir_of(run_dir, which, _recipe(recipe_yaml), records)
+    recipe, records = _recipe(recipe_yaml), _metrics(run_dir)
+    model_dir, metrics = model_dir_of(run_dir, which, recipe, records)
     for f in sorted(model_dir.iterdir()):
         if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
     tb = run_dir / "tensorboard"
     if tb.is_dir():
+        hparams = published_hparams(recipe)  # the recipe as the run logged it, its paths published as names
         for f in sorted(tb.rglob("events.out.tfevents.*")):
             if not _regular(f, run_dir):
                 continue
             target = out / "runs" / f.relative_to(tb)
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
+            copy_event_file(f, target, hparams)
     write_card(out, repo_id, recipe_yaml, records, metrics, which)  # counts the staged weights: regular files
+    # The card, recipe and hyperparameters name no path of the machine; anything else that does is not uploaded.
+    leak = machine_path_in(out, machine_paths(recipe, run_dir))
+    if leak is not None:
+        raise HubError(f"{leak[0]} would publish a path of this machine ({leak[1]}); nothing was pushed")
     return out
 
 

@@ -21,7 +21,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
-from ..config import Recipe, flatten, load_recipe
+from ..config import Recipe, load_recipe
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState
@@ -38,7 +38,7 @@ from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .zero import precision
-from .tracking import check_tracker_kwargs
+from .tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
 from .world import World, move_to_world, plan_world_change
 
 
@@ -77,9 +77,11 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     run_dir = recipe.run.dir
     quiet_libraries(recipe.log.progress_bar)
-    # 0. Checks that need no compute: the task imported and built, tracker arguments, the checkpoint to resume from
-    # (verified by the main process, the same for all) and the recipe against it, the run directory, callbacks.
+    # 0. Checks that need no compute: the task imported and built, the trackers' packages and arguments, the
+    # checkpoint to resume from (verified by the main process, the same for all) and the recipe against it, the run
+    # directory, callbacks.
     task = load_task(recipe)
+    check_tracker_packages(recipe.log)
     check_tracker_kwargs(recipe.log)
     processes = PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
     # One run per directory (no other overwrites or resumes it now), and what the run prints goes to its train.log.
@@ -288,19 +290,33 @@ def setup_warnings(accelerator) -> list[str]:
 
 def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl) -> None:
     """Trackers started with the flattened recipe; one line saying what trains on what."""
-    config = {k: "null" if v is None else v for k, v in flatten(recipe.to_dict()).items()}
-    accelerator.init_trackers(recipe.run.name, config={**config, "run_id": state.run_id})
+    accelerator.init_trackers(recipe.run.name, config={**tracker_config(recipe.to_dict()), "run_id": state.run_id})
     streamed = not hasattr(data.train, "__len__")
     n_train = "streamed" if streamed and data.n_train is None else f"{data.n_train or len(data.train):,}"
     n_val = data.n_val if data.n_val is not None else len(data.val)
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
-                      f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
+                      f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
                       f"{precision(accelerator)}")
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "
                       f"of an epoch (per process): each optimizer step spans more than one epoch", stacklevel=3)
+
+
+def processes_line(accelerator) -> str:
+    """How the run is spread, in the words a user knows: `single process on cpu`, `DDP over 2 processes on cpu`,
+    `FSDP2 over 4 processes on cuda`, `DeepSpeed ZeRO-3 over 8 processes on cuda` (Accelerate's enum names, such as
+    `MULTI_CPU` or `NO`, say how it was launched, not what runs)."""
+    kind, n, device = accelerator.distributed_type, accelerator.num_processes, accelerator.device.type
+    if kind == DistributedType.NO:
+        return f"single process on {device}"
+    if kind == DistributedType.FSDP:
+        name = "FSDP2" if accelerator.is_fsdp2 else "FSDP"
+    elif kind == DistributedType.DEEPSPEED:
+        name = f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+    else:  # MULTI_CPU, MULTI_GPU and the other accelerators' MULTI_*: DistributedDataParallel
+        name = {DistributedType.XLA: "XLA", DistributedType.MEGATRON_LM: "Megatron-LM"}.get(kind, "DDP")
+    return f"{name} over {n} process{'es' if n != 1 else ''} on {device}"
 
 
 @contextlib.contextmanager

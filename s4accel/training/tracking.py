@@ -5,7 +5,8 @@ path (`mypkg.trackers:MyTracker`).
 All log from the main process only and always at `step=<optimizer step>`, for training and evaluation alike. Each
 runs inside a `GuardedTracker`: a tracker that fails to start or to log never stops training. A failing call is
 retried with exponential backoff; if it still fails, the tracker is disabled with one warning and the run goes on
-with the others.
+with the others. A tracker that cannot be built at all (its package not installed) is a recipe error before any
+compute (`check_tracker_packages`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, on_main_process
+from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, get_available_trackers,
+                                 on_main_process)
 
+from ..config import flatten
 from ..errors import RecipeError
 
 
@@ -154,6 +157,12 @@ class GuardedTracker(GeneralTracker):
         self._guarded("finish", lambda: self.inner.finish())
 
 
+def tracker_config(recipe: dict) -> dict:
+    """The hyperparameters trackers are started with: the recipe flattened (`optim.lr`), None as "null" (TensorBoard's
+    hparams take no None)."""
+    return {k: "null" if v is None else v for k, v in flatten(recipe).items()}
+
+
 def tracker_class(name: str) -> type[GeneralTracker]:
     """One of Accelerate's trackers by name, or a `GeneralTracker` subclass by import path (`module:Class`)."""
     if ":" not in name:
@@ -163,6 +172,24 @@ def tracker_class(name: str) -> type[GeneralTracker]:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_tracker_packages(log_cfg) -> None:
+    """Every tracker of `log.log_with` can be built here: a tracker whose package is not installed (or a
+    `module:Class` that does not import) is known before any compute, and a run that would track nothing is refused.
+    (A tracker that fails once the run is under way never stops it: `GuardedTracker`.)"""
+    available = {t.value for t in get_available_trackers()}
+    for name in log_cfg.log_with:
+        if name == "jsonl" or name in available:
+            continue
+        if ":" not in name:  # an Accelerate tracker: the pip package is named like the tracker
+            raise RecipeError(f"log.log_with: {name} is not installed here (pip install {name}); install it or "
+                              f"remove {name} from log.log_with")
+        try:
+            tracker_class(name)
+        except (ImportError, AttributeError) as e:
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RecipeError(f"log.log_with: {name} cannot be imported ({type(e).__name__}: {detail})") from None
 
 
 def check_tracker_kwargs(log_cfg) -> None:
