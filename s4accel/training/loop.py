@@ -97,6 +97,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     with run_files.building():
         built = build_run(recipe, accelerator, run_files.build_dir, task=task)
     run_files.commit(recipe.to_yaml())
+    warn(accelerator, built.plan.warmup_note)  # a warmup longer than the run, cut to it
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
     context.optimizers = {o.name: o for o in optimizers}

@@ -15,7 +15,9 @@ class Plan:
     total_steps: int
     """Optimizer steps: `train.max_steps`, or what `train.max_epochs` comes to (the smaller when both are set)."""
     warmup_steps: int
-    """The schedule's warmup, `scheduler.warmup_steps` or `warmup_ratio` of `total_steps`."""
+    """The schedule's warmup, `scheduler.warmup_steps` or `warmup_ratio` of `total_steps`, at most `total_steps`."""
+    warmup_note: str | None = None
+    """Says that a warmup longer than the run was cut to it (the run prints it); None when it was not."""
 
 
 def make_plan(recipe, train_dl, num_processes: int, sharded: bool) -> Plan:
@@ -34,10 +36,7 @@ def make_plan(recipe, train_dl, num_processes: int, sharded: bool) -> Plan:
             raise RecipeError("train.max_epochs: the training data makes no full batch per process; lower "
                               "data.batch_size or set train.max_steps")
     total = recipe.total_steps_for(batches)
-    problem = recipe.warmup_problem(total)
-    if problem:
-        raise RecipeError(problem)
-    return Plan(batches, total, recipe.warmup_steps_for(total))
+    return Plan(batches, total, recipe.warmup_steps_for(total), recipe.warmup_note(total))
 
 
 def _length(loader) -> int | None:
