@@ -106,3 +106,34 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it_with_one_line(tmp_path):
     lrs = [r["train/lr_decay"] for r in read_metrics(tmp_path / "epoch") if "train/lr_decay" in r]
     assert len(lrs) == 23 and lrs == sorted(lrs) and lrs[-1] == 3e-3  # rising over the whole run to the peak
 
+
+
+def test_eval_every_epoch_evaluates_after_each_pass_with_max_epochs_or_max_steps(tmp_path):
+    """`train.eval_every: epoch`, as Lightning evaluates: after the step that finished each pass over the training data
+    (20 micro-batches here) and at the end; a run resumed mid-epoch evaluates where an uninterrupted one does."""
+    from helpers import callback_override, short_epochs, train_in_process
+
+    text = small_text_file(tmp_path)
+
+    def eval_steps(name, *extra, resume=None):
+        out = tmp_path / name
+        train_in_process(TINY, short_epochs(text, out, "train.eval_every=epoch", "checkpoint.every_steps=100", *extra),
+                         resume=resume)
+        return [r["step"] for r in read_metrics(out) if "eval/loss" in r]
+
+    # windows of 2: a pass is 10 steps; of 3: the passes end inside steps 7 (micro-batches 19-21) and 14
+    assert eval_steps("epochs", "train.max_steps=null", "train.max_epochs=2") == [10, 20]
+    assert eval_steps("windows", "train.max_steps=null", "train.max_epochs=2", "train.grad_accum=3") == [7, 14]
+    assert eval_steps("steps", "train.max_steps=24") == [10, 20, 24]  # and the last step
+    cut = eval_steps("cut", "train.max_steps=24", callback_override("testing_callbacks:SignalAt", step=12))
+    assert cut == [10] and eval_steps("cut", "train.max_steps=24", resume="latest") == [10, 20, 24]
+
+
+def test_eval_every_epoch_on_a_stream_is_a_recipe_error(tmp_path):
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "data.streaming=true",
+                                        "train.eval_every=epoch"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "train.eval_every: a streamed source" in proc.stderr and "every N steps" in proc.stderr
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "train.eval_every=epochs"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "train.eval_every: expected a number of steps (0: only at the end) or 'epoch', got 'epochs'" in proc.stderr

@@ -258,6 +258,9 @@ class Recipe(_Section):
         if self.train.max_epochs is not None and self.data.streaming:
             raise ValueError("train.max_epochs: a streamed source is read without knowing its length, so it has no "
                              "epochs; set train.max_steps instead")
+        if self.train.eval_every == "epoch" and self.data.streaming:
+            raise ValueError("train.eval_every: a streamed source is read without knowing its length, so it has no "
+                             "epochs to evaluate after; evaluate every N steps instead (train.eval_every: N)")
         return self
 
     def total_steps_for(self, batches_per_epoch: int | None) -> int:

@@ -4,6 +4,8 @@ console."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm.auto import tqdm
 
@@ -71,3 +73,25 @@ def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict |
     if run.accelerator.is_main_process:
         bar.write(f"step {run.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
+
+
+def evaluation_schedule(every: int | str, plan, state) -> Callable[[], bool]:
+    """Whether the optimizer step just taken is due an evaluation: every `every` steps (0: never) and the run's last;
+    with `epoch`, each step whose window finished a pass over the training data (a window spanning a pass's end
+    finishes it) and the last. Passes are counted from the loop's state, so a resumed run evaluates where an
+    uninterrupted one does."""
+    total = plan.total_steps
+    if every != "epoch":
+        return lambda: bool(every and state.step % every == 0) or state.step == total
+
+    def passes() -> int:  # a pass whose last micro-batch was drawn counts: the next begins when its first batch is
+        return state.epoch + (state.batch_in_epoch >= plan.batches_per_epoch)
+
+    seen = passes()
+
+    def after_a_pass() -> bool:
+        nonlocal seen
+        ended, seen = passes() > seen, passes()
+        return ended or state.step == total
+
+    return after_a_pass

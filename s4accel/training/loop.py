@@ -27,7 +27,7 @@ from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, l
 from .checkpoint import TrainState
 from .console import RUN_LOG, quiet_libraries
 from .ending import finish
-from .evaluate import evaluate, evaluate_and_report
+from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
 from .metrics import Meter
 from .preemption import StopSignals
 from .profiling import Profile
@@ -118,6 +118,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
     meter, bar = Meter(accelerator, state, recipe.log), progress_bar(accelerator, recipe, total, state.step)
+    eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
     eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, resumed.checkpoint, None, False, time.perf_counter()
     with signals, frozen_setup_objects():
         while state.step < total and stop_reason is None:
@@ -132,7 +133,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 callbacks.on_step_end(run)
                 if due(state.step, recipe.log.log_every, total):
                     meter.log(run, callbacks, optimizers, bar)  # the loop's only host sync besides the agreement
-                if due(state.step, recipe.train.eval_every, total):
+                if eval_due():
                     eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                     task.on_validation_end()
                     flags = flags.merge(agree(accelerator, None, signal=signals.interrupted(),
