@@ -94,10 +94,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
 
     # 1. Data, model, loaders, plan, optimizers (setup.py), all built before anything is written into the run
     # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
-    with run_files.building():
-        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
-    run_files.commit(recipe.to_yaml())
-    warn(accelerator, built.plan.warmup_note)  # a warmup longer than the run, cut to it
+    built = build_in_place(recipe, accelerator, run_files, task)
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
     context.optimizers = {o.name: o for o in optimizers}
@@ -191,6 +188,16 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
                        resume_requested=asked_by, overwrite=recipe.run.overwrite)
     warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
     return recipe, accelerator, run_files, resuming
+
+
+def build_in_place(recipe: Recipe, accelerator, run_files: RunDir, task: Task):
+    """`build_run` while nothing is written into the run directory yet, then the directory itself (an earlier run
+    moved aside); a warmup longer than the run, cut to it, said once."""
+    with run_files.building():
+        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
+    run_files.commit(recipe.to_yaml())
+    warn(accelerator, built.plan.warmup_note)
+    return built
 
 
 def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, str | None]:
