@@ -75,7 +75,9 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
                 f"continue with{where}: {command}")
     else:
-        metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
+        from .training.evaluate import headline
+
+        metrics = headline(result.eval_metrics)  # per-class scores and matrices are in the trackers
         why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
         line = f"done: {result.steps} steps in {result.loop_seconds:.1f}s{why}; {metrics}; model in {result.final_dir}"
     typer.echo(line)
@@ -143,9 +145,12 @@ def eval_(
     if as_json:
         typer.echo(json.dumps(metrics))
         return
-    width = max(map(len, metrics))
-    for key, value in metrics.items():
-        typer.echo(f"{key:<{width}}  {value:.4f}")
+    from .training.evaluate import loggable
+
+    shown = loggable(metrics)  # a confusion matrix as a table
+    width = max(len(k) for k, v in shown.items() if not isinstance(v, str))
+    for key, value in shown.items():
+        typer.echo(f"{key}:\n{value}" if isinstance(value, str) else f"{key:<{width}}  {value:.4f}")
 
 
 @command()

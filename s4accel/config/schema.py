@@ -184,6 +184,20 @@ class TaskCfg(_Section):
     data, `classification` for array data."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
+    metrics: list[str] = Field(default_factory=list)
+    """Metrics of your own, each a function `(predictions, labels) -> number | {name: number}` as
+    `package.module:function` or `path/to/file.py:function`, given every evaluated sample's predicted and true class
+    (value, for regression) as 1-D tensors gathered from all processes (s4accel/training/recipe_metrics.py); logged
+    beside the task's metrics, a number under the function's name. The classification task hands them over; a task of
+    your own does when its `gathered` lists `prediction` and `label`."""
+
+    @field_validator("metrics")
+    @classmethod
+    def _function_paths(cls, targets):
+        for target in targets:
+            if not re.fullmatch(r"([A-Za-z_][\w.]*|[^:\s]+\.py):[A-Za-z_][\w.]*", target):
+                raise ValueError(f"expected 'package.module:function' or 'path/file.py:function', got {target!r}")
+        return targets
 
     @field_validator("target")
     @classmethod
