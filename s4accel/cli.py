@@ -160,14 +160,20 @@ def predict(
                                          "(.yaml: its evaluation split).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Where the predictions go: .csv or .jsonl.", show_default=False)],
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 16,
+    keep: Annotated[str, typer.Option("--keep", help="Input columns to copy into each output row, comma-separated "
+                                      "(e.g. id,label): score the predictions without a join.")] = "",
 ):
     """Predict every example of DATA with a trained model: labels and probabilities, values, or per-document loss."""
+    from .errors import DataError
     from .tools.predict import predict as run_predict
     from .training.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
-    path = run_predict(model, data, out, batch_size=batch_size)
+    columns = tuple(c.strip() for c in keep.split(",")) if keep else ()
+    if "" in columns:
+        raise DataError(f"--keep {keep!r}: expected column names separated by commas (e.g. id,label)")
+    path = run_predict(model, data, out, batch_size=batch_size, keep=columns)
     if path is not None:
         typer.echo(f"predictions written to {path}")
 

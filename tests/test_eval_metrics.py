@@ -154,3 +154,54 @@ def test_eval_scores_are_the_same_on_one_and_two_processes(run):
     one = {k.removeprefix("eval/"): v for k, v in last.items() if k.startswith("eval/")}
     assert confusion_text(metrics.pop("confusion_matrix")) == one.pop("confusion_matrix")
     assert metrics["scored"] == 359 and metrics == pytest.approx(one, rel=1e-9)
+
+
+def test_predict_keeps_the_true_label_so_its_output_scores_like_eval_without_a_join(run, tmp_path):
+    """The digits test split as a file: `--keep label` puts each image's true label beside the prediction, and the
+    share of rows where they agree is the accuracy the run's evaluation reported."""
+    import numpy as np
+
+    from s4accel.config import load_recipe
+    from s4accel.data import build_array_data
+
+    out, overrides = run
+    val = build_array_data(load_recipe(DIGITS, overrides).data).val[:]
+    np.savez(tmp_path / "test.npz", x=val["input_values"].numpy(), y=val["labels"].numpy())
+    proc = run_cli("predict", out, tmp_path / "test.npz", "--out", tmp_path / "p.jsonl", "--keep", "id,label")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert list(rows[0])[:3] == ["id", "label", "prediction"] and [r["id"] for r in rows] == list(range(359))
+    assert [r["label"] for r in rows] == [str(int(y)) for y in val["labels"]]  # by name, as the predictions are
+    last = [r for r in read_metrics(out) if "eval/loss" in r][-1]
+    agree = sum(r["label"] == r["prediction"] for r in rows)
+    assert agree / 359 == pytest.approx(last["eval/accuracy"]) and 359 - agree == last["eval/errors"]
+
+
+def test_predict_keeps_any_columns_of_a_data_file_and_refuses_missing_ones_before_predicting(tmp_path):
+    """Chosen columns of a CSV (an id, the true label, a column of one's own) come through in every row, in order;
+    a column the file lacks, or one named like predict's own, is one line before any compute."""
+    from helpers import TINY
+
+    text = "To be, or not to be, that is the question. Whether tis nobler in the mind to suffer. "
+    with open(tmp_path / "docs.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["key", "text", "label", "source"])
+        writer.writerows([f"k{i}", text[i:] + text[:i], "ab"[i % 2], f"s{i * 7}"] for i in range(12))
+    clf = ["data.source=files", f"data.files=[{tmp_path / 'docs.csv'}]", "data.label_field=label",
+           "data.val_fraction=0.25", "data.seq_len=64", "data.batch_size=4", "train.max_steps=2", "train.eval_every=0",
+           "scheduler.warmup_steps=0", "log.progress_bar=false", "sample.prompts=[]", "task.target=classification"]
+    train_in_process(TINY, [f"run.out_dir={tmp_path / 'run'}", *clf])
+    pred = tmp_path / "p.csv"
+    proc = run_cli("predict", tmp_path / "run", tmp_path / "docs.csv", "--out", pred, "--keep", "key, label,source")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(pred, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["id", "key", "label", "source", "prediction", "prob_a", "prob_b"]
+    assert [(r["id"], r["key"], r["label"], r["source"]) for r in rows] == [
+        (str(i), f"k{i}", "ab"[i % 2], f"s{i * 7}") for i in range(12)]  # no id column: the row number
+    for keep, message in (("label,genre", "--keep: no column 'genre' in"), ("prediction", "--keep: 'prediction' is "
+                                                                            "a column predict writes itself"),
+                          ("id,,label", "expected column names separated by commas")):
+        proc = run_cli("predict", tmp_path / "run", tmp_path / "docs.csv", "--out", tmp_path / "q.csv", "--keep", keep)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, (keep, proc.stderr[-2000:])
+        assert message in proc.stderr and not (tmp_path / "q.csv").exists(), (keep, proc.stderr)
