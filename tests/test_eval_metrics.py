@@ -205,3 +205,14 @@ def test_predict_keeps_any_columns_of_a_data_file_and_refuses_missing_ones_befor
         proc = run_cli("predict", tmp_path / "run", tmp_path / "docs.csv", "--out", tmp_path / "q.csv", "--keep", keep)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, (keep, proc.stderr[-2000:])
         assert message in proc.stderr and not (tmp_path / "q.csv").exists(), (keep, proc.stderr)
+
+
+def test_a_run_resumes_with_metric_functions_added_even_from_a_recipe_that_predates_them():
+    """Metrics change nothing a model computes: a checkpoint's recipe without `task.metrics` (written before the key
+    existed) is the same run."""
+    from s4accel.config import load_recipe
+    from s4accel.training.resume import recipe_diff
+
+    old = load_recipe(DIGITS).to_dict()
+    del old["task"]["metrics"]
+    assert recipe_diff(old, load_recipe(DIGITS, ["task.metrics=[testing_metrics:errors]"]).to_dict()) == []
