@@ -75,7 +75,9 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
                 f"continue with{where}: {command}")
     else:
-        metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
+        from .training.evaluate import headline
+
+        metrics = headline(result.eval_metrics)  # per-class scores and matrices are in the trackers
         why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
         rate = result.throughput
         speed = (f" ({rate['tflops']:.3g} TFLOP/s" + (f", MFU {rate['mfu']:.1%}" if "mfu" in rate else "") + ")"
@@ -147,9 +149,12 @@ def eval_(
     if as_json:
         typer.echo(json.dumps(metrics))
         return
-    width = max(map(len, metrics))
-    for key, value in metrics.items():
-        typer.echo(f"{key:<{width}}  {value:.4f}")
+    from .training.evaluate import loggable
+
+    shown = loggable(metrics)  # a confusion matrix as a table
+    width = max(len(k) for k, v in shown.items() if not isinstance(v, str))
+    for key, value in shown.items():
+        typer.echo(f"{key}:\n{value}" if isinstance(value, str) else f"{key:<{width}}  {value:.4f}")
 
 
 @command()
@@ -159,14 +164,20 @@ def predict(
                                          "(.yaml: its evaluation split).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Where the predictions go: .csv or .jsonl.", show_default=False)],
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 16,
+    keep: Annotated[str, typer.Option("--keep", help="Input columns to copy into each output row, comma-separated "
+                                      "(e.g. id,label): score the predictions without a join.")] = "",
 ):
     """Predict every example of DATA with a trained model: labels and probabilities, values, or per-document loss."""
+    from .errors import DataError
     from .tools.predict import predict as run_predict
     from .training.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
-    path = run_predict(model, data, out, batch_size=batch_size)
+    columns = tuple(c.strip() for c in keep.split(",")) if keep else ()
+    if "" in columns:
+        raise DataError(f"--keep {keep!r}: expected column names separated by commas (e.g. id,label)")
+    path = run_predict(model, data, out, batch_size=batch_size, keep=columns)
     if path is not None:
         typer.echo(f"predictions written to {path}")
 

@@ -17,8 +17,8 @@ from typing import Callable, NamedTuple
 
 FILE_KEYS = ("files", "val_files", "data_files", "path")
 """Keys of `data` (and of each `data.mixture` item) naming files, globs or a folder."""
-IMPORT_KEYS = (("task", "target"), ("model", "state_hook"), ("scheduler", "kwargs", "target"))
-"""`path/file.py:attr` values outside `data` (callbacks' targets too)."""
+IMPORT_KEYS = (("task", "target"), ("task", "metrics"), ("model", "state_hook"), ("scheduler", "kwargs", "target"))
+"""`path/file.py:attr` values (or lists of them) outside `data` (callbacks' targets too)."""
 
 
 def anchor_paths(raw: dict, base: Callable[[tuple], Path | None]) -> None:
@@ -38,6 +38,8 @@ def anchor_paths(raw: dict, base: Callable[[tuple], Path | None]) -> None:
 
     def fix_import(value, key: tuple):
         folder = base(key)
+        if isinstance(value, list):  # task.metrics
+            return [fix_import(v, key) for v in value]
         if not isinstance(value, str) or folder is None or ".py:" not in value:
             return value
         file, _, attr = value.rpartition(":")

@@ -27,7 +27,7 @@ from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, l
 from .checkpoint import TrainState
 from .console import RUN_LOG, quiet_libraries
 from .ending import finish
-from .evaluate import evaluate, evaluate_and_report
+from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
 from .metrics import Meter
 from .preemption import StopSignals
 from .profiling import Profile
@@ -99,9 +99,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
 
     # 1. Data, model, loaders, plan, optimizers (setup.py), all built before anything is written into the run
     # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
-    with run_files.building():
-        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
-    run_files.commit(recipe.to_yaml())
+    built = build_in_place(recipe, accelerator, run_files, task)
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
     context.optimizers = {o.name: o for o in optimizers}
@@ -122,6 +120,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
     meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
+    eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
     eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, resumed.checkpoint, None, False, time.perf_counter()
     with signals, frozen_setup_objects():
         while state.step < total and stop_reason is None:
@@ -136,7 +135,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 callbacks.on_step_end(run)
                 if due(state.step, recipe.log.log_every, total):
                     meter.log(run, callbacks, optimizers, bar)  # the loop's only host sync besides the agreement
-                if due(state.step, recipe.train.eval_every, total):
+                if eval_due():
                     eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                     task.on_validation_end()
                     flags = flags.merge(agree(accelerator, None, signal=signals.interrupted(),
@@ -194,6 +193,16 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
                        resume_requested=asked_by, overwrite=recipe.run.overwrite)
     warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
     return recipe, accelerator, run_files, resuming
+
+
+def build_in_place(recipe: Recipe, accelerator, run_files: RunDir, task: Task):
+    """`build_run` while nothing is written into the run directory yet, then the directory itself (an earlier run
+    moved aside); a warmup longer than the run, cut to it, said once."""
+    with run_files.building():
+        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
+    run_files.commit(recipe.to_yaml())
+    warn(accelerator, built.plan.warmup_note)
+    return built
 
 
 def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, str | None]:

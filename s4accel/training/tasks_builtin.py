@@ -21,6 +21,7 @@ from ..data import (build_array_data, build_data, build_labelled_text, collate_a
 from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
+from .class_scores import classification_scores
 from .pretrained import load_pretrained, locate, pretrained_config
 from .samples import write_samples
 from .task import Loaders, Task, TaskData, count_items
@@ -162,10 +163,13 @@ class CausalLMTask(BuiltinTask):
 
 class SequenceClassificationTask(BuiltinTask):
     """One label per sequence: labelled documents (`data.label_field`, token ids with padding masked) or sequences of
-    numbers (`data.source: digits | ucr | arrays`); cross-entropy and accuracy, or for regression (`data.task:
-    regression`) the mean squared error, with mse and mae."""
+    numbers (`data.source: digits | ucr | arrays`); cross-entropy, accuracy, macro-F1, each class's precision and
+    recall (`precision/<class>`) and the confusion matrix, from every sample's prediction gathered from all
+    processes; or for regression (`data.task: regression`) the mean squared error, with mse and mae. The recipe's own
+    metrics (`task.metrics`) get the predicted and true classes (values, for regression)."""
 
-    metric_names = ("loss", "accuracy", "mse", "mae")
+    metric_names = ("loss", "accuracy", "f1_macro", "mse", "mae")
+    gathered = ("prediction", "label")
 
     def __init__(self, recipe, tokenizer_dir: Path | None = None):
         super().__init__(recipe)
@@ -202,15 +206,19 @@ class SequenceClassificationTask(BuiltinTask):
         labels = batch["labels"]
         if self.accelerator.unwrap_model(model).config.problem_type == "regression":
             err = logits[:, 0] - labels.float()
-            return {"sq_err": err**2, "abs_err": err.abs()}
+            return {"sq_err": err**2, "abs_err": err.abs(), "prediction": logits[:, 0].double(),
+                    "label": labels.double()}
+        predicted = logits.argmax(-1)
         return {"nll": torch.nn.functional.cross_entropy(logits, labels, reduction="none"),
-                "hit": (logits.argmax(-1) == labels).float()}
+                "hit": (predicted == labels).float(), "prediction": predicted, "label": labels}
 
     def compute_metrics(self, sums, count):
         n = max(count, 1)
         if "sq_err" in sums:
             return {"loss": sums["sq_err"] / n, "mse": sums["sq_err"] / n, "mae": sums["abs_err"] / n}
-        return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n}
+        names = self.data.class_names or [str(i) for i in range(self.data.num_labels)]
+        return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n,
+                **classification_scores(sums["prediction"], sums["label"], [str(c) for c in names])}
 
 
 def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
