@@ -147,7 +147,8 @@ def model_card(repo_id: str, config: dict, recipe: dict, published_yaml: str, re
                                                                                   "Text generation")
     family = "moe" if config.get("model_type") == "s4accel-moe" else "s4"
     dataset_name, dataset_type = dataset_of(recipe)
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+    # The headline numbers: per-class ones (`precision/<class>`, `recall/<class>`) stay in metrics.json
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step" and "/" not in k}
     results = [EvalResult(task_type=task[0], task_name=task[1], dataset_type=dataset_type, dataset_name=dataset_name,
                           dataset_split="validation", metric_type=k, metric_name=METRIC_NAMES.get(k, k),
                           metric_value=round(float(v), 6)) for k, v in numbers.items()]
