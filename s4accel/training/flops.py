@@ -136,7 +136,10 @@ def peak_tflops(device: torch.device, precision: str, tf32: bool = False, measur
 
 def measured_cpu_peak(seconds: float = 0.15, size: int = 512) -> float:
     """TFLOP/s of a float32 `size`-square matmul on this process's threads, the best of a few timed products."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    # A generator of its own: this runs after a resumed run has restored its random streams (dropout, data order),
+    # and drawing from them would make its steps differ from an uninterrupted run's.
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     torch.mm(a, b)
     best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:
