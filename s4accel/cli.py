@@ -212,6 +212,8 @@ def export(
                                              "the newest complete one).", show_default=False)] = None,
     ema: Annotated[bool, typer.Option("--ema", help="The EMA weights of that checkpoint (train.ema).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it holds files.")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help="A LoRA run (model.lora): the base with the adapter merged "
+                                        "into it, a plain model (default: the adapter).")] = False,
 ):
     """Write the model of a training checkpoint (one process, DDP or FSDP-sharded) as a from_pretrained folder with
     its tokenizer, code and model card: any step of a run, also of one stopped before its end."""
@@ -220,11 +222,11 @@ def export(
 
     quiet_libraries(progress_bars=False)  # the result is what counts
 
-    done = export_checkpoint(run_dir, out, step=step, ema=ema, overwrite=overwrite)
+    done = export_checkpoint(run_dir, out, step=step, ema=ema, overwrite=overwrite, merge=merge)
     for warning in done.warnings:
         typer.echo(f"warning: {warning}", err=True)
-    typer.echo(f"exported the {'EMA' if ema else 'model'} of step {done.step} ({done.kind} checkpoint "
-               f"{done.checkpoint}) to {done.out}")
+    what = f"{'EMA' if ema else 'model'}{' merged with its LoRA adapter' if merge else ''}"
+    typer.echo(f"exported the {what} of step {done.step} ({done.kind} checkpoint {done.checkpoint}) to {done.out}")
 
 
 @command("lr-find")

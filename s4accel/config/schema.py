@@ -57,6 +57,48 @@ class RunCfg(_Section):
         return Path(self.out_dir if self.out_dir is not None else Path("runs") / self.name)
 
 
+class LoraCfg(_Section):
+    """LoRA adapters through PEFT (`pip install s4accel[lora]`): the base model stays fixed, low-rank updates of the
+    named modules and parameters train. Names match as PEFT matches a list: a module or parameter whose dotted name
+    is the pattern or ends with `.pattern` (`output_linear`, `attn.qkv_proj`, `layers.0.layer.output_linear`)."""
+
+    r: int = Field(8, ge=1)
+    """Rank of each update (PEFT's `r`)."""
+    alpha: float = Field(16, gt=0)
+    """Scale of the update: it is multiplied by `alpha / r` (PEFT's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on an adapted module's input, on the low-rank path only (PEFT's `lora_dropout`). PEFT has none for
+    `target_parameters`: 0 there."""
+    target_modules: list[str] = Field(default_factory=list)
+    """Layers to adapt: S4's `output_linear`; the MoE models' `qkv_proj`, `o_proj`, `router`, the dense blocks' and
+    shared experts' `gate_up_proj`/`down_proj` (nn.Linear, nn.Embedding, convolutions)."""
+    target_parameters: list[str] = Field(default_factory=list)
+    """Weights that are parameters of a module rather than layers of their own, adapted where they are used (PEFT's
+    `target_parameters`): the experts' 3-D `experts.gate_up_proj` (E, 2F, D) and `experts.down_proj` (E, D, F), a
+    rank-`r` update per expert; 2-D and 3-D parameters only."""
+
+    @field_validator("target_modules", "target_parameters")
+    @classmethod
+    def _plain_names(cls, names):
+        bad = next((n for n in names if not n or n != n.strip() or n.startswith(".") or n.endswith(".")), None)
+        if bad is not None:
+            raise ValueError(f"{bad!r} is not a module or parameter name (e.g. output_linear, attn.qkv_proj)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names}: a name is listed twice")
+        return names
+
+    @model_validator(mode="after")
+    def _something_to_adapt(self):
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError("model.lora: name what to adapt in target_modules (e.g. [output_linear]) or "
+                             "target_parameters (e.g. [experts.gate_up_proj])")
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"model.lora.dropout: PEFT applies no dropout to LoRA on parameters (target_parameters "
+                             f"{self.target_parameters}): the input of W + BA cannot be dropped on the BA path alone; "
+                             f"set dropout: 0")
+        return self
+
+
 class ModelCfg(_Section):
     name: str | None = "s4-small"
     """A named size from `s4accel.config.sizes.MODEL_SIZES` (see `s4accel models`); none with `pretrained`."""
@@ -80,6 +122,11 @@ class ModelCfg(_Section):
     `pretrained_model_state_hook` does."""
     freeze: list[str] = Field(default_factory=list)
     """Parameter-name patterns (`fnmatch`, e.g. `backbone.*`) kept fixed: not trained, not in the optimizer."""
+    lora: LoraCfg | None = None
+    """Train LoRA adapters (PEFT) instead of the model's weights: `{r, alpha, dropout, target_modules,
+    target_parameters}`. The base is `pretrained` or, without it, the freshly initialised model; `final/` holds the
+    adapter (and, for a fresh base, the base in `final/base/`); `s4accel export RUN --merge OUT` writes a plain
+    model."""
 
     @field_validator("name")
     @classmethod
@@ -98,6 +145,9 @@ class ModelCfg(_Section):
             object.__setattr__(self, "name", None)  # written back as `name: null`, so the recipe reloads
         elif self.name is None:
             raise ValueError("model.name: give a model size (see `s4accel models`) or model.pretrained")
+        if self.lora is not None and self.freeze:
+            raise ValueError("model.freeze: with model.lora only the adapters train (and a classifier's head); the "
+                             "base is fixed already, so remove model.freeze")
         if self.pretrained is None and (self.state_hook or self.new_weights is not None or self.revision):
             raise ValueError("model.state_hook, model.new_weights and model.revision go with model.pretrained")
         if self.pretrained is None:  # with `pretrained`, its family's fields are checked when it is read

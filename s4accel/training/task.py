@@ -354,6 +354,9 @@ def load_task(recipe, **extra) -> Task:
     if recipe.model.pretrained is not None and not type(task).__module__.startswith("s4accel."):
         raise RecipeError(f"model.pretrained: {cls.__name__} builds its own model; load pretrained weights in its "
                           f"build_model (s4accel.training.safe_load.load_model reads them safely)")
+    if recipe.model.lora is not None and not type(task).__module__.startswith("s4accel."):
+        raise RecipeError(f"model.lora: {cls.__name__} builds its own model; put the adapters on it in its "
+                          f"build_model (peft.get_peft_model)")
     return task
 
 

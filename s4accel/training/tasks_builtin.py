@@ -22,6 +22,7 @@ from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
 from .class_scores import classification_scores
+from .lora import apply_lora, require_peft
 from .pretrained import load_pretrained, locate, pretrained_config
 from .samples import write_samples
 from .task import Loaders, Task, TaskData, count_items
@@ -51,6 +52,8 @@ class BuiltinTask(Task):
             # The config class checks the overrides' types and values: a bad one is a recipe error now, before the
             # data is read and tokenised (the sizes the data fixes, such as the vocabulary, are not overrides).
             model_config(recipe.model)
+        if recipe.model.lora is not None:
+            require_peft()  # before the data is read: a missing optional dependency is a recipe error now
 
     def export(self, model, out_dir, extra_files=None):
         super().export(model, out_dir, {PREPROCESSING: preprocessing(self.recipe), **(extra_files or {})})
@@ -225,8 +228,9 @@ def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
     """The recipe's model fitted to the data: a causal LM sized to the tokenizer (documents), or a sequence classifier
     or regressor sized to the labels (labelled documents, arrays). From the registry size + overrides, freshly
     initialised; or with `model.pretrained`, the pretrained config and weights (`say` gets the one-line report of
-    what was loaded). `data` None: what the recipe alone tells (the byte tokenizer's or the BPE's size; labels and
-    array files are read); `device` "meta": shapes only, nothing loaded. `spec`: the data's fields given instead."""
+    what was loaded); with `model.lora`, a PEFT model of it (`say` gets the coverage report). `data` None: what the
+    recipe alone tells (the byte tokenizer's or the BPE's size; labels and array files are read); `device` "meta":
+    shapes only, nothing loaded. `spec`: the data's fields given instead."""
 
     spec = spec if spec is not None else data_spec(recipe.data, data)
     if recipe.model.pretrained is not None:
@@ -241,6 +245,9 @@ def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
         report = load_pretrained(model, recipe.model, model_dir, root, HEADS[recipe.data.is_lm])
         if say is not None:
             say(report)
+    if recipe.model.lora is not None:  # the adapters on the built (and loaded) model, created on its device
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = apply_lora(model, recipe.model, recipe.data.is_lm, say)
     return model
 
 
