@@ -200,8 +200,12 @@ def test_push_uploads_the_adapter_and_its_fresh_base_with_a_card_that_says_so(mo
 
     staged = tmp_path / "staged"  # what a push of the S4 adapter uploads: its card names the pretrained base
     staged.mkdir()
-    card = ModelCard((stage(lora_run, "alice/s4-lora", "final", staged) / "README.md").read_text())
-    assert f"Its base model is the model in `{base / 'final'}`" in card.text and card.data.base_model is None
+    out = stage(lora_run, "alice/s4-lora", "final", staged)
+    card = ModelCard((out / "README.md").read_text())
+    assert "Its base model is the model in `final`" in card.text and card.data.base_model is None
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "final"
+    for f in out.rglob("*"):  # the base's folder is named, never its path on this machine
+        assert not f.is_file() or str(base).encode() not in f.read_bytes(), f
 
 
 def test_a_classifier_trains_its_new_head_whole_and_adapters_on_the_language_models_backbone(base, tmp_path, text,

@@ -26,8 +26,20 @@ def write_any_card(out: Path, repo_id: str, recipe_yaml: str, records: list[dict
     write_card(out, repo_id, recipe_yaml, records, metrics, which)
     if is_adapter(out):
         recipe = (yaml.safe_load(recipe_yaml) if recipe_yaml else None) or {}
-        (out / "README.md").write_text(adapter_card(out, repo_id, recipe, recipe_yaml, metrics, which,
+        published = (out / "recipe.yaml").read_text()  # as write_card publishes it: no path of this machine
+        (out / "README.md").write_text(adapter_card(out, repo_id, recipe, published, metrics, which,
                                                     (out / "training_curve.png").is_file()))
+
+
+def publish_base_name(folder: Path) -> None:
+    """An adapter's `base_model_name_or_path` that is a folder of this machine becomes the folder's name, as the
+    published recipe names it (a Hub id or the fresh `base/` stay as they are)."""
+    config_file = folder / ADAPTER_CONFIG
+    config = json.loads(config_file.read_text())
+    base = config.get("base_model_name_or_path")
+    if base and Path(base).is_absolute():
+        config["base_model_name_or_path"] = Path(base).name
+        config_file.write_text(json.dumps(config, indent=2))
 
 
 def adapter_card(out: Path, repo_id: str, recipe: dict, recipe_yaml: str, metrics: dict, which: str,
@@ -57,9 +69,9 @@ def adapter_card(out: Path, repo_id: str, recipe: dict, recipe_yaml: str, metric
         named = f"[{base}](https://huggingface.co/{base})"
         load = f'base = {{auto}}.from_pretrained("{base}", trust_remote_code=True)'
     else:
-        named = f"the model in `{base}`, a local folder where it was trained (push that model too, and load it from " \
-                f"there)"
-        load = f'base = {{auto}}.from_pretrained("{base}", trust_remote_code=True)'
+        named = f"the model in `{Path(base).name}`, a local folder where it was trained (push that model too, and " \
+                f"load it from there)"
+        load = f'base = {{auto}}.from_pretrained("{Path(base).name}", trust_remote_code=True)'
     auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
     targets = [*(adapter.get("target_modules") or []), *(adapter.get("target_parameters") or [])]
     n_params = count_params(out / "adapter_model.safetensors")

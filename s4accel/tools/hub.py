@@ -20,7 +20,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from ..errors import S4AccelError
 from ..training.callbacks import KeepBest
 from ..training.lora import FRESH_BASE
-from .adapter_card import is_adapter, write_any_card
+from .adapter_card import is_adapter, publish_base_name, write_any_card
 from .model_card import eval_metrics
 from .portable import copy_event_file, machine_path_in, machine_paths, published_hparams
 
@@ -98,6 +98,8 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     for f in sorted(model_dir.iterdir()):
         if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
+    if is_adapter(out):
+        publish_base_name(out)
     base = model_dir / FRESH_BASE  # a LoRA adapter's fresh base, which it means nothing without
     if is_adapter(model_dir) and base.is_dir() and not base.is_symlink():
         (out / FRESH_BASE).mkdir()
