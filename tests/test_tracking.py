@@ -38,13 +38,15 @@ class Inner:
 
 def guarded(inner, retries=3):
     sleeps = []
-    return GuardedTracker("inner", lambda: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append), sleeps
+    tracker = GuardedTracker("inner", lambda run_id: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append)
+    tracker.start()
+    tracker.store_init_configuration({"run_id": "abc"})  # where Accelerate's init_trackers starts it
+    return tracker, sleeps
 
 
 def test_a_transient_failure_is_retried_with_backoff():
     inner = Inner(failures=2)
     tracker, sleeps = guarded(inner)
-    tracker.start()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: the third try succeeds
         tracker.log({"a": 1.0}, step=7)
@@ -54,7 +56,6 @@ def test_a_transient_failure_is_retried_with_backoff():
 def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
     inner = Inner(failures=100)
     tracker, sleeps = guarded(inner)
-    tracker.start()
     with pytest.warns(UserWarning, match="tracker 'inner': log failed \\(ConnectionError: temporarily down\\); "
                                          "disabled, training goes on"):
         tracker.log({"a": 1.0}, step=1)
@@ -65,12 +66,13 @@ def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
 
 
 def test_a_missing_package_is_not_retried():
-    def make():
+    def make(run_id):
         raise ModuleNotFoundError("No module named 'wandb'")
 
     tracker = GuardedTracker("wandb", make, retries=3, backoff_s=0.5, sleep=pytest.fail)
+    tracker.start()
     with pytest.warns(UserWarning, match="tracker 'wandb': start failed \\(ModuleNotFoundError"):
-        tracker.start()
+        tracker.store_init_configuration({"run_id": "abc"})
     tracker.log({"a": 1.0}, step=1)
     assert tracker.disabled
 
@@ -85,11 +87,11 @@ def test_training_survives_a_tracker_that_cannot_start_and_one_that_dies_mid_run
         result = train_in_process("recipes/s4_tiny_debug.yaml", [
             f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
             "train.max_steps=6", "train.eval_every=3", "log.log_every=1", "log.progress_bar=false",
-            "sample.prompts=[]", "log.log_with=[jsonl, tensorboard, wandb, 'testing_callbacks:FlakyTracker']",
+            "sample.prompts=[]", "log.log_with=[jsonl, tensorboard, comet_ml, 'testing_callbacks:FlakyTracker']",
             "log.tracker_kwargs={'testing_callbacks:FlakyTracker': {fail_from: 3}}", "log.tracker_backoff_s=0.01"])
     assert result.steps == 6 and (out / "final" / "model.safetensors").exists()
     messages = [str(w.message) for w in caught]
-    assert any(m.startswith("tracker 'wandb': start failed (ModuleNotFoundError") for m in messages), messages
+    assert any(m.startswith("tracker 'comet_ml': start failed (ModuleNotFoundError") for m in messages), messages
     assert any(m.startswith("tracker 'testing_callbacks:FlakyTracker': log failed (ConnectionError") for m in messages)
     assert FlakyTracker.LOGGED == [1, 2]  # then it died and was disabled
     assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # the others went on
