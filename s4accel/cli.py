@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from .errors import S4AccelError
+from .errors import RecipeError, S4AccelError
 from .tools.launcher import continue_command, report_to_launcher
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -132,18 +132,37 @@ def generate(
 @command("eval")
 def eval_(
     model: ModelArg,
-    recipe: RecipeArg,
+    recipe: Annotated[Path | None, typer.Argument(
+        help="Recipe YAML file or run directory whose task scores the model (not with --lm-eval).",
+        show_default=False)] = None,
     overrides: SetOpt = None,
     data: Annotated[Path | None, typer.Option("--data", help="Score this file or folder instead of the recipe's "
                                               "evaluation split (same kind and columns).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
+    lm_eval: Annotated[str | None, typer.Option(
+        "--lm-eval", metavar="TASK[,TASK...]", show_default=False,
+        help="Score a language model on lm-evaluation-harness tasks instead (pip install 's4accel[lm_eval]').")] \
+        = None,
+    include_path: Annotated[Path | None, typer.Option(
+        "--include-path", help="A folder of lm-eval task YAMLs (with --lm-eval).", show_default=False)] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many documents per lm-eval task.",
+                                              show_default=False)] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="lm-eval's batch size.")] = 8,
 ):
-    """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics."""
-    from .config import load_recipe
-    from .tools.inference import evaluate_model
+    """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics, or a
+    language model on lm-evaluation-harness tasks (--lm-eval)."""
     from .training.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
+
+    if (recipe is None) == (lm_eval is None):
+        raise RecipeError("eval: give a RECIPE (its task scores the model) or --lm-eval TASKS, one of the two")
+    if lm_eval is not None:
+        if overrides or data is not None:
+            raise RecipeError("eval: --set and --data go with a RECIPE, not with --lm-eval")
+        return _lm_eval(model, lm_eval, include_path, limit, batch_size, as_json)
+    from .config import load_recipe
+    from .tools.inference import evaluate_model
 
     metrics = evaluate_model(model, load_recipe(recipe, overrides or []), data=data)
     if as_json:
@@ -155,6 +174,22 @@ def eval_(
     width = max(len(k) for k, v in shown.items() if not isinstance(v, str))
     for key, value in shown.items():
         typer.echo(f"{key}:\n{value}" if isinstance(value, str) else f"{key:<{width}}  {value:.4f}")
+
+
+def _lm_eval(model: str, tasks: str, include_path: Path | None, limit: int | None, batch_size: int, as_json: bool):
+    """`eval --lm-eval`: lm-eval's results table, or `{task: {metric: value}}` as JSON (lm-eval's metric keys
+    without their `,none` filter suffix)."""
+    from .tools.harness import lm_eval_model
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    out = lm_eval_model(model, names, include_path=include_path, limit=limit, batch_size=batch_size)
+    if as_json:
+        typer.echo(json.dumps({task: {k.removesuffix(",none"): float(v) for k, v in metrics.items()
+                                      if isinstance(v, (int, float))} for task, metrics in out["results"].items()}))
+        return
+    from lm_eval.utils import make_table
+
+    typer.echo(make_table(out))
 
 
 @command()

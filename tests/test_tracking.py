@@ -41,13 +41,15 @@ class Inner:
 
 def guarded(inner, retries=3):
     sleeps = []
-    return GuardedTracker("inner", lambda: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append), sleeps
+    tracker = GuardedTracker("inner", lambda run_id: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append)
+    tracker.start()
+    tracker.store_init_configuration({"run_id": "abc"})  # where Accelerate's init_trackers starts it
+    return tracker, sleeps
 
 
 def test_a_transient_failure_is_retried_with_backoff():
     inner = Inner(failures=2)
     tracker, sleeps = guarded(inner)
-    tracker.start()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: the third try succeeds
         tracker.log({"a": 1.0}, step=7)
@@ -57,7 +59,6 @@ def test_a_transient_failure_is_retried_with_backoff():
 def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
     inner = Inner(failures=100)
     tracker, sleeps = guarded(inner)
-    tracker.start()
     with pytest.warns(UserWarning, match="tracker 'inner': log failed \\(ConnectionError: temporarily down\\); "
                                          "disabled, training goes on"):
         tracker.log({"a": 1.0}, step=1)
@@ -68,12 +69,13 @@ def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
 
 
 def test_a_missing_package_is_not_retried():
-    def make():
+    def make(run_id):
         raise ModuleNotFoundError("No module named 'wandb'")
 
     tracker = GuardedTracker("wandb", make, retries=3, backoff_s=0.5, sleep=pytest.fail)
+    tracker.start()
     with pytest.warns(UserWarning, match="tracker 'wandb': start failed \\(ModuleNotFoundError"):
-        tracker.start()
+        tracker.store_init_configuration({"run_id": "abc"})
     tracker.log({"a": 1.0}, step=1)
     assert tracker.disabled
 

@@ -7,6 +7,10 @@ runs inside a `GuardedTracker`: a tracker that fails to start or to log never st
 retried with exponential backoff; if it still fails, the tracker is disabled with one warning and the run goes on
 with the others. A tracker that cannot be built at all (its package not installed) is a recipe error before any
 compute (`check_tracker_packages`).
+
+A resumed run continues the same tracker run: the run's id (kept in its checkpoints) is W&B's run `id` (with
+`resume="allow"`), an MLflow run's `s4accel.run_id` tag (the run carrying it is started again by its MLflow id), and
+part of trackio's run name (with `resume="allow"`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, get_available_trackers,
-                                 on_main_process)
+from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, MLflowTracker, TensorBoardTracker,
+                                 get_available_trackers, on_main_process)
 
 from ..config import flatten
 from ..errors import RecipeError
@@ -94,17 +98,32 @@ class FastTensorBoardTracker(TensorBoardTracker):
                 self.writer.add_text(k, v, global_step=step)
 
 
+class ResumedMLflowTracker(MLflowTracker):
+    """Accelerate's MLflow tracker for a run that may be resumed: MLflow refuses to change a logged parameter, and a
+    resumed run's recipe differs from the first start's at least in a callback or an override, which made every
+    resume drop MLflow. It logs the parameters its MLflow run does not have yet; recipe.yaml has the rest."""
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        import mlflow
+
+        logged = mlflow.get_run(self.active_run.info.run_id).data.params
+        super().store_init_configuration({k: v for k, v in values.items() if k not in logged})
+
+
 class GuardedTracker(GeneralTracker):
-    """Runs another tracker so that it cannot stop training. The inner tracker is built and started in `start`;
-    every call (`start`, `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with
-    `backoff_s * 2^attempt` seconds between tries (a missing package is not retried), after which the tracker is
-    disabled with a warning and later calls do nothing."""
+    """Runs another tracker so that it cannot stop training. Accelerate calls `start`, then
+    `store_init_configuration(config)`: the inner tracker is built (`make(config["run_id"])`) and started at the
+    second, since the run's id is read from the checkpoint after the trackers were made. Every call (starting,
+    `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with `backoff_s * 2^attempt` seconds
+    between tries (a missing package is not retried), after which the tracker is disabled with a warning and later
+    calls do nothing."""
 
     main_process_only = True
     requires_logging_directory = False
 
-    def __init__(self, name: str, make: Callable[[], GeneralTracker], retries: int = 3, backoff_s: float = 0.5,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, name: str, make: Callable[[str | None], GeneralTracker], retries: int = 3,
+                 backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep):
         self.name = name
         super().__init__()
         self.make, self.retries, self.backoff_s, self.sleep = make, retries, backoff_s, sleep
@@ -137,15 +156,16 @@ class GuardedTracker(GeneralTracker):
 
     @on_main_process
     def start(self):
-        def start():
-            if self.inner is None:
-                self.inner = self.make()
-            self.inner.start()
-
-        self._guarded("start", start)
+        pass  # started with the configuration, which carries the run's id
 
     @on_main_process
     def store_init_configuration(self, values: dict):
+        def start():
+            if self.inner is None:
+                self.inner = self.make(values.get("run_id"))
+            self.inner.start()
+
+        self._guarded("start", start)
         self._guarded("store_init_configuration", lambda: self.inner.store_init_configuration(values))
 
     @on_main_process
@@ -222,19 +242,41 @@ def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: 
     `kwargs[name]`: extra constructor arguments (e.g. `{"wandb": {"entity": "me"}}`)."""
     kwargs = kwargs or {}
 
-    def maker(name: str) -> Callable[[], GeneralTracker]:
+    def maker(name: str) -> Callable[[str | None], GeneralTracker]:
         extra = kwargs.get(name, {})
         if name == "tensorboard":
-            return lambda: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step, **extra)
+            return lambda run_id: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step, **extra)
         if name == "jsonl":
-            return lambda: JSONLTracker(run_name, run_dir, resume_step=resume_step)
+            return lambda run_id: JSONLTracker(run_name, run_dir, resume_step=resume_step)
 
-        def make():  # Accelerate's own convention: (project name[, logging dir], **kwargs)
-            cls = tracker_class(name)
+        def make(run_id: str | None):  # Accelerate's own convention: (project name[, logging dir], **kwargs)
+            cls = ResumedMLflowTracker if name == "mlflow" else tracker_class(name)
+            own = {**same_run(name, run_id, run_name, run_dir), **extra}
             if getattr(cls, "requires_logging_directory", False):
-                return cls(run_name, str(run_dir), **extra)
-            return cls(run_name, **extra)
+                return cls(run_name, str(run_dir), **own)
+            return cls(run_name, **own)
 
         return make
 
     return [GuardedTracker(name, maker(name), retries, backoff_s) for name in names]
+
+
+RUN_ID_TAG = "s4accel.run_id"
+
+
+def same_run(name: str, run_id: str | None, run_name: str, run_dir: Path) -> dict:
+    """Constructor arguments of Accelerate's `name` tracker that continue the tracker run of `run_id` when there is
+    one (a resume) and start it otherwise; a recipe's `log.tracker_kwargs` override them."""
+    if run_id is None:
+        return {}
+    if name == "wandb":  # W&B's own files go into the run directory, not the working directory
+        return {"id": run_id, "resume": "allow", "dir": str(run_dir)}
+    if name == "trackio":
+        return {"name": f"{run_name}-{run_id[:8]}", "resume": "allow"}
+    if name == "mlflow":  # MLflow makes its own run ids: the run is found by its tag
+        import mlflow
+
+        found = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'",
+                                   output_format="list", max_results=1)
+        return {"run_id": found[0].info.run_id} if found else {"tags": {RUN_ID_TAG: run_id}}
+    return {}
