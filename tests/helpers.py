@@ -69,6 +69,12 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def stepped(run_dir) -> bool:
+    """Whether a run has logged its first training step (every process is in the loop by then)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return path.exists() and '"train/loss"' in path.read_text()
+
+
 def callback_override(target, **args) -> str:
     """A `--set` item attaching one callback, e.g. callback_override("testing_callbacks:SignalAt", step=3)."""
     return f"callbacks=[{{target: '{target}', args: {json.dumps(args)}}}]"

@@ -92,7 +92,8 @@ def test_classifier_trains_evaluates_and_exports(tmp_path, hf_cache):
                                        "train.eval_every=20", "log.log_every=10", "log.progress_bar=false",
                                        "checkpoint.every_steps=0", "train.grad_accum=2",
                                        "scheduler.warmup_steps=5", "optim.lr=1e-2"])
-    assert set(result.eval_metrics) == {"loss", "accuracy"}
+    per_class = {f"{m}/{k}" for m in ("precision", "recall") for k in range(10)}
+    assert set(result.eval_metrics) == {"loss", "accuracy", "f1_macro", "confusion_matrix", *per_class}
     assert result.eval_metrics["accuracy"] > 0.3  # 10 classes: chance is 0.1
     evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [20, 40]

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import (REPO, TINY, callback_override, final_weights, read_metrics, sets, short_epochs,
+from helpers import (REPO, TINY, callback_override, final_weights, read_metrics, sets, stepped, short_epochs,
                      train_in_process)
 from s4accel.training.checkpoint import checkpoint_problem
 
@@ -95,7 +95,7 @@ def test_the_command_printed_after_ctrl_c_under_a_launcher_resumes_on_as_many_pr
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while not (out / "metrics.jsonl").exists():
+        while not stepped(out):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
             time.sleep(0.2)
         os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does

@@ -281,6 +281,7 @@ def test_a_classifier_trains_on_generated_listops_and_exports_its_tokenizer(tmp_
         "model.overrides={kernel: s4d, l_max: 40, d_model: 16, n_layer: 1, d_state: 8, bidirectional: true, "
         "norm: batch}", "train.max_steps=4", "train.eval_every=4", "checkpoint.every_steps=0", "log.log_every=2",
         "log.progress_bar=false"])
-    assert set(result.eval_metrics) == {"loss", "accuracy"}
+    assert {"loss", "accuracy", "f1_macro", "confusion_matrix"} <= set(result.eval_metrics)
+    assert sum(map(sum, result.eval_metrics["confusion_matrix"]["matrix"])) == 16  # every validation example once
     tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     assert tok("( ( [MAX 2 ) 9 ) ] )", add_special_tokens=False).input_ids == [13, 5, 12, 17]

@@ -105,3 +105,18 @@ def test_a_sigterm_delivered_twice_at_once_still_saves_the_preemption_checkpoint
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
     assert "continue with: s4accel train" in stdout and list((out / "checkpoints").glob("step_*/COMPLETE"))
+
+
+def test_a_sigterm_while_the_run_opens_its_trackers_saves_a_checkpoint_at_the_first_step(tmp_path, text):
+    """The preemption notice can come while the run is still opening its trackers (a cluster does not wait)."""
+    from helpers import TESTS_ON_PATH, TINY, callback_override, read_metrics, run_cli, sets
+
+    out = tmp_path / "run"
+    proc = run_cli("train", TINY, *sets(
+        f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32", "train.max_steps=50",
+        "train.eval_every=0", "checkpoint.every_steps=0", "log.progress_bar=false", "log.log_every=1",
+        "sample.prompts=[]", callback_override("testing_callbacks:SignalAt", step=0)), env=TESTS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stopped at step 1 (received SIGTERM)" in proc.stdout
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
+    assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1]

@@ -221,6 +221,7 @@ def test_eval_scores_a_whole_file_the_same_on_one_and_two_processes(trained_clas
     two = subprocess.run([*LAUNCH, *map(str, common)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
     m1, m2 = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (one, two))
+    assert m1.pop("confusion_matrix") == m2.pop("confusion_matrix")  # the same counts, whole
     assert m1 == pytest.approx(m2, rel=1e-9)
     rows = read_rows(scenes / "test.csv")
     probs, names = own_forward(trained_classifier / "final", [r["text"] for r in rows])

@@ -13,10 +13,13 @@ from s4accel.training.callbacks import Callback
 
 class SignalAt(Callback):
     """Send this process a signal after optimizer step `step` (as a cluster's preemption notice would); with `rank`,
-    only that process gets it."""
+    only that process gets it. Step 0: as the run starts, before the trackers open."""
 
     def __init__(self, step: int, signal_name: str = "SIGTERM", rank: int | None = None):
         self.step, self.signal_name, self.rank = step, signal_name, rank
+
+    def on_train_start(self, run):
+        self.on_step_end(run)
 
     def on_step_end(self, run):
         if run.state.step == self.step and self.rank in (None, run.accelerator.process_index):

@@ -111,18 +111,19 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer,
                       partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
                               progress=recipe.log.progress_bar))
-    callbacks.on_train_start(run)
-    start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
-    run_files.drop_replaced()  # the new run has started: the outputs it replaces go
+    with signals, frozen_setup_objects():  # from the trackers on, a SIGTERM is a request the next step answers
+        callbacks.on_train_start(run)
+        start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
+        run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
-    # 3. The loop: one iteration per optimizer step.
-    step = Stepper(accelerator, model, task, optimizers, recipe, signals)
-    batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
-                           partial(callbacks.on_epoch_end, run))
-    meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
-    eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
-    eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, resumed.checkpoint, None, False, time.perf_counter()
-    with signals, frozen_setup_objects():
+        # 3. The loop: one iteration per optimizer step.
+        step = Stepper(accelerator, model, task, optimizers, recipe, signals)
+        batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
+                               partial(callbacks.on_epoch_end, run))
+        meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
+        eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
+        eval_metrics, last_ckpt, stop_reason, preempted = {}, resumed.checkpoint, None, False
+        t_start = time.perf_counter()
         while state.step < total and stop_reason is None:
             # a. The micro-batch window, clipping, the agreement of every process, the update (step.py).
             out = step(batches, state, stop_requested=run.stop_reason is not None)
