@@ -49,6 +49,11 @@ def test_a_streamed_run_resumes_exactly_where_it_stopped(corpus, tmp_path, hf_ca
     cut = train_in_process(TINY, streamed(corpus, tmp_path / "cut",
                                           callback_override("testing_callbacks:SignalAt", step=5)))
     assert cut.preempted and cut.steps < 12
+    from s4accel.errors import ResumeError
+
+    with pytest.raises(ResumeError, match=r"read with data.shuffle_buffer=1024, which cannot change mid-stream"):
+        train_in_process(TINY, streamed(corpus, tmp_path / "cut", "data.shuffle_buffer=0"), resume="latest",
+                         force=True)  # the blocks its buffer holds are part of the position
     resumed = train_in_process(TINY, streamed(corpus, tmp_path / "cut"), resume="latest")
     assert resumed.steps == 12 and same(tmp_path / "ref", tmp_path / "cut")
     losses = lambda d: [r["train/loss"] for r in read_metrics(d) if "train/loss" in r]  # noqa: E731
@@ -274,7 +279,7 @@ def as_saved_by_the_earlier_version(run_dir):
     for f in ckpt.glob("custom_checkpoint_*.pkl"):
         state = torch.load(f, weights_only=True)
         if isinstance(state, dict) and "stream" in state:
-            own = {k: v for k, v in state["stream"].items() if k != "buffers"}
+            own = {k: v for k, v in state["stream"].items() if k not in ("buffers", "shuffle_buffer")}
             own["sources"] = [{k: v for k, v in s.items() if k != "shard"} for s in own["sources"]]
             torch.save({"processes": [own]}, f)
             changed.append(f)

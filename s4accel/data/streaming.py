@@ -67,6 +67,7 @@ class TokenStream(torch.utils.data.IterableDataset):
         self.rank, self.processes = rank, processes
         self.weights = np.asarray(weights, dtype=np.float64) / np.sum(weights)
         self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.buffer = buffer
         self.buffers = [ShuffleBuffer(buffer, [seed, i], s.dtype) for i, s in enumerate(sources)] if buffer else []
         self.blocks_seen = np.zeros(len(sources), dtype=np.int64)  # global blocks of each source handed out
         self.per_process = per_process  # (rank, processes) -> an earlier version's per-process sources
@@ -95,7 +96,8 @@ class TokenStream(torch.utils.data.IterableDataset):
                 "this process" if self.shares else "all processes")
 
     def _own_state(self) -> dict:
-        return {"sources": [s.state_dict() for s in self.sources], "buffers": [b.state_dict() for b in self.buffers],
+        return {"shuffle_buffer": self.buffer, "sources": [s.state_dict() for s in self.sources],
+                "buffers": [b.state_dict() for b in self.buffers],
                 "rng": copy.deepcopy(self.rng.bit_generator.state),
                 "blocks_seen": torch.from_numpy(self.blocks_seen.copy())}
 
@@ -118,6 +120,10 @@ class TokenStream(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         if "stream" in state:
+            saved = state["stream"]["shuffle_buffer"]
+            if saved != self.buffer:  # how the shards are read and the blocks the buffer holds are its position
+                raise ResumeError(f"the checkpoint's data stream was read with data.shuffle_buffer={saved}, which "
+                                  f"cannot change mid-stream: resume with --set data.shuffle_buffer={saved}")
             self._load_own(state["stream"])
             return
         saved = len(state["processes"])  # an earlier version's checkpoint: one share per process
