@@ -27,9 +27,10 @@ class Shards:
     shards the head used up are left out, the one it stopped in is opened past its documents (counted by reading them
     again).
 
-    `IterableDataset.shard(n, k)` lists all n shards to pick one (O(n) each time: 45 ms at 2,000 files), so a pass
+    `IterableDataset.shard(n, k)` lists all n shards to pick one (O(n) each time: 3 ms at 2,000 files), so a pass
     opening every shard that way would cost O(n^2); the shards are reached through about sqrt(n) groups of
-    consecutive shards instead, each listed once when first needed: O(n sqrt n) a pass (1 ms a shard at 2,000)."""
+    consecutive shards instead, each listed once when first needed: O(n sqrt n) a pass (0.5 ms a shard at 2,000; a
+    pass over 2,000 one-document files took 1.3 s, against 0.3 s for `datasets` reading them in one go)."""
 
     def __init__(self, docs, skip: int = 0):
         self.docs, n = docs, docs.num_shards

@@ -16,7 +16,7 @@ torch.distributed.checkpoint reshards them), the schedule and the loop's counter
 random streams of each process cannot (there is one per process): they are derived again from the seed, the step
 and the process, so dropout and the router's jitter draw other numbers than the uninterrupted run would have.
 A streamed source (data.streaming) moves the same way: its blocks are one sequence that the processes take in turn,
-so its position is one count of blocks, the same for any number of processes (data/streaming.py).
+so its position is one state, the same on every process and for any number of them (data/streaming.py).
 Not carried over, and refused: stateful training (each process carries the recurrent state of its own rows), a stream
 saved by an earlier version (one share of it per process) and DeepSpeed's ZeRO checkpoints (one optimizer partition
 per process, which DeepSpeed loads only on as many processes).
