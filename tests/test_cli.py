@@ -24,6 +24,8 @@ def finished_run(tmp_path_factory, hf_cache):
 def test_run_directory_holds_recipe_metrics_tensorboard_checkpoint_and_model(finished_run):
     run_dir, proc = finished_run
     assert "done: 10 steps" in proc.stdout
+    # the first line says how the run is spread in a user's words, not Accelerate's enum ("1 process(es) ... (NO)")
+    assert "val tokens, single process on cpu, mixed precision no" in proc.stdout.splitlines()[0], proc.stdout
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert recipe["train"]["max_steps"] == 10 and recipe["run"]["out_dir"] == str(run_dir)
     records = read_metrics(run_dir)

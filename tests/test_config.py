@@ -223,3 +223,93 @@ def test_a_bad_model_override_is_reported_before_the_data_is_read(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith("error: model.overrides") and "d_model" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("learning_rate: 1.0e-3\n", "learning_rate: unknown key; learning_rate is transformers.Trainer's and "
+                                "Lightning's name: in a recipe it is optim.lr"),
+    ("train: {eval_steps: 50}\n", "train.eval_steps: unknown key; eval_steps is transformers.Trainer's name: in a "
+                                  "recipe it is train.eval_every"),
+    ("train: {save_steps: 50}\n", "train.save_steps: unknown key; save_steps is transformers.Trainer's name: in a "
+                                  "recipe it is checkpoint.every_steps"),
+    ("optim: {gradient_accumulation_steps: 4}\n", "optim.gradient_accumulation_steps: unknown key; "
+                                                  "gradient_accumulation_steps is transformers.Trainer's name: in a "
+                                                  "recipe it is train.grad_accum"),
+    ("train: {warmup_ratio: 0.1}\n", "train.warmup_ratio: unknown key; warmup_ratio is transformers.Trainer's name: "
+                                     "in a recipe it is scheduler.warmup_ratio"),
+    ("accumulate_grad_batches: 4\n", "accumulate_grad_batches: unknown key; accumulate_grad_batches is Lightning's "
+                                     "name: in a recipe it is train.grad_accum"),
+])
+def test_a_trainer_or_lightning_name_is_answered_with_the_recipes_name_for_it(tmp_path, where, expected):
+    """`eval_steps` used to get "did you mean 'max_steps'?", `learning_rate` the list of sections."""
+    msg = error_of(write(tmp_path, where))
+    assert msg == f"{tmp_path / 'r.yaml'}: {expected}" and "\n" not in msg
+
+
+@pytest.mark.parametrize("item, name, place", [
+    ("fp16=true", "fp16", "train.mixed_precision: fp16"), ("train.bf16=true", "bf16", "train.mixed_precision: bf16"),
+    ("report_to=[wandb]", "report_to", "log.log_with"), ("log.report_to=[wandb]", "report_to", "log.log_with"),
+    ("train.load_best_model_at_end=true", "load_best_model_at_end", "checkpoint.keep_best"),
+    ("data.per_device_train_batch_size=8", "per_device_train_batch_size", "data.batch_size"),
+    ("num_train_epochs=3", "num_train_epochs", "train.max_epochs"),
+    ("train.learning_rate=1e-3", "learning_rate", "optim.lr"),
+])
+def test_a_trainer_name_given_with_set_says_where_it_goes(item, name, place):
+    assert f"{name} is transformers.Trainer's" in error_of(TINY, [item])
+    assert f"in a recipe it is {place}" in error_of(TINY, [item])
+
+
+def test_cli_trainer_name_is_one_line_exit_2(tmp_path):
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "learning_rate=1e-3"))
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {TINY}: learning_rate: unknown key; learning_rate is transformers.Trainer's and Lightning's name: "
+        "in a recipe it is optim.lr"]
+
+
+def test_the_readme_table_of_trainer_names_is_the_one_the_errors_use():
+    """One table in the code (config/trainer_names.py); the README's lists exactly its names."""
+    import itertools
+    import re
+
+    from s4accel.config.trainer_names import TRAINER_NAMES
+
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| transformers `TrainingArguments` |"):].splitlines()
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), table))[2:]  # after the header and |---|
+    names = {n for row in rows for cell in row.split("|")[1:3] for n in re.findall(r"`(\w+)`", cell)}
+    assert len(rows) > 10 and names == set(TRAINER_NAMES)
+
+
+def test_a_published_recipe_names_files_by_name_and_reads_them_next_to_itself(tmp_path):
+    """What `s4accel push` and `export` publish beside a model: no path of the training machine, and a recipe that
+    finds a user's own files placed under those names beside it."""
+    import yaml
+
+    from s4accel.config.paths import portable_recipe
+
+    machine = tmp_path / "home" / "alice"
+    raw = {"run": {"name": "r", "out_dir": str(machine / "runs" / "r")},
+           "data": {"source": "files", "files": [str(machine / "corpus" / "*.parquet")], "tokenizer": "gpt2",
+                    "val_files": [str(machine / "a" / "val.txt"), str(machine / "b" / "val.txt")],
+                    "cache_dir": str(machine / "cache")},
+           "model": {"name": "s4-tiny"}, "callbacks": [{"target": f"{machine / 'hooks.py'}:Note"}],
+           "sample": {"prompts": ["/home is where the heart is"]}}
+    published, renamed = portable_recipe(raw)
+    assert published["data"]["files"] == ["corpus/*.parquet"]  # a glob keeps the folder it reads
+    assert published["data"]["val_files"] == ["a/val.txt", "b/val.txt"]  # parents added until they differ
+    assert published["callbacks"] == [{"target": "hooks.py:Note"}] and published["data"]["tokenizer"] == "gpt2"
+    assert published["run"]["out_dir"] is None and published["data"]["cache_dir"] is None
+    assert published["sample"] == raw["sample"] and str(machine) not in yaml.safe_dump(published)
+    assert [(r.key, r.name) for r in renamed][:2] == [("data.files", "corpus/*.parquet"),
+                                                      ("data.val_files", "a/val.txt")]
+
+    bob = tmp_path / "bob"
+    for name in ("corpus/x.parquet", "a/val.txt", "b/val.txt", "hooks.py"):
+        (bob / name).parent.mkdir(parents=True, exist_ok=True)
+        (bob / name).write_text("")
+    (bob / "recipe.yaml").write_text(yaml.safe_dump(published))
+    loaded = load_recipe(bob / "recipe.yaml")
+    assert loaded.data.files == [str(bob / "corpus" / "*.parquet")]
+    assert loaded.data.val_files == [str(bob / "a" / "val.txt"), str(bob / "b" / "val.txt")]
+    assert loaded.callbacks[0].target == f"{bob / 'hooks.py'}:Note" and loaded.run.out_dir is None

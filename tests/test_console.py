@@ -105,3 +105,39 @@ def test_train_log_prefixes_the_other_processes_stderr_with_their_rank(tmp_path)
     finally:
         log.end()
     assert (tmp_path / "train.log").read_text() == "[rank 1] warning: early\n[rank 1] warning: later\n"
+
+
+def test_tokenising_a_few_large_documents_shows_a_bar_in_bytes(monkeypatch, tmp_path, capfd, hf_cache):
+    """Three documents of 4 MB showed nothing (datasets' bar counts documents and shows from 10,000): now a bar in
+    bytes with the rate. The bar lives outside the mapped function, so the map is still answered from the cache the
+    second time (and shows nothing then), and a small text shows no bar."""
+    import importlib
+    import re
+
+    import datasets
+    from transformers import ByT5Tokenizer
+
+    from s4accel.config import SourceCfg
+    from s4accel.data.sources import load_source
+    from s4accel.data.text import to_blocks
+
+    bars = importlib.import_module("datasets.utils.tqdm")
+    monkeypatch.setattr(bars, "HF_DATASETS_DISABLE_PROGRESS_BARS", None)  # as users have them
+    datasets.enable_progress_bars()
+    play_file = small_text_file(tmp_path)
+    play = play_file.read_text()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(play * (4_000_000 // len(play)))
+    docs = load_source(SourceCfg(source="files", files=[str(corpus)]))
+    capfd.readouterr()
+    blocks = to_blocks(docs, ByT5Tokenizer(extra_ids=0), 512)
+    shown = capfd.readouterr().err
+    assert re.search(r"tokenizing and packing 512: 100%.*12\.0M/12\.0M \[.*[kMG]B/s\]", shown), shown
+    again = to_blocks(docs, ByT5Tokenizer(extra_ids=0), 512)
+    assert "tokenizing" not in capfd.readouterr().err  # answered from the cache
+    assert again.cache_files == blocks.cache_files and len(again) == len(blocks) > 23_000
+    small = load_source(SourceCfg(source="files", files=[str(play_file)]))
+    to_blocks(small, ByT5Tokenizer(extra_ids=0), 512)
+    assert "tokenizing" not in capfd.readouterr().err

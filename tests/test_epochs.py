@@ -85,11 +85,55 @@ def test_max_epochs_is_refused_before_compute_where_there_are_no_epochs(tmp_path
                                         "train.max_epochs=2"))
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "train.max_epochs: a streamed source" in proc.stderr and "set train.max_steps" in proc.stderr
-    # warmup longer than the passes: one line, once the passes are counted (still before any step)
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it_with_one_line(tmp_path):
+    """`--set train.max_steps=1` on a recipe that warms up for 2 steps runs (it was a recipe error until the warmup
+    was lowered too); so does a warmup longer than what `train.max_epochs` comes to. The schedule warms up over the
+    whole run, and the run says so once."""
     text = small_text_file(tmp_path)
-    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run2'}", "data.source=files",
-                                        f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4",
-                                        "train.max_steps=null", "train.max_epochs=1", "scheduler.warmup_steps=500"))
+    common = ["data.source=files", f"data.files=[{text}]", "data.seq_len=32", "data.batch_size=4", "log.log_every=1",
+              "log.log_with=[jsonl]", "log.progress_bar=false", "sample.prompts=[]", "train.eval_every=0"]
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'one'}", *common, "train.max_steps=1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert said == ["warning: scheduler.warmup_steps=2 is longer than the run (train.max_steps=1): warming up over "
+                    "all 1 step(s) instead (scheduler.warmup_ratio scales the warmup with the run)"], proc.stdout
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'epoch'}", *common, "train.max_steps=null",
+                                        "train.max_epochs=1", "scheduler.warmup_steps=500"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "scheduler.warmup_steps=500 is longer than the run (the 23 steps of train.max_epochs=1)" in proc.stdout
+    lrs = [r["train/lr_decay"] for r in read_metrics(tmp_path / "epoch") if "train/lr_decay" in r]
+    assert len(lrs) == 23 and lrs == sorted(lrs) and lrs[-1] == 3e-3  # rising over the whole run to the peak
+
+
+
+def test_eval_every_epoch_evaluates_after_each_pass_with_max_epochs_or_max_steps(tmp_path):
+    """`train.eval_every: epoch`, as Lightning evaluates: after the step that finished each pass over the training data
+    (20 micro-batches here) and at the end; a run resumed mid-epoch evaluates where an uninterrupted one does."""
+    from helpers import callback_override, short_epochs, train_in_process
+
+    text = small_text_file(tmp_path)
+
+    def eval_steps(name, *extra, resume=None):
+        out = tmp_path / name
+        train_in_process(TINY, short_epochs(text, out, "train.eval_every=epoch", "checkpoint.every_steps=100", *extra),
+                         resume=resume)
+        return [r["step"] for r in read_metrics(out) if "eval/loss" in r]
+
+    # windows of 2: a pass is 10 steps; of 3: the passes end inside steps 7 (micro-batches 19-21) and 14
+    assert eval_steps("epochs", "train.max_steps=null", "train.max_epochs=2") == [10, 20]
+    assert eval_steps("windows", "train.max_steps=null", "train.max_epochs=2", "train.grad_accum=3") == [7, 14]
+    assert eval_steps("steps", "train.max_steps=24") == [10, 20, 24]  # and the last step
+    cut = eval_steps("cut", "train.max_steps=24", callback_override("testing_callbacks:SignalAt", step=12))
+    assert cut == [10] and eval_steps("cut", "train.max_steps=24", resume="latest") == [10, 20, 24]
+
+
+def test_eval_every_epoch_on_a_stream_is_a_recipe_error(tmp_path):
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "data.streaming=true",
+                                        "train.eval_every=epoch"))
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "scheduler.warmup_steps: 500 warmup steps are more than the" in proc.stderr
-    assert "train.max_epochs=1" in proc.stderr and not (tmp_path / "run2").exists()
+    assert "train.eval_every: a streamed source" in proc.stderr and "every N steps" in proc.stderr
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "train.eval_every=epochs"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "train.eval_every: expected a number of steps (0: only at the end) or 'epoch', got 'epochs'" in proc.stderr

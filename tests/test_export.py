@@ -56,6 +56,9 @@ def test_export_of_the_last_checkpoint_equals_the_final_model(run, tmp_path):
     assert {"README.md", "recipe.yaml", "metrics.json", "training_curve.png"} <= {p.name for p in out.iterdir()}
     assert "These are the run's **step 16** weights." in (out / "README.md").read_text()
     assert json.loads((out / "metrics.json").read_text())["eval"]["step"] == 16
+    machine = str(run.parents[1]).encode()  # pytest's base folder: the run, its text and OUT are all under it
+    assert not [f.name for f in out.iterdir() if machine in f.read_bytes()]  # the card's recipe names files by name
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["data"]["files"] == ["play.txt"]
 
 
 def test_ema_export_of_the_last_checkpoint_equals_the_final_ema_model(run, tmp_path):

@@ -50,7 +50,7 @@ def test_fsdp_run_writes_sharded_checkpoints_and_a_whole_model_of_its_own_class(
     from transformers import AutoModelForCausalLM
 
     _, out, proc = fsdp_run
-    assert "2 process(es) on cpu:0 (FSDP)" in proc.stdout and "done: 16 steps" in proc.stdout
+    assert "FSDP2 over 2 processes on cpu," in proc.stdout and "done: 16 steps" in proc.stdout
     ckpt = out / "checkpoints" / "step_00000008"
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # each process wrote its own shard
         assert sorted(p.name for p in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"], part
@@ -73,7 +73,7 @@ def test_fsdp_run_resumed_from_its_sharded_checkpoint_ends_bit_identical(fsdp_ru
     shutil.copytree(out / "checkpoints" / "step_00000008", again / "checkpoints" / "step_00000008")
     shutil.copy(out / "recipe.yaml", again / "recipe.yaml")
     proc = launch("fsdp.yaml", FSDP_ON_CPU, text, again, resume=True)
-    assert "resumed from" in proc.stdout and "(FSDP)" in proc.stdout
+    assert "resumed from" in proc.stdout and "FSDP2 over 2 processes on cpu" in proc.stdout
     for name in ("final", "final_ema"):
         ref, got = final_weights(out, name), final_weights(again, name)
         assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), name
@@ -83,7 +83,7 @@ def test_fsdp_trains_the_same_model_as_ddp(fsdp_run):
     text, out, _ = fsdp_run
     ddp = out.parent / "ddp"
     proc = launch("cpu_2proc.yaml", ["-m", "s4accel"], text, ddp)
-    assert "(MULTI_CPU)" in proc.stdout
+    assert "DDP over 2 processes on cpu" in proc.stdout
     for name in ("final", "final_ema"):
         ref, got = final_weights(ddp, name), final_weights(out, name)
         assert ref.keys() == got.keys(), name
@@ -132,7 +132,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run, t
         shutil.copy(out / "recipe.yaml", again / "recipe.yaml")
         proc = launch("fsdp.yaml", FSDP_ON_CPU, text, again, f"train.max_steps={steps}", processes=4, resume=True,
                       force=True)
-        assert "resumed on 4 process(es) from a checkpoint of 2" in proc.stdout and "(FSDP)" in proc.stdout
+        assert "resumed on 4 process(es) from a checkpoint of 2" in proc.stdout
+        assert "FSDP2 over 4 processes on cpu," in proc.stdout
         assert "4 process(es) x data.batch_size 4 x train.grad_accum 1 = 16 examples per step" in proc.stdout
         assert f"done: {steps} steps" in proc.stdout
     # What 4 processes loaded from 2 shards is the checkpoint's model, bit for bit

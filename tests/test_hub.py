@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from helpers import REPO, read_metrics, run_cli, train_in_process
 from hub_server import GOOD_TOKEN, HubServer
@@ -96,7 +97,10 @@ def test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_m
         assert name in files, name
     assert files["training_curve.png"].startswith(b"\x89PNG")
     assert any(p.startswith("runs/") and "tfevents" in p for p in files)
-    assert files["recipe.yaml"] == (run / "recipe.yaml").read_bytes()
+    published, kept = yaml.safe_load(files["recipe.yaml"]), yaml.safe_load((run / "recipe.yaml").read_text())
+    assert published["data"]["files"] == ["play.txt"] and published["run"]["out_dir"] is None  # no machine paths
+    assert {k: v for k, v in published.items() if k not in ("run", "data")} == {
+        k: v for k, v in kept.items() if k not in ("run", "data")}  # otherwise the run's resolved recipe
     assert ("PUT", next(p for m, p in hub.state.requests if m == "PUT")) in hub.state.requests  # LFS upload used
 
     from huggingface_hub import ModelCard
@@ -219,3 +223,112 @@ def test_no_file_push_reads_follows_a_link_out_of_the_run_best_metrics_recipe_or
     assert not any(b"KEY-MUST-NEVER-LEAVE" in data for data in hub.files("alice/final-links").values())
     for name in ("recipe.yaml", "metrics.jsonl"):
         assert f"skipping {name}: a symbolic link" in proc.stderr, proc.stderr
+
+
+PROJECT_RECIPE = """
+run: {name: alice-corpus}
+model: {name: s4-tiny}
+data:
+  mixture:
+    - {source: files, files: [corpus/*.parquet], weight: 1}
+    - {source: dataset, path: carol/plays, weight: 1}
+  tokenizer: my_tok
+  seq_len: 32
+  batch_size: 4
+  val_fraction: 0.2
+train: {max_steps: 4, eval_every: 2}
+log: {log_every: 1, progress_bar: false}
+sample: {prompts: []}
+callbacks: [{target: hooks.py:Note}]
+"""
+
+
+def user_project(folder, text):
+    """What a user brings: a corpus as parquet, a BPE tokenizer folder of their own, a callback file, and a recipe
+    naming them relative to itself."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    docs = [text[i:i + 300] for i in range(0, len(text), 300)]
+    (folder / "corpus").mkdir(parents=True)
+    pq.write_table(pa.table({"text": docs}), folder / "corpus" / "part-0.parquet")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>")
+    tokenizer.save_pretrained(folder / "my_tok")
+    (folder / "hooks.py").write_text("from s4accel import Callback\n\n\nclass Note(Callback):\n    pass\n")
+    (folder / "recipe.yaml").write_text(PROJECT_RECIPE)
+    return docs
+
+
+def serve_dataset(hub, repo_id, rows):
+    """A dataset repository of one parquet file on the test Hub."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hub_server import Repo
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": rows}), buf)
+    repo = Repo(private=False)
+    repo.branches["main"] = repo.snapshots[repo.heads["main"]] = {"data/train-00000-of-00001.parquet": buf.getvalue()}
+    hub.state.repos[f"datasets/{repo_id}"] = repo
+
+
+def test_a_pushed_repo_names_no_path_of_the_training_machine_and_its_recipe_trains_elsewhere(hub, tmp_path, text,
+                                                                                          tmp_path_factory):
+    """Before: recipe.yaml, the card's recipe and the TensorBoard hparams held the data, tokenizer, callback and run
+    directory as absolute paths, and the card's `datasets:` said `text`."""
+    from huggingface_hub import ModelCard
+
+    alice = tmp_path / "home" / "alice" / "secret-project"
+    docs = user_project(alice, text.read_text())
+    serve_dataset(hub, "carol/plays", docs[::-1])
+    env = {**hub_env(hub.url), "HF_DATASETS_OFFLINE": "0", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
+    run = tmp_path / "scratch" / "alice-runs" / "r1"
+    proc = run_cli("train", alice / "recipe.yaml", "--set", f"run.out_dir={run}", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("push", run, "--repo-id", "alice/corpus-s4", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    files = hub.files("alice/corpus-s4")
+    assert any(p.startswith("runs/") and "tfevents" in p for p in files)
+    for path in (str(tmp_path_factory.getbasetemp()), str(REPO), "secret-project/", "alice-runs"):
+        leaked = [name for name, data in files.items() if path.encode() in data]
+        assert not leaked, (path, leaked)
+
+    recipe = yaml.safe_load(files["recipe.yaml"])
+    assert recipe["data"]["mixture"][0]["files"] == ["corpus/*.parquet"] and recipe["data"]["tokenizer"] == "my_tok"
+    assert recipe["data"]["mixture"][1]["path"] == "carol/plays"  # a Hub id stays what it is
+    assert recipe["callbacks"][0]["target"] == "hooks.py:Note" and recipe["run"]["out_dir"] is None
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.datasets == ["carol/plays"]  # the Hub dataset it read; the parquet files are on no Hub page
+    assert {r.dataset_name for r in card.data.eval_results} == {"a mixture of local files: corpus/*.parquet; "
+                                                                "carol/plays"}
+    assert "- `data.mixture.files`: `corpus/*.parquet`\n- `data.tokenizer`: `my_tok`\n" in card.text
+    assert files["recipe.yaml"].decode().strip() in card.text
+
+    # Another user: the recipe downloaded, their own files put next to it under the names the card gives.
+    bob = tmp_path / "bob"
+    user_project(bob, text.read_text()[::-1])
+    (bob / "recipe.yaml").write_bytes(files["recipe.yaml"])
+    proc = run_cli("train", bob / "recipe.yaml", env=env, cwd=bob)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 4 steps" in proc.stdout and (bob / "runs" / "alice-corpus" / "final" / "model.safetensors").is_file()
+
+
+def test_a_model_file_holding_a_path_of_the_machine_is_refused_before_anything_is_pushed(run, hub, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "final" / "notes.txt").write_text(f"trained in {copy.resolve()}/final\n")
+    proc = run_cli("push", copy, "--repo-id", "alice/leaky", env=hub_env(hub.url))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: notes.txt would publish a path of this machine ({copy.resolve()}); nothing was pushed"]
+    assert "alice/leaky" not in hub.state.repos

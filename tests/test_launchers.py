@@ -51,7 +51,7 @@ def assert_same_weights(a, b):
 def test_torchrun_trains_on_two_cpu_processes(uninterrupted):
     out, proc = uninterrupted
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es) on cpu:0 (MULTI_CPU)" in proc.stdout and proc.stdout.count(f"done: {STEPS} steps") == 1
+    assert "DDP over 2 processes on cpu," in proc.stdout and proc.stdout.count(f"done: {STEPS} steps") == 1
     assert sorted(p.name for p in (out / "checkpoints" / "step_00000015").glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
     assert (out / "final" / "model.safetensors").is_file()
@@ -113,7 +113,7 @@ def test_the_command_printed_after_ctrl_c_under_a_launcher_resumes_on_as_many_pr
     step = int(stopped.group(1))
     resumed = run(*args, "--force", "--set", f"train.max_steps={step + 4}", cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "2 process(es)" in resumed.stdout and "resumed from " in resumed.stdout
+    assert "DDP over 2 processes on cpu" in resumed.stdout and "resumed from " in resumed.stdout
     assert f"done: {step + 4} steps" in resumed.stdout
     assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, step + 5))
 

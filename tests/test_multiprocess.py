@@ -41,7 +41,7 @@ def test_two_process_training_logs_once_saves_once_and_steps_the_schedule_once_p
                   "--set", "log.progress_bar=false", "--set", "scheduler.name=linear",
                   "--set", "scheduler.warmup_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout
+    assert "DDP over 2 processes on cpu" in proc.stdout
     assert proc.stdout.count("done: 8 steps") == 1  # the summary comes from the main process only
 
     records = read_metrics(run_dir)
@@ -134,7 +134,7 @@ def test_two_process_moe_run_with_experts_idle_on_one_rank_completes_and_logs_ga
         "log: {log_every: 2, progress_bar: false}\n")
     proc = launch("-m", "s4accel", "train", recipe, "--set", f"run.out_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout
+    assert "DDP over 2 processes on cpu" in proc.stdout
     train = [r for r in read_metrics(run_dir) if "train/loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6]
     for r in train:

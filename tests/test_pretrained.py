@@ -209,7 +209,7 @@ def test_predict_equals_the_models_own_forward_in_order_with_ids(trained_classif
     probs, names = own_forward(trained_classifier / "final", list(test["text"]))
     got = torch.tensor([[float(r[f"prob_{n}"]) for n in names] for r in rows], dtype=torch.float64)
     torch.testing.assert_close(got, probs, rtol=1e-5, atol=1e-6)
-    assert [r["label"] for r in rows] == [names[i] for i in probs.argmax(1).tolist()]
+    assert [r["prediction"] for r in rows] == [names[i] for i in probs.argmax(1).tolist()]
 
 
 def test_eval_scores_a_whole_file_the_same_on_one_and_two_processes(trained_classifier, scenes, tmp_path):

@@ -414,7 +414,7 @@ def test_two_machines_of_two_processes_train_together_under_one_lock_and_export(
         for n in nodes:
             n.kill()
     assert [n.returncode for n in nodes] == [0, 0], outputs[1][1][-2000:] + outputs[0][1][-2000:]
-    assert "4 process(es)" in outputs[0][0] and "done: 6 steps" in outputs[0][0]
+    assert "DDP over 4 processes on cpu" in outputs[0][0] and "done: 6 steps" in outputs[0][0]
     ckpt = out / "checkpoints" / "step_00000006"
     assert sorted(p.name for p in ckpt.glob("random_states_*")) == [f"random_states_{i}.pkl" for i in range(4)]
     assert (out / "final" / "model.safetensors").is_file() and not (out / ".lock").exists()

@@ -165,7 +165,7 @@ def test_two_process_gan_keeps_both_models_identical_on_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rank0, rank1 = json.loads(sums.read_text())
     assert rank0 == rank1
-    assert "2 process(es)" in proc.stdout
+    assert "DDP over 2 processes on cpu" in proc.stdout
     assert len(evals(run_dir, "eval/mean_gap")) == 2
 
 

@@ -1,11 +1,14 @@
 """A tracker that fails to start or to log never stops training: retried with backoff, then disabled with a
-warning, while the other trackers go on."""
+warning, while the other trackers go on. A tracker that cannot be built here at all (its package missing) is refused
+before any compute."""
 
 import warnings
 
 import pytest
 
-from helpers import read_metrics, train_in_process
+from helpers import TINY, read_metrics, run_cli, sets, train_in_process
+from s4accel.config import load_recipe
+from s4accel.errors import RecipeError
 from s4accel.training.tracking import GuardedTracker
 
 
@@ -38,13 +41,15 @@ class Inner:
 
 def guarded(inner, retries=3):
     sleeps = []
-    return GuardedTracker("inner", lambda: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append), sleeps
+    tracker = GuardedTracker("inner", lambda run_id: inner, retries=retries, backoff_s=0.5, sleep=sleeps.append)
+    tracker.start()
+    tracker.store_init_configuration({"run_id": "abc"})  # where Accelerate's init_trackers starts it
+    return tracker, sleeps
 
 
 def test_a_transient_failure_is_retried_with_backoff():
     inner = Inner(failures=2)
     tracker, sleeps = guarded(inner)
-    tracker.start()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: the third try succeeds
         tracker.log({"a": 1.0}, step=7)
@@ -54,7 +59,6 @@ def test_a_transient_failure_is_retried_with_backoff():
 def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
     inner = Inner(failures=100)
     tracker, sleeps = guarded(inner)
-    tracker.start()
     with pytest.warns(UserWarning, match="tracker 'inner': log failed \\(ConnectionError: temporarily down\\); "
                                          "disabled, training goes on"):
         tracker.log({"a": 1.0}, step=1)
@@ -65,12 +69,13 @@ def test_a_tracker_that_keeps_failing_is_disabled_once_with_a_warning():
 
 
 def test_a_missing_package_is_not_retried():
-    def make():
+    def make(run_id):
         raise ModuleNotFoundError("No module named 'wandb'")
 
     tracker = GuardedTracker("wandb", make, retries=3, backoff_s=0.5, sleep=pytest.fail)
+    tracker.start()
     with pytest.warns(UserWarning, match="tracker 'wandb': start failed \\(ModuleNotFoundError"):
-        tracker.start()
+        tracker.store_init_configuration({"run_id": "abc"})
     tracker.log({"a": 1.0}, step=1)
     assert tracker.disabled
 
@@ -85,11 +90,49 @@ def test_training_survives_a_tracker_that_cannot_start_and_one_that_dies_mid_run
         result = train_in_process("recipes/s4_tiny_debug.yaml", [
             f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
             "train.max_steps=6", "train.eval_every=3", "log.log_every=1", "log.progress_bar=false",
-            "sample.prompts=[]", "log.log_with=[jsonl, tensorboard, wandb, 'testing_callbacks:FlakyTracker']",
+            "sample.prompts=[]", "log.log_with=[jsonl, tensorboard, 'testing_callbacks:UnreachableTracker', "
+                                 "'testing_callbacks:FlakyTracker']",
             "log.tracker_kwargs={'testing_callbacks:FlakyTracker': {fail_from: 3}}", "log.tracker_backoff_s=0.01"])
     assert result.steps == 6 and (out / "final" / "model.safetensors").exists()
     messages = [str(w.message) for w in caught]
-    assert any(m.startswith("tracker 'wandb': start failed (ModuleNotFoundError") for m in messages), messages
+    assert any(m.startswith("tracker 'testing_callbacks:UnreachableTracker': start failed (ConnectionError")
+               for m in messages), messages
     assert any(m.startswith("tracker 'testing_callbacks:FlakyTracker': log failed (ConnectionError") for m in messages)
     assert FlakyTracker.LOGGED == [1, 2]  # then it died and was disabled
     assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # the others went on
+
+
+def not_installed_tracker() -> str:
+    """One of Accelerate's trackers whose package this machine lacks."""
+    from accelerate.tracking import get_available_trackers
+
+    from s4accel.config.loop_sections import TRACKERS
+
+    available = {t.value for t in get_available_trackers()}
+    missing = [t for t in TRACKERS if t != "jsonl" and t not in available]
+    if not missing:
+        pytest.skip("every tracker package is installed here")
+    return missing[0]
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_in_one_line_before_any_compute(tmp_path, text):
+    """It used to train to the end with exit 0, tracking nothing, after a UserWarning with its source line."""
+    name = not_installed_tracker()
+    out = tmp_path / "run"
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]",
+                                        f"log.log_with=[jsonl, {name}]"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: log.log_with: {name} is not installed here (pip install "
+                                                f"{name}); install it or remove {name} from log.log_with"]
+    assert "Warning" not in proc.stdout + proc.stderr and not out.exists()
+
+
+def test_a_tracker_class_that_does_not_import_is_refused_in_one_line(tmp_path):
+    from s4accel.training.tracking import check_tracker_packages
+
+    recipe = load_recipe(TINY, ["log.log_with=[jsonl, 'no_such_package.trackers:Mine']"])
+    with pytest.raises(RecipeError, match=r"^log.log_with: no_such_package.trackers:Mine cannot be imported "
+                                          r"\(ModuleNotFoundError: No module named 'no_such_package'\)$"):
+        check_tracker_packages(recipe.log)
+    check_tracker_packages(load_recipe(TINY, ["log.log_with=[jsonl, tensorboard, 'testing_callbacks:FlakyTracker']"]
+                                       ).log)  # what is installed passes

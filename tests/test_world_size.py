@@ -27,13 +27,22 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory, hf_cache):
     """A training text of exactly 128 blocks of 32 bytes (4,095 characters and the end-of-document token), so every
-    epoch divides into global micro-batches of 8 and 16 examples, and a validation text of its own."""
+    epoch divides into global micro-batches of 8 and 16 examples, a validation text of its own, and a second source
+    for a mixture."""
     folder = tmp_path_factory.mktemp("world")
     text = small_text_file(folder, chars=6000).read_text()
     assert len(text.encode()) == len(text)  # one byte, one token
     (folder / "train.txt").write_text(text[:4095])
     (folder / "val.txt").write_text(text[4095:])
+    (folder / "other.txt").write_text((REPO / "README.md").read_text()[:4095])
     return folder / "train.txt", folder / "val.txt"
+
+
+def mixture(texts) -> tuple[str, ...]:
+    """The training text and a second source mixed half and half (map-style: `interleave_datasets`)."""
+    train, _ = texts
+    return (f"data.mixture=[{{source: files, files: [{train}], weight: 1}}, {{source: files, files: "
+            f"[{train.parent / 'other.txt'}], weight: 1}}]", "data.files=[]")
 
 
 def launch(processes: int, texts, out: Path, *extra: str, resume: bool = False, force: bool = False):
@@ -61,10 +70,11 @@ def references(tmp_path_factory, texts):
     1 process x 8 x 2."""
     root = tmp_path_factory.mktemp("references")
     runs = {}
-    for processes, sets in ((2, batching(2, 4, 2)), (1, batching(1, 8, 2))):
-        proc = launch(processes, texts, root / f"p{processes}", *sets)
+    for name, processes, sets in ((2, 2, batching(2, 4, 2)), (1, 1, batching(1, 8, 2)),
+                                  ("mixture", 2, batching(2, 4, 2) + mixture(texts))):
+        proc = launch(processes, texts, root / f"run_{name}", *sets)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[processes] = root / f"p{processes}"
+        runs[name] = root / f"run_{name}"
     return runs
 
 
@@ -85,15 +95,18 @@ def examples_per_step(run: Path) -> dict[int, collections.Counter]:
     return steps
 
 
-@pytest.mark.parametrize("before, after, sets", [
-    (2, 1, batching(1, 8, 2)),  # the same micro-batches, gathered on one process
-    (1, 2, batching(2, 4, 2)),
-    (2, 4, batching(4, 4, 1)),  # one micro-batch per process and step instead of two
+@pytest.mark.parametrize("reference, before, after, sets", [
+    (2, 2, 1, batching(1, 8, 2)),  # the same micro-batches, gathered on one process
+    (1, 1, 2, batching(2, 4, 2)),
+    (2, 2, 4, batching(4, 4, 1)),  # one micro-batch per process and step instead of two
+    ("mixture", 2, 1, batching(1, 8, 2)),  # two sources interleaved by weight
 ])
 def test_a_run_resumed_on_another_number_of_processes_trains_on_the_same_examples(references, texts, tmp_path,
-                                                                                     before, after, sets):
-    reference = references[before]
+                                                                                     reference, before, after, sets):
+    reference = references[reference]
     out = from_checkpoint(reference, tmp_path / "resumed")
+    if "mixture" in reference.name:
+        sets = sets + mixture(texts)
     proc = launch(after, texts, out, *sets, resume=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed on {after} process(es) from a checkpoint of {before}" in proc.stdout

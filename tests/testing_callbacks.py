@@ -3,6 +3,7 @@ put this folder on the path (PYTHONPATH for subprocesses)."""
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -20,6 +21,17 @@ class SignalAt(Callback):
     def on_step_end(self, run):
         if run.state.step == self.step and self.rank in (None, run.accelerator.process_index):
             os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+class RemoveAt(Callback):
+    """After optimizer step `step`, delete the folder `path` (a tracker's store lost mid-run)."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, Path(path)
+
+    def on_step_end(self, run):
+        if run.state.step == self.step:
+            shutil.rmtree(self.path)
 
 
 class KilledOnceAt(Callback):
@@ -149,6 +161,16 @@ class FlakyTracker:
 
     def finish(self):
         pass
+
+
+class UnreachableTracker(FlakyTracker):
+    """A tracker whose server cannot be reached when the run starts (its package is installed: the run is not refused
+    up front, the tracker is disabled once its tries are spent)."""
+
+    name = "unreachable"
+
+    def start(self):
+        raise ConnectionError("tracker server unreachable")
 
 
 class SameWeightsOnAllRanks(Callback):

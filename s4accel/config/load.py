@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from ..errors import RecipeError, did_you_mean as _did_you_mean
 from .paths import anchor_paths
 from .schema import Recipe
+from .trainer_names import trainer_hint
 
 MAX_RECIPE_VALUES = 100_000
 """A recipe holds a few hundred values; YAML aliases can make a few lines stand for billions (an "alias bomb"), which
@@ -154,6 +155,8 @@ def _format_error(err: dict) -> str:
     loc = tuple(err["loc"])
     path = ".".join(str(p) for p in loc) or "(top level)"
     if err["type"] == "extra_forbidden":
+        if hint := trainer_hint(loc[-1]):  # a Trainer or Lightning habit: its place, not a look-alike key
+            return f"{path}: unknown key; {hint}"
         allowed = _fields_at(loc[:-1]) or []
         return f"{path}: unknown key{_did_you_mean(loc[-1], allowed)}; allowed: {', '.join(allowed)}"
     msg = err["msg"].removeprefix("Value error, ")

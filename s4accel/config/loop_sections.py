@@ -76,8 +76,10 @@ class TrainCfg(_Section):
     """Clip the global gradient norm to this value (the norm is logged either way)."""
     clip_grad_value: float | None = Field(None, gt=0)
     """Clip each gradient element to [-v, v] instead (exclusive with `clip_grad_norm`)."""
-    eval_every: int = Field(200, ge=0)
-    """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_every: int | Literal["epoch"] = 200
+    """Evaluate every N optimizer steps (0: only at the end), or `epoch`: after each pass over the training data (the
+    step whose window finished the pass) and at the end, with `max_epochs` or `max_steps`. Not for a streamed
+    source, which has no epochs."""
     eval_max_batches: int | None = Field(None, ge=1)
     """Cap on validation batches per evaluation (per process); `null` evaluates the whole validation split."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
@@ -111,6 +113,10 @@ class TrainCfg(_Section):
     tf32: bool = False
     """On CUDA: float32 matmuls and convolutions in TF32 (`torch.set_float32_matmul_precision("high")`, Ampere or
     newer), faster at ~1e-3 relative precision. Nothing changes on CPU."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak TFLOP/s of one device, what `train/mfu` divides by. `null`: the published dense peak of a known GPU for
+    the run's precision (H100, H200, A100, L40S, L4, A10, RTX 4090, V100), or on a CPU a float32 matmul measured at
+    the start of the run."""
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +126,14 @@ class TrainCfg(_Section):
         if isinstance(data, dict) and data.get("max_steps") is None and data.get("max_epochs") is None:
             data = {**data, "max_steps": 1000}
         return data
+
+    @field_validator("eval_every", mode="before")
+    @classmethod
+    def _steps_or_epoch(cls, value):
+        """One line for a wrong value (each branch of the union would give its own)."""
+        if value == "epoch" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"expected a number of steps (0: only at the end) or 'epoch', got {value!r}")
 
     @model_validator(mode="after")
     def _one_clip(self):

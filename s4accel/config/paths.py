@@ -2,19 +2,23 @@
 `s4accel train examples/diabetes.yaml` works from any directory); a path given with `--set` means one relative to the
 current directory, as a shell user expects. Each is made absolute where it is found, so the `recipe.yaml` a run keeps
 names the same files wherever the run is resumed from. A value found in neither place is left as written: it may be
-a Hub id or a builder name, and the data or model code says what is missing."""
+a Hub id or a builder name, and the data or model code says what is missing.
+
+The other way, for a recipe published with a model (`portable_recipe`): the machine's absolute paths become names
+another user can place next to the recipe."""
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
-from pathlib import Path
-from typing import Callable
+from pathlib import Path, PurePosixPath
+from typing import Callable, NamedTuple
 
 FILE_KEYS = ("files", "val_files", "data_files", "path")
 """Keys of `data` (and of each `data.mixture` item) naming files, globs or a folder."""
-IMPORT_KEYS = (("task", "target"), ("model", "state_hook"), ("scheduler", "kwargs", "target"))
-"""`path/file.py:attr` values outside `data` (callbacks' targets too)."""
+IMPORT_KEYS = (("task", "target"), ("task", "metrics"), ("model", "state_hook"), ("scheduler", "kwargs", "target"))
+"""`path/file.py:attr` values (or lists of them) outside `data` (callbacks' targets too)."""
 
 
 def anchor_paths(raw: dict, base: Callable[[tuple], Path | None]) -> None:
@@ -34,6 +38,8 @@ def anchor_paths(raw: dict, base: Callable[[tuple], Path | None]) -> None:
 
     def fix_import(value, key: tuple):
         folder = base(key)
+        if isinstance(value, list):  # task.metrics
+            return [fix_import(v, key) for v in value]
         if not isinstance(value, str) or folder is None or ".py:" not in value:
             return value
         file, _, attr = value.rpartition(":")
@@ -83,3 +89,82 @@ def _get(raw, key: tuple):
         if node is None:
             return None
     return node
+
+
+MACHINE_ONLY = (("run", "out_dir"), ("data", "cache_dir"))
+"""Where the training machine kept the run and its caches: of no use elsewhere, published as null (the defaults)."""
+TEXT_KEYS = (("sample", "prompts"),)
+"""Values that are text, never paths, whatever they start with."""
+
+
+class Renamed(NamedTuple):
+    key: str
+    """Where in the recipe, list indices left out: `data.files`."""
+    path: str
+    """The absolute path on the training machine."""
+    name: str
+    """What the published recipe says instead."""
+
+
+def portable_recipe(raw: dict) -> tuple[dict, list[Renamed]]:
+    """A copy of a run's resolved recipe that names no path of the training machine, for a model card and the
+    `recipe.yaml` beside a published model; with what it renamed.
+
+    Every absolute path (a data file or glob, a tokenizer or model folder, a `file.py:Class`, anywhere in the recipe)
+    becomes its name: a file's or folder's own name, a glob's pattern with the folder holding it (`corpus/*.parquet`),
+    with as many parent folders as it takes to tell two apart. A recipe reads a relative path next to itself, so the
+    published recipe runs wherever a user puts their own files under those names beside it: the data was the training
+    machine's own, and the folders above it say nothing but where that machine keeps things. Hub ids, builder names
+    and other relative values are kept; `run.out_dir` and `data.cache_dir` become null."""
+    out = copy.deepcopy(raw)
+    for key in MACHINE_ONLY:
+        parent = _get(out, key[:-1])
+        if isinstance(parent, dict) and parent.get(key[-1]) is not None:
+            parent[key[-1]] = None
+    found: dict[tuple, tuple[str, str]] = {}  # key -> (absolute path, ":attr" after a file.py)
+
+    def walk(node, key: tuple):
+        if key in TEXT_KEYS:
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*key, k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, (*key, i))
+        elif isinstance(node, str):
+            file, attr = _split_import(node)
+            if os.path.isabs(os.path.expanduser(file)):
+                found[key] = (os.path.expanduser(file), attr)
+
+    walk(out, ())
+    names = _short_names({path for path, _ in found.values()})
+    renamed = []
+    for key, (path, attr) in found.items():
+        parent = _get(out, key[:-1])
+        parent[key[-1]] = names[path] + attr
+        renamed.append(Renamed(".".join(str(k) for k in key if not isinstance(k, int)), path, names[path] + attr))
+    return out, renamed
+
+
+def _split_import(value: str) -> tuple[str, str]:
+    """`path/file.py:Class` -> (`path/file.py`, `:Class`); any other value -> (value, "")."""
+    file, sep, attr = value.rpartition(":")
+    return (file, sep + attr) if sep and file.endswith(".py") else (value, "")
+
+
+def _short_names(paths: set[str]) -> dict[str, str]:
+    """Each absolute path's name: its last part (a glob: from the folder holding its pattern), with more parent
+    folders for paths that would otherwise share a name."""
+    parts = {p: PurePosixPath(p).parts[1:] for p in paths}
+    start = {}
+    for p, ps in parts.items():
+        magic = next((i for i, part in enumerate(ps) if glob.has_magic(part)), None)
+        start[p] = max(0, len(ps) - 1 if magic is None else magic - 1)
+    while True:
+        names = {p: "/".join(parts[p][start[p]:]) or "." for p in paths}
+        clashing = [p for p in paths if start[p] > 0 and sum(n == names[p] for n in names.values()) > 1]
+        if not clashing:
+            return names
+        for p in clashing:
+            start[p] -= 1

@@ -57,6 +57,48 @@ class RunCfg(_Section):
         return Path(self.out_dir if self.out_dir is not None else Path("runs") / self.name)
 
 
+class LoraCfg(_Section):
+    """LoRA adapters through PEFT (`pip install s4accel[lora]`): the base model stays fixed, low-rank updates of the
+    named modules and parameters train. Names match as PEFT matches a list: a module or parameter whose dotted name
+    is the pattern or ends with `.pattern` (`output_linear`, `attn.qkv_proj`, `layers.0.layer.output_linear`)."""
+
+    r: int = Field(8, ge=1)
+    """Rank of each update (PEFT's `r`)."""
+    alpha: float = Field(16, gt=0)
+    """Scale of the update: it is multiplied by `alpha / r` (PEFT's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on an adapted module's input, on the low-rank path only (PEFT's `lora_dropout`). PEFT has none for
+    `target_parameters`: 0 there."""
+    target_modules: list[str] = Field(default_factory=list)
+    """Layers to adapt: S4's `output_linear`; the MoE models' `qkv_proj`, `o_proj`, `router`, the dense blocks' and
+    shared experts' `gate_up_proj`/`down_proj` (nn.Linear, nn.Embedding, convolutions)."""
+    target_parameters: list[str] = Field(default_factory=list)
+    """Weights that are parameters of a module rather than layers of their own, adapted where they are used (PEFT's
+    `target_parameters`): the experts' 3-D `experts.gate_up_proj` (E, 2F, D) and `experts.down_proj` (E, D, F), a
+    rank-`r` update per expert; 2-D and 3-D parameters only."""
+
+    @field_validator("target_modules", "target_parameters")
+    @classmethod
+    def _plain_names(cls, names):
+        bad = next((n for n in names if not n or n != n.strip() or n.startswith(".") or n.endswith(".")), None)
+        if bad is not None:
+            raise ValueError(f"{bad!r} is not a module or parameter name (e.g. output_linear, attn.qkv_proj)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names}: a name is listed twice")
+        return names
+
+    @model_validator(mode="after")
+    def _something_to_adapt(self):
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError("model.lora: name what to adapt in target_modules (e.g. [output_linear]) or "
+                             "target_parameters (e.g. [experts.gate_up_proj])")
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"model.lora.dropout: PEFT applies no dropout to LoRA on parameters (target_parameters "
+                             f"{self.target_parameters}): the input of W + BA cannot be dropped on the BA path alone; "
+                             f"set dropout: 0")
+        return self
+
+
 class ModelCfg(_Section):
     name: str | None = "s4-small"
     """A named size from `s4accel.config.sizes.MODEL_SIZES` (see `s4accel models`); none with `pretrained`."""
@@ -80,6 +122,11 @@ class ModelCfg(_Section):
     `pretrained_model_state_hook` does."""
     freeze: list[str] = Field(default_factory=list)
     """Parameter-name patterns (`fnmatch`, e.g. `backbone.*`) kept fixed: not trained, not in the optimizer."""
+    lora: LoraCfg | None = None
+    """Train LoRA adapters (PEFT) instead of the model's weights: `{r, alpha, dropout, target_modules,
+    target_parameters}`. The base is `pretrained` or, without it, the freshly initialised model; `final/` holds the
+    adapter (and, for a fresh base, the base in `final/base/`); `s4accel export RUN --merge OUT` writes a plain
+    model."""
 
     @field_validator("name")
     @classmethod
@@ -98,6 +145,9 @@ class ModelCfg(_Section):
             object.__setattr__(self, "name", None)  # written back as `name: null`, so the recipe reloads
         elif self.name is None:
             raise ValueError("model.name: give a model size (see `s4accel models`) or model.pretrained")
+        if self.lora is not None and self.freeze:
+            raise ValueError("model.freeze: with model.lora only the adapters train (and a classifier's head); the "
+                             "base is fixed already, so remove model.freeze")
         if self.pretrained is None and (self.state_hook or self.new_weights is not None or self.revision):
             raise ValueError("model.state_hook, model.new_weights and model.revision go with model.pretrained")
         if self.pretrained is None:  # with `pretrained`, its family's fields are checked when it is read
@@ -148,9 +198,10 @@ class SchedulerCfg(_Section):
     steps after warmup by default), `lambda` (`{target: module:function}`, the learning-rate multiplier as a
     function of the step). Torch's count their steps from the end of the warmup. Stepped once per optimizer step."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup length in optimizer steps."""
+    """Linear warmup length in optimizer steps; one longer than the run is cut to the run, with a line saying so."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    """Warmup as a fraction of `train.max_steps` (exclusive with `warmup_steps`)."""
+    """Warmup as a fraction of the run's optimizer steps (`train.max_steps`, or what `train.max_epochs` comes to),
+    rounded up; exclusive with `warmup_steps`."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Schedule-specific arguments, e.g. `{min_lr_rate: 0.1}` for `cosine_with_min_lr`."""
 
@@ -183,6 +234,20 @@ class TaskCfg(_Section):
     data, `classification` for array data."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
+    metrics: list[str] = Field(default_factory=list)
+    """Metrics of your own, each a function `(predictions, labels) -> number | {name: number}` as
+    `package.module:function` or `path/to/file.py:function`, given every evaluated sample's predicted and true class
+    (value, for regression) as 1-D tensors gathered from all processes (s4accel/training/recipe_metrics.py); logged
+    beside the task's metrics, a number under the function's name. The classification task hands them over; a task of
+    your own does when its `gathered` lists `prediction` and `label`."""
+
+    @field_validator("metrics")
+    @classmethod
+    def _function_paths(cls, targets):
+        for target in targets:
+            if not re.fullmatch(r"([A-Za-z_][\w.]*|[^:\s]+\.py):[A-Za-z_][\w.]*", target):
+                raise ValueError(f"expected 'package.module:function' or 'path/file.py:function', got {target!r}")
+        return targets
 
     @field_validator("target")
     @classmethod
@@ -253,32 +318,14 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
-    def _warmup_fits(self):
-        if self.train.max_epochs is None:  # with epochs: checked once the length is known (set_epoch_length)
-            self._check_warmup()
-        return self
-
-    @model_validator(mode="after")
     def _epochs_need_an_end(self):
         if self.train.max_epochs is not None and self.data.streaming:
             raise ValueError("train.max_epochs: a streamed source is read without knowing its length, so it has no "
                              "epochs; set train.max_steps instead")
+        if self.train.eval_every == "epoch" and self.data.streaming:
+            raise ValueError("train.eval_every: a streamed source is read without knowing its length, so it has no "
+                             "epochs to evaluate after; evaluate every N steps instead (train.eval_every: N)")
         return self
-
-    def _check_warmup(self):
-        message = self.warmup_problem(self.total_steps)
-        if message:
-            raise ValueError(message)
-
-    def warmup_problem(self, total_steps: int) -> str | None:
-        """Why the warmup cannot fit a run of `total_steps` steps, or None."""
-        warmup = self.warmup_steps_for(total_steps)
-        if warmup <= total_steps:
-            return None
-        key = "scheduler.warmup_steps" if self.scheduler.warmup_steps else "scheduler.warmup_ratio"
-        limit = (f"train.max_steps={total_steps}" if self.train.max_epochs is None else
-                 f"the {total_steps} steps of train.max_epochs={self.train.max_epochs}")
-        return f"{key}: {warmup} warmup steps are more than {limit}"
 
     def total_steps_for(self, batches_per_epoch: int | None) -> int:
         """Optimizer steps the run trains for: `train.max_steps`, or what `train.max_epochs` comes to with
@@ -292,9 +339,22 @@ class Recipe(_Section):
         return by_epochs if cfg.max_steps is None else min(by_epochs, cfg.max_steps)
 
     def warmup_steps_for(self, total_steps: int) -> int:
+        """The warmup of a run of `total_steps` steps: `scheduler.warmup_steps`, or `warmup_ratio` of the run; a
+        warmup longer than the run is cut to the run (`warmup_note` says so), so that `--set train.max_steps=1`
+        runs a recipe as it is."""
         if self.scheduler.warmup_steps or not self.scheduler.warmup_ratio:
-            return self.scheduler.warmup_steps
-        return math.ceil(self.scheduler.warmup_ratio * total_steps)
+            return min(self.scheduler.warmup_steps, total_steps)
+        return math.ceil(self.scheduler.warmup_ratio * total_steps)  # < total_steps: the ratio is below 1
+
+    def warmup_note(self, total_steps: int) -> str | None:
+        """The line a run prints when `warmup_steps_for` cut the warmup to the run; None when it did not."""
+        asked = self.scheduler.warmup_steps
+        if asked <= total_steps:
+            return None
+        length = (f"train.max_steps={total_steps}" if self.train.max_epochs is None or total_steps ==
+                  self.train.max_steps else f"the {total_steps} steps of train.max_epochs={self.train.max_epochs}")
+        return (f"scheduler.warmup_steps={asked} is longer than the run ({length}): warming up over all {total_steps} "
+                f"step(s) instead (scheduler.warmup_ratio scales the warmup with the run)")
 
     @property
     def total_steps(self) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from ..config import DataCfg
 from ..errors import DataError
-from .progress import bars_for
+from .progress import counted, tokenizing
 from .sources import load_source
 from .tokenize import build_tokenizer, encode, token_dtype
 
@@ -94,12 +94,13 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
     dtype = token_dtype(tokenizer)
 
     def tokenize(table):
-        ids = encode(table["text"], tokenizer, None, dtype, max_len=cfg.seq_len)
+        with counted(table["text"]):
+            ids = encode(table["text"], tokenizer, None, dtype, max_len=cfg.seq_len)
         labels = np.array([index[v] for v in table["label"].to_pylist()], dtype=np.int64)
         return pa.table({"input_ids": ids, "labels": labels})
 
     def prepare(ds, what):
-        with bars_for(len(ds)):
+        with tokenizing(ds, f"tokenizing {what}", cfg.num_proc):
             out = ds.with_format("arrow").map(tokenize, batched=True, remove_columns=ds.column_names,
                                               num_proc=cfg.num_proc, desc=f"tokenizing {what}")
         return out.with_format("numpy")

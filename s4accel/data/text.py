@@ -21,7 +21,7 @@ import numpy as np
 
 from ..config import DataCfg, SourceCfg
 from ..errors import DataError
-from .progress import bars_for
+from .progress import counted, tokenizing
 from .sources import load_source
 from .tokenize import blocks_table, build_tokenizer, encode, pack, token_dtype
 
@@ -59,12 +59,13 @@ def to_blocks(docs, tokenizer, seq_len: int, num_proc: int | None = None, desc: 
     eos, dtype = tokenizer.eos_token_id, token_dtype(tokenizer)
 
     def tokenize_and_pack(table):
-        return blocks_table(pack(encode(table["text"], tokenizer, eos, dtype), seq_len))
+        with counted(table["text"]):
+            return blocks_table(pack(encode(table["text"], tokenizer, eos, dtype), seq_len))
 
-    with bars_for(len(docs)):
+    what = f"tokenizing and packing {seq_len}{desc}"
+    with tokenizing(docs, what, num_proc):
         blocks = docs.with_format("arrow").map(tokenize_and_pack, batched=True, batch_size=PACK_BATCH,
-                                               remove_columns=docs.column_names, num_proc=num_proc,
-                                               desc=f"tokenizing and packing {seq_len}{desc}")
+                                               remove_columns=docs.column_names, num_proc=num_proc, desc=what)
     return blocks.with_format("numpy")
 
 

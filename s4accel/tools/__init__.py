@@ -2,6 +2,7 @@
 
     run.py         train(), then push to the Hub when the recipe asks (the public `s4accel.train`)
     inference.py   safe loading, generate, eval
+    harness.py     eval --lm-eval: lm-evaluation-harness tasks through its `hf` model
     hub.py         push a run's model with its card, recipe, metrics and logs
     model_card.py  the model card and training-curve image
     finders.py     lr-find and find-batch-size, through the recipe's task

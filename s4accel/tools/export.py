@@ -9,6 +9,9 @@ Where each part comes from:
     tokenizer        as the run built it: by the recipe, a trained BPE from the run's tokenizer/ folder
     code, auto_map   `save_pretrained`, as for final/ (loads with trust_remote_code, without s4accel)
     card             README.md, recipe.yaml, metrics.json, training_curve.png, as `s4accel push` stages them
+
+A LoRA run (`model.lora`) exports its adapter as final/ holds it (PEFT's files; a fresh base in base/), or with
+`--merge` a plain model: every adapted weight W + (alpha / r) B A, loadable without PEFT.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from ..errors import ExportError
 from ..training.checkpoint import (STEP_DIR, checkpoint_dir, checkpoint_problem, checkpoint_step, locate_checkpoint,
                                    step_dirs)
 from ..training.checkpoint_weights import checkpoint_weights_kind, read_ema_weights, read_model_weights
+from ..training.lora import is_lora, merged, save_adapter
 from ..training.tasks_builtin import PREPROCESSING, build_model, preprocessing
-from .model_card import eval_metrics, write_card
+from .adapter_card import write_any_card
+from .model_card import eval_metrics
 from .outputs import WholeFolder, check_output_folder
 
 
@@ -42,9 +47,10 @@ class Exported:
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = None, ema: bool = False,
-                      overwrite: bool = False) -> Exported:
+                      overwrite: bool = False, merge: bool = False) -> Exported:
     """Write the model of one checkpoint of `run_dir` to `out` (atomically; an existing non-empty `out` only with
-    `overwrite`). Whatever the user can get wrong is one `ExportError` (or `DataError`) before anything is written."""
+    `overwrite`); of a LoRA run its adapter, or with `merge` the base with the adapter merged into it. Whatever the
+    user can get wrong is one `ExportError` (or `DataError`) before anything is written."""
     run_dir, out = Path(run_dir), Path(out)
     ckpt, warnings = find_checkpoint(run_dir, step)
     kind = checkpoint_weights_kind(ckpt)
@@ -54,6 +60,9 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
                           f"built-in task trains (its own tasks export their model at the end of training)")
     if ema and recipe.train.ema is None:
         raise ExportError(f"--ema: {run_dir} was trained without train.ema; its checkpoints hold no EMA weights")
+    if merge and recipe.model.lora is None:
+        raise ExportError(f"--merge: {run_dir} trained no LoRA adapter (model.lora); its checkpoints hold the whole "
+                          f"model already: export without --merge")
     check_out(out, run_dir, overwrite)
     tokenizer, model = model_skeleton(recipe, run_dir)
     weights = read_model_weights(ckpt)
@@ -62,14 +71,20 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
         parameters = dict(model.named_parameters(remove_duplicate=False))
         weights = {k: v for k, v in weights.items() if k not in parameters} | averaged(ckpt, n)
     fill(model, weights, ckpt)
-    which = f"step {n}" + (" EMA" if ema else "")
+    which = f"step {n}" + (" EMA" if ema else "") + (" merged with its LoRA adapter" if merge else "")
     records = [r for r in read_records(run_dir) if isinstance(r.get("step"), int) and r["step"] <= n]
+    if merge:
+        model = merged(model)
     with WholeFolder(out, "OUT") as tmp:
-        model.save_pretrained(tmp)  # config, generation config, safetensors (tied weights once), code + auto_map
+        if is_lora(model):  # the adapter as final/ holds it
+            save_adapter(model, tmp)
+        else:  # config, generation config, safetensors (tied weights once), code + auto_map
+            model.save_pretrained(tmp)
         if tokenizer is not None:  # array data has none
             tokenizer.save_pretrained(tmp)
         (tmp / PREPROCESSING).write_text(preprocessing(recipe))
-        write_card(tmp, out.name, (ckpt / "recipe.yaml").read_text(), records, eval_metrics(records, ema, n), which)
+        write_any_card(tmp, out.name, (ckpt / "recipe.yaml").read_text(), records, eval_metrics(records, ema, n),
+                       which)
     return Exported(out, ckpt, n, kind, warnings)
 
 

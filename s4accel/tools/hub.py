@@ -1,4 +1,5 @@
-"""`s4accel push`: upload one model of a run directory to the Hub with its card, recipe, metrics and TensorBoard logs.
+"""`s4accel push`: upload one model of a run directory to the Hub with its card, recipe, metrics and TensorBoard logs,
+none of which names a path of the training machine (`portable.py`).
 
 What is uploaded is staged in a temporary directory outside the run directory, which is only read. The token is the
 one `huggingface_hub` finds (`HF_TOKEN`, `hf auth login`); it is never printed or written anywhere by s4accel.
@@ -18,7 +19,10 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from ..errors import S4AccelError
 from ..training.callbacks import KeepBest
-from .model_card import eval_metrics, write_card
+from ..training.lora import FRESH_BASE
+from .adapter_card import is_adapter, publish_base_name, write_any_card
+from .model_card import eval_metrics
+from .portable import copy_event_file, machine_path_in, machine_paths, published_hparams
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".py", ".txt", ".model")  # weights, config, code, tokenizer
 
@@ -49,7 +53,7 @@ def model_dir_of(run_dir: Path, which: str, recipe: dict, records: list[dict]) -
             raise HubError(f"{path}: its metrics.json is not a regular file inside the run directory")
         return path, json.loads(metrics)
     path = _inside(run_dir / ("final_ema" if which == "ema" else "final"), run_dir)
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not is_adapter(path):
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
         raise HubError(f"{run_dir}: no {path.name}/ model{hint}")
     return path, eval_metrics(records, ema=which == "ema")
@@ -89,20 +93,33 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
     """Everything to upload, laid out as the repository: model files, README.md (card), recipe.yaml, metrics.json,
     training_curve.png, runs/ (TensorBoard event files). Only regular files inside the run directory are read."""
     recipe_yaml = _read(run_dir / "recipe.yaml", run_dir) or ""
-    records = _metrics(run_dir)
-    model_dir, metrics = model_dir_of(run_dir, which, _recipe(recipe_yaml), records)
+    recipe, records = _recipe(recipe_yaml), _metrics(run_dir)
+    model_dir, metrics = model_dir_of(run_dir, which, recipe, records)
     for f in sorted(model_dir.iterdir()):
         if f.suffix in MODEL_FILE_SUFFIXES and f.name != "metrics.json" and _regular(f, run_dir):
             shutil.copy2(f, out / f.name)
+    if is_adapter(out):
+        publish_base_name(out)
+    base = model_dir / FRESH_BASE  # a LoRA adapter's fresh base, which it means nothing without
+    if is_adapter(model_dir) and base.is_dir() and not base.is_symlink():
+        (out / FRESH_BASE).mkdir()
+        for f in sorted(base.iterdir()):
+            if f.suffix in MODEL_FILE_SUFFIXES and _regular(f, run_dir):
+                shutil.copy2(f, out / FRESH_BASE / f.name)
     tb = run_dir / "tensorboard"
     if tb.is_dir():
+        hparams = published_hparams(recipe)  # the recipe as the run logged it, its paths published as names
         for f in sorted(tb.rglob("events.out.tfevents.*")):
             if not _regular(f, run_dir):
                 continue
             target = out / "runs" / f.relative_to(tb)
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
-    write_card(out, repo_id, recipe_yaml, records, metrics, which)  # counts the staged weights: regular files
+            copy_event_file(f, target, hparams)
+    write_any_card(out, repo_id, recipe_yaml, records, metrics, which)  # counts the staged weights: regular files
+    # The card, recipe and hyperparameters name no path of the machine; anything else that does is not uploaded.
+    leak = machine_path_in(out, machine_paths(recipe, run_dir))
+    if leak is not None:
+        raise HubError(f"{leak[0]} would publish a path of this machine ({leak[1]}); nothing was pushed")
     return out
 
 

@@ -27,7 +27,7 @@ def continue_command(run_dir: Path, argv: list[str] | None = None) -> tuple[str,
     """The command that resumes the run in `run_dir` the way it was started, and where to run it ("" or a note for
     several machines). Alone: `s4accel train RUN --resume`. Under a launcher: the launcher's own command line (its
     config file, processes, machines) with `train RUN --resume` for this command's arguments `argv`; a run resumed
-    by fewer processes would go on with other batches and random streams, not where it stopped."""
+    on another number of processes must also say how to keep its global batch (training/world.py)."""
     ours = ["train", str(run_dir), "--resume"]
     if not under_launcher():
         return shlex.join(["s4accel", *ours]), ""

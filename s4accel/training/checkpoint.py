@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 
 from ..errors import CheckpointError, ResumeError
+from .lora import is_lora, save_adapter
 from .run_dir import replace_dir, write_atomic
 from .zero import safe_globals
 
@@ -342,7 +343,9 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: Path, extra_files:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-            if hasattr(unwrapped, "save_pretrained"):
+            if is_lora(unwrapped):  # the adapter as PEFT saves it (and a fresh base beside it)
+                save_adapter(unwrapped, tmp, state_dict)
+            elif hasattr(unwrapped, "save_pretrained"):
                 unwrapped, state_dict = own_class(unwrapped, state_dict, gathered=deepspeed(accelerator))
                 unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict)
             else:  # a plain nn.Module of a task of your own: its weights (load_state_dict(load_file(...)))

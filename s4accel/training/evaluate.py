@@ -1,24 +1,31 @@
-"""Evaluation: the task's per-sample values summed over the whole validation split on every process (duplicates of
-the padded last batch dropped), the task's metrics from the sums, and their report to callbacks, trackers and the
-console."""
+"""Evaluation: the task's per-sample values summed (or kept whole, `Task.gathered`) over the whole validation split on
+every process (duplicates of the padded last batch dropped), the task's metrics and the recipe's own from them, their
+report to callbacks, trackers and the console, and when a run evaluates."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from .callbacks import CallbackList, RunContext, improved
+from .class_scores import confusion_text
+from .recipe_metrics import metric_functions, recipe_metrics
 from .step import agree
 from .task import Task
 
 
 @torch.no_grad()
-def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False,
-                  progress: bool = False) -> tuple[dict, int] | None:
+def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False, progress: bool = False,
+                  keep: tuple[str, ...] = ()) -> tuple[dict, int] | None:
     """Sum `per_sample(model, batch) -> {name: (B,) or (B, k)}` over the whole evaluation split on all processes:
     the rows go through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns the sums
-    (floats, or lists for (B, k) values) and the number of samples; None when `abort()` (a stop signal) becomes true on
-    any process, checked before each batch. `progress`: a bar on the main process (it goes when done).
+    (floats, or lists for (B, k) values) and the number of samples; the values named in `keep` come whole instead:
+    every sample's, from all processes, as one CPU tensor of the dtype they were returned in (predictions and labels,
+    for the metrics a sum cannot give). None when `abort()` (a stop signal) becomes true on any process, checked
+    before each batch. `progress`: a bar on the main process (it goes when done).
 
     The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
     how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
@@ -26,7 +33,7 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False,
     with torch.random.fork_rng(devices=devices):
         was_training = model.training
         model.eval()
-        totals, widths = None, None
+        totals, widths, kept = None, None, []
         try:
             bar = tqdm(val_dl, desc="eval", leave=False, dynamic_ncols=True,
                        disable=not (progress and accelerator.is_main_process))
@@ -37,25 +44,35 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False,
                     values = per_sample(model, batch)
                     cols = [v.reshape(v.shape[0], -1).double() for v in values.values()]
                     cols.append(torch.ones_like(cols[0][:, :1]))  # counts the samples
-                    rows = accelerator.gather_for_metrics(torch.cat(cols, dim=1)).sum(0)
+                    rows = accelerator.gather_for_metrics(torch.cat(cols, dim=1))
                 widths = widths or {k: c.shape[1] for k, c in zip(values, cols)}
-                totals = rows if totals is None else totals + rows
+                totals = rows.sum(0) if totals is None else totals + rows.sum(0)
+                if keep:  # float64 holds any class id or float32 value exactly
+                    kept.append(rows.cpu())
         finally:
             model.train(was_training)
     if totals is None:
         raise ValueError("the validation loader yielded no batch")
-    parts = totals.tolist()
+    parts, whole = totals.tolist(), torch.cat(kept) if kept else None
     sums, i = {}, 0
     for key, width in widths.items():
-        sums[key] = parts[i] if width == 1 and values[key].dim() == 1 else parts[i : i + width]
+        if key in keep:
+            column = whole[:, i: i + width]
+            sums[key] = (column[:, 0] if values[key].dim() == 1 else column).to(values[key].dtype)
+        else:
+            sums[key] = parts[i] if width == 1 and values[key].dim() == 1 else parts[i: i + width]
         i += width
     return sums, int(parts[-1])
 
 
 def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False, progress: bool = False) -> dict | None:
-    """The task's metrics over the whole validation split, gathered over processes (None if a stop cut it short)."""
-    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort, progress)
-    return None if out is None else task.compute_metrics(*out)
+    """The task's metrics over the whole validation split, gathered over processes, and the recipe's own
+    (`task.metrics`) on the gathered predictions and labels; None if a stop cut it short."""
+    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort, progress, task.gathered)
+    if out is None:
+        return None
+    metrics = task.compute_metrics(*out)
+    return {**metrics, **recipe_metrics(metric_functions(task.recipe, task), out[0], metrics)}
 
 
 def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
@@ -67,7 +84,48 @@ def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict |
     ck = run.recipe.checkpoint
     if ck.best_metric in metrics and improved(metrics[ck.best_metric], run.state.best_metric, ck.best_mode):
         run.state.best_metric = metrics[ck.best_metric]
-    run.log({(f"eval_ema/{k[4:]}" if k.startswith("ema_") else f"eval/{k}"): v for k, v in metrics.items()})
+    run.log({(f"eval_ema/{k[4:]}" if k.startswith("ema_") else f"eval/{k}"): v for k, v in loggable(metrics).items()})
     if run.accelerator.is_main_process:
-        bar.write(f"step {run.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        bar.write(f"step {run.state.step}: {headline(metrics)}")
     return metrics
+
+
+def loggable(metrics: dict) -> dict:
+    """What trackers take: numbers as they are; a confusion matrix as a Markdown table (TensorBoard's text panel
+    shows it), anything else as JSON text."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict) and "matrix" in value:
+            value = confusion_text(value)
+        elif not isinstance(value, (int, float, str)):
+            value = json.dumps(value)
+        out[key] = value
+    return out
+
+
+def headline(metrics: dict) -> str:
+    """The metrics a console line shows: the numbers, without per-class ones (`precision/<class>`) or matrices,
+    which go to the trackers and `s4accel eval --json`."""
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)) and "/" not in k)
+
+
+def evaluation_schedule(every: int | str, plan, state) -> Callable[[], bool]:
+    """Whether the optimizer step just taken is due an evaluation: every `every` steps (0: never) and the run's last;
+    with `epoch`, each step whose window finished a pass over the training data (a window spanning a pass's end
+    finishes it) and the last. Passes are counted from the loop's state, so a resumed run evaluates where an
+    uninterrupted one does."""
+    total = plan.total_steps
+    if every != "epoch":
+        return lambda: bool(every and state.step % every == 0) or state.step == total
+
+    def passes() -> int:  # a pass whose last micro-batch was drawn counts: the next begins when its first batch is
+        return state.epoch + (state.batch_in_epoch >= plan.batches_per_epoch)
+
+    seen = passes()
+
+    def after_a_pass() -> bool:
+        nonlocal seen
+        ended, seen = passes() > seen, passes()
+        return ended or state.step == total
+
+    return after_a_pass

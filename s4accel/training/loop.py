@@ -21,13 +21,13 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
-from ..config import Recipe, flatten, load_recipe
+from ..config import Recipe, load_recipe
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState
 from .console import RUN_LOG, quiet_libraries
 from .ending import finish
-from .evaluate import evaluate, evaluate_and_report
+from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
 from .metrics import Meter
 from .preemption import StopSignals
 from .profiling import Profile
@@ -38,7 +38,7 @@ from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Loaders, Task, TrainOptimizer, load_task
 from .zero import precision
-from .tracking import check_tracker_kwargs
+from .tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
 from .world import World, move_to_world, plan_world_change
 
 
@@ -52,6 +52,9 @@ class TrainResult:
     """The last evaluation: loss (nats/token), ppl, bits_per_byte, bits_per_char (and ema_* with train.ema)."""
     loop_seconds: float = 0.0
     """Wall time of the training loop (steps, logging, evaluation, checkpoints), without setup and export."""
+    throughput: dict = field(default_factory=dict)
+    """Over the loop: `tflops` (model TFLOP/s of training, all processes) and `mfu` (their share of the devices'
+    peak), for s4accel's own model families."""
     samples: list[str] = field(default_factory=list)
     is_main_process: bool = True
     stop_reason: str | None = None
@@ -74,9 +77,11 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     run_dir = recipe.run.dir
     quiet_libraries(recipe.log.progress_bar)
-    # 0. Checks that need no compute: the task imported and built, tracker arguments, the checkpoint to resume from
-    # (verified by the main process, the same for all) and the recipe against it, the run directory, callbacks.
+    # 0. Checks that need no compute: the task imported and built, the trackers' packages and arguments, the
+    # checkpoint to resume from (verified by the main process, the same for all) and the recipe against it, the run
+    # directory, callbacks.
     task = load_task(recipe)
+    check_tracker_packages(recipe.log)
     check_tracker_kwargs(recipe.log)
     processes = PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
     # One run per directory (no other overwrites or resumes it now), and what the run prints goes to its train.log.
@@ -94,9 +99,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
 
     # 1. Data, model, loaders, plan, optimizers (setup.py), all built before anything is written into the run
     # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
-    with run_files.building():
-        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
-    run_files.commit(recipe.to_yaml())
+    built = build_in_place(recipe, accelerator, run_files, task)
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
     model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
     context.optimizers = {o.name: o for o in optimizers}
@@ -116,7 +119,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     step = Stepper(accelerator, model, task, optimizers, recipe, signals)
     batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                            partial(callbacks.on_epoch_end, run))
-    meter, bar = Meter(accelerator, state, recipe.log), progress_bar(accelerator, recipe, total, state.step)
+    meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
+    eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
     eval_metrics, last_ckpt, stop_reason, preempted, t_start = {}, resumed.checkpoint, None, False, time.perf_counter()
     with signals, frozen_setup_objects():
         while state.step < total and stop_reason is None:
@@ -131,7 +135,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 callbacks.on_step_end(run)
                 if due(state.step, recipe.log.log_every, total):
                     meter.log(run, callbacks, optimizers, bar)  # the loop's only host sync besides the agreement
-                if due(state.step, recipe.train.eval_every, total):
+                if eval_due():
                     eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                     task.on_validation_end()
                     flags = flags.merge(agree(accelerator, None, signal=signals.interrupted(),
@@ -147,8 +151,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     batches.close()  # ends a pass the last step completed (its on_epoch_end), as the next batch would have
     bar.close()
     result = TrainResult(run_dir=run.run_dir, final_dir=None, steps=state.step, eval_metrics=eval_metrics,
-                         loop_seconds=time.perf_counter() - t_start, is_main_process=accelerator.is_main_process,
-                         stop_reason=stop_reason, checkpoint=last_ckpt, preempted=preempted)
+                         loop_seconds=time.perf_counter() - t_start, throughput=meter.summary(), preempted=preempted,
+                         is_main_process=accelerator.is_main_process, stop_reason=stop_reason, checkpoint=last_ckpt)
 
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
@@ -189,6 +193,16 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
                        resume_requested=asked_by, overwrite=recipe.run.overwrite)
     warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
     return recipe, accelerator, run_files, resuming
+
+
+def build_in_place(recipe: Recipe, accelerator, run_files: RunDir, task: Task):
+    """`build_run` while nothing is written into the run directory yet, then the directory itself (an earlier run
+    moved aside); a warmup longer than the run, cut to it, said once."""
+    with run_files.building():
+        built = build_run(recipe, accelerator, run_files.build_dir, task=task)
+    run_files.commit(recipe.to_yaml())
+    warn(accelerator, built.plan.warmup_note)
+    return built
 
 
 def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, str | None]:
@@ -285,19 +299,33 @@ def setup_warnings(accelerator) -> list[str]:
 
 def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl) -> None:
     """Trackers started with the flattened recipe; one line saying what trains on what."""
-    config = {k: "null" if v is None else v for k, v in flatten(recipe.to_dict()).items()}
-    accelerator.init_trackers(recipe.run.name, config={**config, "run_id": state.run_id})
+    accelerator.init_trackers(recipe.run.name, config={**tracker_config(recipe.to_dict()), "run_id": state.run_id})
     streamed = not hasattr(data.train, "__len__")
     n_train = "streamed" if streamed and data.n_train is None else f"{data.n_train or len(data.train):,}"
     n_val = data.n_val if data.n_val is not None else len(data.val)
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
-                      f"train / {n_val:,} val {data.unit}, {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device} ({accelerator.distributed_type.value}), mixed precision "
+                      f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
                       f"{precision(accelerator)}")
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "
                       f"of an epoch (per process): each optimizer step spans more than one epoch", stacklevel=3)
+
+
+def processes_line(accelerator) -> str:
+    """How the run is spread, in the words a user knows: `single process on cpu`, `DDP over 2 processes on cpu`,
+    `FSDP2 over 4 processes on cuda`, `DeepSpeed ZeRO-3 over 8 processes on cuda` (Accelerate's enum names, such as
+    `MULTI_CPU` or `NO`, say how it was launched, not what runs)."""
+    kind, n, device = accelerator.distributed_type, accelerator.num_processes, accelerator.device.type
+    if kind == DistributedType.NO:
+        return f"single process on {device}"
+    if kind == DistributedType.FSDP:
+        name = "FSDP2" if accelerator.is_fsdp2 else "FSDP"
+    elif kind == DistributedType.DEEPSPEED:
+        name = f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+    else:  # MULTI_CPU, MULTI_GPU and the other accelerators' MULTI_*: DistributedDataParallel
+        name = {DistributedType.XLA: "XLA", DistributedType.MEGATRON_LM: "Megatron-LM"}.get(kind, "DDP")
+    return f"{name} over {n} process{'es' if n != 1 else ''} on {device}"
 
 
 @contextlib.contextmanager

@@ -12,21 +12,27 @@ import torch
 
 from ..models.moe import ROUTER_COUNTS
 from .checkpoint import TrainState
+from .flops import flops_per_token, peak_tflops
 from .task import TrainOptimizer
 
 
 class Meter:
-    """Sums training scalars on the device between log steps, so logging syncs with the host once per interval."""
+    """Sums training scalars on the device between log steps, so logging syncs with the host once per interval.
+    With a `recipe` and the `model`, also the model FLOP/s of training and their share of the devices' peak
+    (`train/tflops`, `train/mfu`: flops.py)."""
 
-    def __init__(self, accelerator, state: TrainState, log_cfg=None):
+    def __init__(self, accelerator, state: TrainState, recipe=None, model=None):
         self.accelerator, self.state = accelerator, state
         self.process = psutil.Process()
         self.sums: dict[str, torch.Tensor] = {}
         self.steps_at_last = state.step
-        self.time_at_last = time.perf_counter()
-        self.tokens_at_last = state.tokens_seen
-        warn_steps = log_cfg.expert_idle_warn_steps if log_cfg is not None else 200
+        self.time_at_last = self.time_at_start = time.perf_counter()
+        self.tokens_at_last = self.tokens_at_start = state.tokens_seen
+        warn_steps = recipe.log.expert_idle_warn_steps if recipe is not None else 200
         self.experts = ExpertLoad(warn_steps, accelerator.is_main_process)
+        self.flops_per_token, self.peak = None, None
+        if recipe is not None and model is not None:
+            self.flops_per_token, self.peak = throughput_basis(accelerator, recipe, model)
 
     def add(self, **values: torch.Tensor):
         for k, v in values.items():
@@ -55,6 +61,7 @@ class Meter:
             logs.update(self.experts.update(counts, dropped, steps, state.step))
         now = time.perf_counter()
         logs["train/tokens_per_s"] = (state.tokens_seen - self.tokens_at_last) / (now - self.time_at_last)
+        logs.update(self.utilisation(logs["train/tokens_per_s"]))
         logs["train/step_time_ms"] = 1000 * (now - self.time_at_last) / steps
         logs["train/peak_mem_mb"] = peak_memory_mb(self.accelerator.device)
         logs["train/rss_mb"] = self.process.memory_info().rss / 2**20  # current, to see memory stay flat
@@ -68,6 +75,37 @@ class Meter:
         self.sums.clear()
         self.steps_at_last, self.time_at_last, self.tokens_at_last = state.step, now, state.tokens_seen
         return logs
+
+
+    def utilisation(self, tokens_per_s: float) -> dict:
+        """`train/tflops` (all processes) and `train/mfu` (of the devices' peak) at `tokens_per_s`, where known."""
+        if self.flops_per_token is None:
+            return {}
+        tflops = tokens_per_s * self.flops_per_token / 1e12
+        return {"train/tflops": tflops, **({"train/mfu": tflops / self.peak} if self.peak else {})}
+
+    def summary(self) -> dict:
+        """TFLOP/s and MFU over the whole loop so far (for the line a run ends with)."""
+        seconds = time.perf_counter() - self.time_at_start
+        out = self.utilisation((self.state.tokens_seen - self.tokens_at_start) / seconds) if seconds > 0 else {}
+        return {k.removeprefix("train/"): v for k, v in out.items()}
+
+
+def throughput_basis(accelerator, recipe, model) -> tuple[float | None, float | None]:
+    """(training FLOPs per token of the model at the recipe's batch and block length, the peak TFLOP/s of all the
+    run's devices together). A CPU's peak is measured by every process at once (they share the cores as they do when
+    training) and summed; a GPU's is its published one, times the processes."""
+    model = accelerator.unwrap_model(model)
+    per_token = flops_per_token(model, recipe.data.batch_size, recipe.data.seq_len)
+    if per_token is None:
+        return None, None
+    peak = recipe.train.peak_tflops
+    if peak is None:
+        accelerator.wait_for_everyone()
+        peak, _ = peak_tflops(accelerator.device, accelerator.mixed_precision, recipe.train.tf32)
+        if peak is not None and accelerator.device.type == "cpu":
+            return per_token, accelerator.reduce(torch.tensor(peak), reduction="sum").item()
+    return per_token, None if peak is None else peak * accelerator.num_processes
 
 
 class ExpertLoad:

@@ -15,7 +15,9 @@ class Plan:
     total_steps: int
     """Optimizer steps: `train.max_steps`, or what `train.max_epochs` comes to (the smaller when both are set)."""
     warmup_steps: int
-    """The schedule's warmup, `scheduler.warmup_steps` or `warmup_ratio` of `total_steps`."""
+    """The schedule's warmup, `scheduler.warmup_steps` or `warmup_ratio` of `total_steps`, at most `total_steps`."""
+    warmup_note: str | None = None
+    """Says that a warmup longer than the run was cut to it (the run prints it); None when it was not."""
 
 
 def make_plan(recipe, train_dl, num_processes: int, sharded: bool) -> Plan:
@@ -26,18 +28,16 @@ def make_plan(recipe, train_dl, num_processes: int, sharded: bool) -> Plan:
     if batches is not None and sharded and num_processes > 1:
         drop_last = getattr(getattr(train_dl, "batch_sampler", None), "drop_last", False)
         batches = batches // num_processes + (0 if drop_last or batches % num_processes == 0 else 1)
-    if recipe.train.max_epochs is not None:
-        if batches is None:
-            raise RecipeError("train.max_epochs: this task's training data has no length (a stream has no epochs); "
-                              "set train.max_steps instead")
-        if batches == 0:
-            raise RecipeError("train.max_epochs: the training data makes no full batch per process; lower "
-                              "data.batch_size or set train.max_steps")
+    for key, instead, by_epochs in (("train.max_epochs", "set train.max_steps", recipe.train.max_epochs is not None),
+                                    ("train.eval_every", "evaluate every N steps", recipe.train.eval_every == "epoch")):
+        if by_epochs and batches is None:
+            raise RecipeError(f"{key}: this task's training data has no length (a stream has no epochs); {instead} "
+                              f"instead")
+        if by_epochs and batches == 0:
+            raise RecipeError(f"{key}: the training data makes no full batch per process; lower data.batch_size or "
+                              f"{instead}")
     total = recipe.total_steps_for(batches)
-    problem = recipe.warmup_problem(total)
-    if problem:
-        raise RecipeError(problem)
-    return Plan(batches, total, recipe.warmup_steps_for(total))
+    return Plan(batches, total, recipe.warmup_steps_for(total), recipe.warmup_note(total))
 
 
 def _length(loader) -> int | None:

@@ -18,8 +18,9 @@ from .task import TrainOptimizer
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
-                  "train.eval_every", "train.eval_max_batches", "train.resume",
+                  "train.eval_every", "train.eval_max_batches", "train.resume", "task.metrics",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
+                  "train.peak_tflops",
                   "hub.")
 
 

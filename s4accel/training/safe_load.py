@@ -27,6 +27,10 @@ from .callbacks import KeepBest
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 
 
+ADAPTER = ("a LoRA adapter (model.lora), not a whole model: `s4accel export RUN_DIR --merge OUT` writes the base "
+           "with the adapter merged, a model to use here")
+
+
 def resolve_model_dir(ref: str | Path, which: str = "final") -> Path:
     """A model directory (with config.json), the `which` model of a run directory (`final`, `best`, `ema`), or a
     Hub repo id (downloaded, or read from the cache when offline)."""
@@ -43,6 +47,8 @@ def _resolve(ref: str | Path, which: str, revision: str | None = None) -> tuple[
         if (path / "recipe.yaml").is_file() or (path / "final").is_dir():
             model_dir = run_model_dir(path, which)
             return model_dir, model_dir
+        if (path / "adapter_config.json").is_file():
+            raise ModelError(f"{ref}: {ADAPTER}")
         raise ModelError(f"{ref}: neither a model directory (no config.json) nor a run directory")
     if str(ref).count("/") != 1 or str(ref).startswith((".", "/")):
         raise ModelError(f"{ref}: no such directory (and not a Hub repo id of the form owner/name)")
@@ -67,6 +73,8 @@ def run_model_dir(run_dir: Path, which: str) -> Path:
             raise ModelError(f"{run_dir}: no best model (train with checkpoint.keep_best >= 1)")
         return ranked[0][1]
     folder = run_dir / {"final": "final", "ema": "final_ema"}[which]
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise ModelError(f"{folder}: {ADAPTER}")
     if not (folder / "config.json").is_file() and not (folder / "model.safetensors").is_file():
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
         raise ModelError(f"{run_dir}: no {folder.name}/ model{hint}")

@@ -19,6 +19,7 @@ from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
 from ..config import Recipe
 from ..errors import RecipeError
 from .checkpoint import checkpoint_step
+from .lora import check_runtime
 from .plan import Plan, make_plan
 from .precision import apply_fsdp_precision
 from .pretrained import freeze
@@ -90,6 +91,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     activation checkpointing, FSDP's float32 units (precision.py), loaders, the plan (before the schedules:
     `train.max_epochs` counts batches), then the optimizers with their schedules (unless `optimizers=False`)."""
     task, context = setup_task(recipe, accelerator, build_dir, task)
+    check_runtime(accelerator, recipe)
     with accelerator.main_process_first():
         context.data = task.build_data()
     if model is None:

@@ -53,6 +53,7 @@ from .checkpoint import export_pretrained
 from .imports import import_object
 from .optim import build_optimizer, build_scheduler
 from .plan import Plan
+from .recipe_metrics import metric_functions
 
 
 @dataclass
@@ -139,6 +140,10 @@ class Task:
     metric_names: tuple[str, ...] = ()
     """Names `compute_metrics` returns; when given, recipe keys naming a metric (checkpoint.best_metric,
     train.early_stopping.metric) are checked against them before training starts."""
+    gathered: tuple[str, ...] = ()
+    """`validation_step` values handed to `compute_metrics` whole instead of summed: every sample's, from all
+    processes (each once), as one CPU tensor. What a sum cannot give needs them: F1, a confusion matrix, and the
+    recipe's own `task.metrics`, which score `prediction` against `label`."""
 
     def __init__(self, recipe, **args):
         if args:
@@ -217,13 +222,15 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__}.training_step")
 
     def validation_step(self, model, batch: dict) -> dict[str, torch.Tensor]:
-        """Per-sample values, each (B,) or (B, k); the loop sums each over the validation split on all processes."""
+        """Per-sample values, each (B,) or (B, k); the loop sums each over the validation split on all processes
+        (those named in `gathered` it hands over whole)."""
         raise NotImplementedError(f"{type(self).__name__}.validation_step")
 
     def compute_metrics(self, sums: dict[str, Any], count: int) -> dict[str, float]:
-        """Metrics from the summed per-sample values and the number of samples. Default: each value's mean."""
+        """Metrics from the summed per-sample values (the `gathered` ones whole) and the number of samples. Default:
+        each summed value's mean."""
         return {k: (v / max(count, 1) if isinstance(v, float) else [x / max(count, 1) for x in v])
-                for k, v in sums.items()}
+                for k, v in sums.items() if k not in self.gathered}
 
     def count_items(self, batch: dict) -> torch.Tensor:
         """What `training_step`'s loss averages over (default: the batch's rows), to weigh ragged micro-batches."""
@@ -343,24 +350,29 @@ def load_task(recipe, **extra) -> Task:
         task = cls(recipe, **recipe.task.args, **extra)
     except TypeError as e:
         raise RecipeError(f"task.args: {cls.__name__} does not take these arguments ({e})") from None
-    check_metric_names(recipe, task)
+    check_metric_names(recipe, task, tuple(f.name for f in metric_functions(recipe, task)))
     if recipe.model.pretrained is not None and not type(task).__module__.startswith("s4accel."):
         raise RecipeError(f"model.pretrained: {cls.__name__} builds its own model; load pretrained weights in its "
                           f"build_model (s4accel.training.safe_load.load_model reads them safely)")
+    if recipe.model.lora is not None and not type(task).__module__.startswith("s4accel."):
+        raise RecipeError(f"model.lora: {cls.__name__} builds its own model; put the adapters on it in its "
+                          f"build_model (peft.get_peft_model)")
     return task
 
 
-def check_metric_names(recipe, task: Task) -> None:
+def check_metric_names(recipe, task: Task, own: tuple[str, ...] = ()) -> None:
     """The one place where the metrics a recipe names (`checkpoint.best_metric`, `train.early_stopping.metric`) are
-    checked: against what the task reports (`metric_names`, when it declares them), `ema_*` only with `train.ema`."""
+    checked: against what the task reports (`metric_names`, when it declares them) and the names of the recipe's
+    own metric functions (`own`, for those that return a number), `ema_*` only with `train.ema`."""
     used = {"checkpoint.best_metric": recipe.checkpoint.best_metric} if recipe.checkpoint.keep_best else {}
     if recipe.train.early_stopping is not None:
         used["train.early_stopping.metric"] = recipe.train.early_stopping.metric
     name = type(task).__name__
-    allowed = [*task.metric_names, *(f"ema_{m}" for m in task.metric_names)]
+    names = [*task.metric_names, *own]
+    allowed = [*names, *(f"ema_{m}" for m in names)]
     for key, metric in used.items():
         if task.metric_names and metric not in allowed:
             raise RecipeError(f"{key}: {name} reports no metric {metric!r}{did_you_mean(metric, allowed)}; it "
-                              f"reports {', '.join(task.metric_names)}")
+                              f"reports {', '.join(names)}")
         if metric.startswith("ema_") and recipe.train.ema is None:
             raise RecipeError(f"{key}: {metric!r} needs train.ema (the EMA weights are evaluated only then)")

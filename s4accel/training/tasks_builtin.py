@@ -21,6 +21,8 @@ from ..data import (build_array_data, build_data, build_labelled_text, collate_a
 from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
+from .class_scores import classification_scores
+from .lora import apply_lora, require_peft
 from .pretrained import load_pretrained, locate, pretrained_config
 from .samples import write_samples
 from .task import Loaders, Task, TaskData, count_items
@@ -50,6 +52,8 @@ class BuiltinTask(Task):
             # The config class checks the overrides' types and values: a bad one is a recipe error now, before the
             # data is read and tokenised (the sizes the data fixes, such as the vocabulary, are not overrides).
             model_config(recipe.model)
+        if recipe.model.lora is not None:
+            require_peft()  # before the data is read: a missing optional dependency is a recipe error now
 
     def export(self, model, out_dir, extra_files=None):
         super().export(model, out_dir, {PREPROCESSING: preprocessing(self.recipe), **(extra_files or {})})
@@ -162,10 +166,13 @@ class CausalLMTask(BuiltinTask):
 
 class SequenceClassificationTask(BuiltinTask):
     """One label per sequence: labelled documents (`data.label_field`, token ids with padding masked) or sequences of
-    numbers (`data.source: digits | ucr | arrays`); cross-entropy and accuracy, or for regression (`data.task:
-    regression`) the mean squared error, with mse and mae."""
+    numbers (`data.source: digits | ucr | arrays`); cross-entropy, accuracy, macro-F1, each class's precision and
+    recall (`precision/<class>`) and the confusion matrix, from every sample's prediction gathered from all
+    processes; or for regression (`data.task: regression`) the mean squared error, with mse and mae. The recipe's own
+    metrics (`task.metrics`) get the predicted and true classes (values, for regression)."""
 
-    metric_names = ("loss", "accuracy", "mse", "mae")
+    metric_names = ("loss", "accuracy", "f1_macro", "mse", "mae")
+    gathered = ("prediction", "label")
 
     def __init__(self, recipe, tokenizer_dir: Path | None = None):
         super().__init__(recipe)
@@ -202,23 +209,28 @@ class SequenceClassificationTask(BuiltinTask):
         labels = batch["labels"]
         if self.accelerator.unwrap_model(model).config.problem_type == "regression":
             err = logits[:, 0] - labels.float()
-            return {"sq_err": err**2, "abs_err": err.abs()}
+            return {"sq_err": err**2, "abs_err": err.abs(), "prediction": logits[:, 0].double(),
+                    "label": labels.double()}
+        predicted = logits.argmax(-1)
         return {"nll": torch.nn.functional.cross_entropy(logits, labels, reduction="none"),
-                "hit": (logits.argmax(-1) == labels).float()}
+                "hit": (predicted == labels).float(), "prediction": predicted, "label": labels}
 
     def compute_metrics(self, sums, count):
         n = max(count, 1)
         if "sq_err" in sums:
             return {"loss": sums["sq_err"] / n, "mse": sums["sq_err"] / n, "mae": sums["abs_err"] / n}
-        return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n}
+        names = self.data.class_names or [str(i) for i in range(self.data.num_labels)]
+        return {"loss": sums["nll"] / n, "accuracy": sums["hit"] / n,
+                **classification_scores(sums["prediction"], sums["label"], [str(c) for c in names])}
 
 
 def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
     """The recipe's model fitted to the data: a causal LM sized to the tokenizer (documents), or a sequence classifier
     or regressor sized to the labels (labelled documents, arrays). From the registry size + overrides, freshly
     initialised; or with `model.pretrained`, the pretrained config and weights (`say` gets the one-line report of
-    what was loaded). `data` None: what the recipe alone tells (the byte tokenizer's or the BPE's size; labels and
-    array files are read); `device` "meta": shapes only, nothing loaded. `spec`: the data's fields given instead."""
+    what was loaded); with `model.lora`, a PEFT model of it (`say` gets the coverage report). `data` None: what the
+    recipe alone tells (the byte tokenizer's or the BPE's size; labels and array files are read); `device` "meta":
+    shapes only, nothing loaded. `spec`: the data's fields given instead."""
 
     spec = spec if spec is not None else data_spec(recipe.data, data)
     if recipe.model.pretrained is not None:
@@ -233,6 +245,9 @@ def build_model(recipe, data, device=None, say=None, spec: dict | None = None):
         report = load_pretrained(model, recipe.model, model_dir, root, HEADS[recipe.data.is_lm])
         if say is not None:
             say(report)
+    if recipe.model.lora is not None:  # the adapters on the built (and loaded) model, created on its device
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = apply_lora(model, recipe.model, recipe.data.is_lm, say)
     return model
 
 

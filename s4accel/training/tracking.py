@@ -5,7 +5,12 @@ path (`mypkg.trackers:MyTracker`).
 All log from the main process only and always at `step=<optimizer step>`, for training and evaluation alike. Each
 runs inside a `GuardedTracker`: a tracker that fails to start or to log never stops training. A failing call is
 retried with exponential backoff; if it still fails, the tracker is disabled with one warning and the run goes on
-with the others.
+with the others. A tracker that cannot be built at all (its package not installed) is a recipe error before any
+compute (`check_tracker_packages`).
+
+A resumed run continues the same tracker run: the run's id (kept in its checkpoints) is W&B's run `id` (with
+`resume="allow"`), an MLflow run's `s4accel.run_id` tag (the run carrying it is started again by its MLflow id), and
+part of trackio's run name (with `resume="allow"`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, on_main_process
+from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, MLflowTracker, TensorBoardTracker,
+                                 get_available_trackers, on_main_process)
 
+from ..config import flatten
 from ..errors import RecipeError
 
 
@@ -91,17 +98,32 @@ class FastTensorBoardTracker(TensorBoardTracker):
                 self.writer.add_text(k, v, global_step=step)
 
 
+class ResumedMLflowTracker(MLflowTracker):
+    """Accelerate's MLflow tracker for a run that may be resumed: MLflow refuses to change a logged parameter, and a
+    resumed run's recipe differs from the first start's at least in a callback or an override, which made every
+    resume drop MLflow. It logs the parameters its MLflow run does not have yet; recipe.yaml has the rest."""
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        import mlflow
+
+        logged = mlflow.get_run(self.active_run.info.run_id).data.params
+        super().store_init_configuration({k: v for k, v in values.items() if k not in logged})
+
+
 class GuardedTracker(GeneralTracker):
-    """Runs another tracker so that it cannot stop training. The inner tracker is built and started in `start`;
-    every call (`start`, `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with
-    `backoff_s * 2^attempt` seconds between tries (a missing package is not retried), after which the tracker is
-    disabled with a warning and later calls do nothing."""
+    """Runs another tracker so that it cannot stop training. Accelerate calls `start`, then
+    `store_init_configuration(config)`: the inner tracker is built (`make(config["run_id"])`) and started at the
+    second, since the run's id is read from the checkpoint after the trackers were made. Every call (starting,
+    `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with `backoff_s * 2^attempt` seconds
+    between tries (a missing package is not retried), after which the tracker is disabled with a warning and later
+    calls do nothing."""
 
     main_process_only = True
     requires_logging_directory = False
 
-    def __init__(self, name: str, make: Callable[[], GeneralTracker], retries: int = 3, backoff_s: float = 0.5,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, name: str, make: Callable[[str | None], GeneralTracker], retries: int = 3,
+                 backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep):
         self.name = name
         super().__init__()
         self.make, self.retries, self.backoff_s, self.sleep = make, retries, backoff_s, sleep
@@ -134,15 +156,16 @@ class GuardedTracker(GeneralTracker):
 
     @on_main_process
     def start(self):
-        def start():
-            if self.inner is None:
-                self.inner = self.make()
-            self.inner.start()
-
-        self._guarded("start", start)
+        pass  # started with the configuration, which carries the run's id
 
     @on_main_process
     def store_init_configuration(self, values: dict):
+        def start():
+            if self.inner is None:
+                self.inner = self.make(values.get("run_id"))
+            self.inner.start()
+
+        self._guarded("start", start)
         self._guarded("store_init_configuration", lambda: self.inner.store_init_configuration(values))
 
     @on_main_process
@@ -154,6 +177,12 @@ class GuardedTracker(GeneralTracker):
         self._guarded("finish", lambda: self.inner.finish())
 
 
+def tracker_config(recipe: dict) -> dict:
+    """The hyperparameters trackers are started with: the recipe flattened (`optim.lr`), None as "null" (TensorBoard's
+    hparams take no None)."""
+    return {k: "null" if v is None else v for k, v in flatten(recipe).items()}
+
+
 def tracker_class(name: str) -> type[GeneralTracker]:
     """One of Accelerate's trackers by name, or a `GeneralTracker` subclass by import path (`module:Class`)."""
     if ":" not in name:
@@ -163,6 +192,24 @@ def tracker_class(name: str) -> type[GeneralTracker]:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_tracker_packages(log_cfg) -> None:
+    """Every tracker of `log.log_with` can be built here: a tracker whose package is not installed (or a
+    `module:Class` that does not import) is known before any compute, and a run that would track nothing is refused.
+    (A tracker that fails once the run is under way never stops it: `GuardedTracker`.)"""
+    available = {t.value for t in get_available_trackers()}
+    for name in log_cfg.log_with:
+        if name == "jsonl" or name in available:
+            continue
+        if ":" not in name:  # an Accelerate tracker: the pip package is named like the tracker
+            raise RecipeError(f"log.log_with: {name} is not installed here (pip install {name}); install it or "
+                              f"remove {name} from log.log_with")
+        try:
+            tracker_class(name)
+        except (ImportError, AttributeError) as e:
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RecipeError(f"log.log_with: {name} cannot be imported ({type(e).__name__}: {detail})") from None
 
 
 def check_tracker_kwargs(log_cfg) -> None:
@@ -195,19 +242,41 @@ def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: 
     `kwargs[name]`: extra constructor arguments (e.g. `{"wandb": {"entity": "me"}}`)."""
     kwargs = kwargs or {}
 
-    def maker(name: str) -> Callable[[], GeneralTracker]:
+    def maker(name: str) -> Callable[[str | None], GeneralTracker]:
         extra = kwargs.get(name, {})
         if name == "tensorboard":
-            return lambda: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step, **extra)
+            return lambda run_id: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step, **extra)
         if name == "jsonl":
-            return lambda: JSONLTracker(run_name, run_dir, resume_step=resume_step)
+            return lambda run_id: JSONLTracker(run_name, run_dir, resume_step=resume_step)
 
-        def make():  # Accelerate's own convention: (project name[, logging dir], **kwargs)
-            cls = tracker_class(name)
+        def make(run_id: str | None):  # Accelerate's own convention: (project name[, logging dir], **kwargs)
+            cls = ResumedMLflowTracker if name == "mlflow" else tracker_class(name)
+            own = {**same_run(name, run_id, run_name, run_dir), **extra}
             if getattr(cls, "requires_logging_directory", False):
-                return cls(run_name, str(run_dir), **extra)
-            return cls(run_name, **extra)
+                return cls(run_name, str(run_dir), **own)
+            return cls(run_name, **own)
 
         return make
 
     return [GuardedTracker(name, maker(name), retries, backoff_s) for name in names]
+
+
+RUN_ID_TAG = "s4accel.run_id"
+
+
+def same_run(name: str, run_id: str | None, run_name: str, run_dir: Path) -> dict:
+    """Constructor arguments of Accelerate's `name` tracker that continue the tracker run of `run_id` when there is
+    one (a resume) and start it otherwise; a recipe's `log.tracker_kwargs` override them."""
+    if run_id is None:
+        return {}
+    if name == "wandb":  # W&B's own files go into the run directory, not the working directory
+        return {"id": run_id, "resume": "allow", "dir": str(run_dir)}
+    if name == "trackio":
+        return {"name": f"{run_name}-{run_id[:8]}", "resume": "allow"}
+    if name == "mlflow":  # MLflow makes its own run ids: the run is found by its tag
+        import mlflow
+
+        found = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'",
+                                   output_format="list", max_results=1)
+        return {"run_id": found[0].info.run_id} if found else {"tags": {RUN_ID_TAG: run_id}}
+    return {}
