@@ -1,6 +1,7 @@
-"""Corpora larger than memory and several sources at once: a streamed corpus is shared between processes without
-overlap, resumes exactly where it stopped (1 and 2 processes), keeps memory flat; a mixture draws its sources by
-weight, deterministically, and says how much of each it holds."""
+"""Corpora larger than memory and several sources at once: a streamed corpus is one sequence of blocks the processes
+take in turn, shuffled by the seed (files and blocks), resumes exactly where it stopped (1 and 2 processes), keeps
+memory flat; a checkpoint of the earlier per-process stream still resumes; a mixture draws its sources by weight,
+deterministically, and says how much of each it holds."""
 
 import json
 import os
@@ -19,13 +20,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """2,000 numbered documents of varied length as JSON Lines."""
+    """2,000 numbered documents of varied length as 4 JSON Lines files (4 shards), in order."""
     import datasets
 
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    datasets.Dataset.from_dict({"text": [f"document {i} " + "to be or not " * (i % 9) for i in range(2000)]}).to_json(
-        str(path))
-    return path
+    folder = tmp_path_factory.mktemp("corpus")
+    for part in range(4):
+        datasets.Dataset.from_dict({"text": [f"document {i} " + "to be or not " * (i % 9)
+                                             for i in range(500 * part, 500 * (part + 1))]}).to_json(
+            str(folder / f"docs_{part}.jsonl"))
+    return folder
 
 
 def streamed(corpus, out, *extra):
@@ -46,27 +49,65 @@ def test_a_streamed_run_resumes_exactly_where_it_stopped(corpus, tmp_path, hf_ca
     cut = train_in_process(TINY, streamed(corpus, tmp_path / "cut",
                                           callback_override("testing_callbacks:SignalAt", step=5)))
     assert cut.preempted and cut.steps < 12
+    from s4accel.errors import ResumeError
+
+    with pytest.raises(ResumeError, match=r"read with data.shuffle_buffer=1024, which cannot change mid-stream"):
+        train_in_process(TINY, streamed(corpus, tmp_path / "cut", "data.shuffle_buffer=0"), resume="latest",
+                         force=True)  # the blocks its buffer holds are part of the position
     resumed = train_in_process(TINY, streamed(corpus, tmp_path / "cut"), resume="latest")
     assert resumed.steps == 12 and same(tmp_path / "ref", tmp_path / "cut")
     losses = lambda d: [r["train/loss"] for r in read_metrics(d) if "train/loss" in r]  # noqa: E731
     assert losses(tmp_path / "cut") == losses(tmp_path / "ref")
 
 
-def test_processes_read_disjoint_shares_and_validation_is_never_trained_on(corpus, hf_cache):
+def test_processes_take_turns_in_one_sequence_of_blocks_and_validation_is_never_trained_on(corpus, hf_cache):
+    """Block i goes to process i mod P: two processes' blocks, taken in turn, are the one process's blocks."""
     from s4accel.config import load_recipe
     from s4accel.data import build_data
 
     cfg = load_recipe(TINY, streamed(corpus, "unused")).data
-    seen = []
-    for rank in range(2):
-        data = build_data(cfg, rank=rank, world_size=2)
-        stream = iter(data.train)
-        text = "".join(data.tokenizer.decode(next(stream)["input_ids"].tolist()) for _ in range(60))
-        seen.append({int(n) for n in re.findall(r"document (\d+) ", text)})
+    ranks = [iter(build_data(cfg, rank=rank, world_size=2).train) for rank in range(2)]
+    data = build_data(cfg)
+    alone = iter(data.train)
+    for _ in range(60):
+        for rank in ranks:
+            assert torch.equal(next(rank)["input_ids"], next(alone)["input_ids"])
+    blocks = [data.tokenizer.decode(next(alone)["input_ids"].tolist()) for _ in range(600)]  # shuffled: one by one
+    seen = {int(n) for text in blocks for n in re.findall(r"document (\d+) ", text)}
     val_text = data.tokenizer.decode(np.asarray(data.val[:]["input_ids"]).reshape(-1).tolist())
     val_docs = {int(n) for n in re.findall(r"document (\d+) ", val_text)}
-    assert seen[0] and seen[1] and not seen[0] & seen[1]
-    assert not val_docs & (seen[0] | seen[1]) and min(seen[0] | seen[1]) > max(val_docs)
+    assert val_docs and not val_docs & seen and min(seen) > max(val_docs)
+
+
+def first_blocks(folder, *extra, seed=0, n=20):
+    """The files (by number) each of a stream's first `n` blocks holds text of."""
+    from s4accel.config import load_recipe
+    from s4accel.data import build_data
+
+    cfg = load_recipe(TINY, ["data.source=files", f"data.files=[{folder}]", "data.streaming=true", "data.seq_len=32",
+                             f"data.val_files=[{folder.parent / 'val.txt'}]", *extra]).data
+    data = build_data(cfg, seed=seed)
+    stream = iter(data.train)
+    return [tuple(sorted({int(f) for f in re.findall(r"file(\d+)", data.tokenizer.decode(next(stream)[
+        "input_ids"].tolist()))})) for _ in range(n)]
+
+
+def test_a_sorted_stream_is_shuffled_by_the_seed_and_read_in_file_order_without_a_buffer(tmp_path, hf_cache):
+    """40 files sorted by name, 12 blocks each: the first blocks come from files all over the corpus (each pass reads
+    the files in an order drawn from the seed, and the buffer mixes their blocks), the same under the same seed."""
+    folder = tmp_path / "sorted"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"{i:03d}.txt").write_text(f"file{i:03d} " * 48)
+    (tmp_path / "val.txt").write_text("validation " * 40)
+    shuffled = first_blocks(folder)
+    files = {f for block in shuffled for f in block}
+    assert len(files) >= 10 and max(files) >= 30, shuffled  # mixed from many files, far apart
+    assert first_blocks(folder) == shuffled and first_blocks(folder, seed=1) != shuffled
+    few = first_blocks(folder, "data.shuffle_buffer=2")  # a small buffer: the files' order is shuffled still
+    assert {f for block in few for f in block} - {0, 1, 2}, few
+    in_order = first_blocks(folder, "data.shuffle_buffer=0")
+    assert {f for block in in_order for f in block} == {0, 1}, in_order
 
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -223,3 +264,51 @@ def test_a_bad_line_the_stream_reaches_mid_training_stops_in_one_line_and_the_ru
     resumed = run_cli("train", TINY, *sets, "--set", "train.max_steps=" + str(int(saved[-1].split("_")[1]) + 5),
                       "--resume", "--force", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+def as_saved_by_the_earlier_version(run_dir):
+    """A run directory's checkpoint as the earlier per-process stream wrote it (measured against that version: at 1
+    process its state is this one's without the shard and the buffers, inside a list of one per process) and its
+    recipes without data.shuffle_buffer, which did not exist; the manifest rewritten to match."""
+    import hashlib
+
+    import yaml
+
+    ckpt = sorted((run_dir / "checkpoints").iterdir())[-1]
+    changed = []
+    for f in ckpt.glob("custom_checkpoint_*.pkl"):
+        state = torch.load(f, weights_only=True)
+        if isinstance(state, dict) and "stream" in state:
+            own = {k: v for k, v in state["stream"].items() if k not in ("buffers", "shuffle_buffer")}
+            own["sources"] = [{k: v for k, v in s.items() if k != "shard"} for s in own["sources"]]
+            torch.save({"processes": [own]}, f)
+            changed.append(f)
+    for f in (run_dir / "recipe.yaml", ckpt / "recipe.yaml"):
+        recipe = yaml.safe_load(f.read_text())
+        del recipe["data"]["shuffle_buffer"]
+        f.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        changed.append(f)
+    manifest = json.loads((ckpt / "COMPLETE").read_text())
+    for f in (f for f in changed if f.parent == ckpt):
+        manifest["files"][f.name] = {"size": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    (ckpt / "COMPLETE").write_text(json.dumps(manifest))
+    return ckpt
+
+
+def test_a_checkpoint_of_the_earlier_per_process_stream_resumes_exactly_unshuffled_or_is_refused_in_one_line(
+        corpus, tmp_path, hf_cache):
+    """Checkpoints written before the stream was one sequence hold one position per process and a recipe without
+    data.shuffle_buffer: the run continues bit for bit with data.shuffle_buffer=0 (which such a recipe reads as), and
+    with shuffling on it is refused in one line (on another number of processes: test_world_size.py)."""
+    from s4accel.errors import ResumeError
+
+    unshuffled, short = "data.shuffle_buffer=0", "train.max_steps=8"
+    train_in_process(TINY, streamed(corpus, tmp_path / "ref", unshuffled, short))
+    train_in_process(TINY, streamed(corpus, tmp_path / "cut", unshuffled, short,
+                                    callback_override("testing_callbacks:SignalAt", step=3)))
+    as_saved_by_the_earlier_version(tmp_path / "cut")
+    with pytest.raises(ResumeError, match=r"^the checkpoint's data stream was saved by an earlier s4accel, which read "
+                                          r"streams unshuffled: resume it with --set data.shuffle_buffer=0$"):
+        train_in_process(TINY, streamed(corpus, tmp_path / "cut", short), resume="latest", force=True)
+    resumed = train_in_process(TINY, streamed(corpus, tmp_path / "cut", unshuffled, short), resume="latest")
+    assert resumed.steps == 8 and same(tmp_path / "ref", tmp_path / "cut")

@@ -1,8 +1,10 @@
 """A run resumed on another number of processes (1 -> 2, 2 -> 1, 2 -> 4 CPU processes) keeps its global batch and
 trains every later step on exactly the examples of the run that never stopped (audited by a task that records each
-micro-batch's rows), ending within floating-point rounding of its weights; a different global batch is refused in
-one line unless `--force` may recompute `train.grad_accum`; what cannot move (stateful training, streams) is
-refused. s4accel/training/world.py says why the position is a count of examples."""
+micro-batch's rows), ending within floating-point rounding of its weights; so does a streamed run (one source, or a
+mixture), whose blocks are one sequence for any number of processes; a different global batch is refused in one
+line unless `--force` may recompute `train.grad_accum`; what cannot move (stateful training, an earlier version's
+per-process stream, DeepSpeed's partitions) is refused. s4accel/training/world.py says why the position is a count
+of examples."""
 
 import collections
 import json
@@ -121,6 +123,67 @@ def test_a_run_resumed_on_another_number_of_processes_trains_on_the_same_example
     assert worst < 1e-6, worst  # the order of floating-point sums only (measured: 6e-8 to 1.2e-7)
 
 
+@pytest.fixture(scope="module")
+def stream_texts(tmp_path_factory, texts):
+    """The training text as 4 files in two folders (4 shards, or a mixture of two sources), and its validation text."""
+    train, val = texts
+    text = train.read_text()
+    folder = tmp_path_factory.mktemp("stream")
+    for i in range(4):
+        (folder / "ab"[i // 2]).mkdir(exist_ok=True)
+        (folder / "ab"[i // 2] / f"part_{i}.txt").write_text(text[1024 * i: 1024 * (i + 1)])
+    return folder, val
+
+
+def streamed(folder: Path, mixture: bool) -> list[str]:
+    """A streamed run with a shuffle buffer smaller than a pass (so that the buffer's contents are part of the
+    position), on the 4 files, or on the two folders mixed 3:1."""
+    sets = ["data.streaming=true", "data.shuffle_buffer=16"]
+    if mixture:
+        sets.append(f"data.mixture=[{{source: files, files: [{folder / 'a'}], weight: 3}}, "
+                    f"{{source: files, files: [{folder / 'b'}], weight: 1}}]")
+    return sets
+
+
+@pytest.fixture(scope="module")
+def stream_references(tmp_path_factory, stream_texts):
+    """Uninterrupted streamed runs as `references`: one source on 2 and on 1 process, a mixture on 2."""
+    root = tmp_path_factory.mktemp("stream_references")
+    folder, val = stream_texts
+    runs = {}
+    for processes, mixture in ((2, False), (1, False), (2, True)):
+        out = root / f"p{processes}{'_mixture' if mixture else ''}"
+        proc = launch(processes, (folder, val), out, *streamed(folder, mixture), *batching(processes, 8 // processes,
+                                                                                          2))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[processes, mixture] = out
+    return runs
+
+
+def test_a_stream_is_one_sequence_of_blocks_for_any_number_of_processes(stream_references):
+    one, two = examples_per_step(stream_references[1, False]), examples_per_step(stream_references[2, False])
+    assert sorted(one) == list(range(STEPS)) and one == two
+
+
+@pytest.mark.parametrize("before, after, mixture", [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_a_streamed_run_resumed_on_another_number_of_processes_trains_on_the_same_blocks(
+        stream_references, stream_texts, tmp_path, before, after, mixture):
+    folder, val = stream_texts
+    reference = stream_references[before, mixture]
+    out = from_checkpoint(reference, tmp_path / "resumed")
+    proc = launch(after, (folder, val), out, *streamed(folder, mixture), *batching(after, 8 // after, 2),
+                  resume=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed on {after} process(es) from a checkpoint of {before}" in proc.stdout
+    ref, got = examples_per_step(reference), examples_per_step(out)
+    assert sorted(got) == list(range(6, STEPS))
+    for step in got:  # no block skipped, none repeated, none moved to another step
+        assert got[step] == ref[step], step
+    a, b = final_weights(reference), final_weights(out)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-6, worst  # the order of floating-point sums only
+
+
 def test_a_different_global_batch_is_refused_unless_force_recomputes_the_accumulation(references, texts, tmp_path):
     out = from_checkpoint(references[2], tmp_path / "half")
     proc = launch(1, texts, out, *batching(1, 4, 2), resume=True)  # 1 x 4 x 2 = 8 examples per step, not 16
@@ -142,7 +205,7 @@ def test_a_different_global_batch_is_refused_unless_force_recomputes_the_accumul
 
 @pytest.mark.parametrize("sets, refused", [
     (["train.state={mode: tbptt}"], "stateful training"),
-    (["data.streaming=true"], "a streamed source"),
+    (["data.streaming=true"], "the checkpoint's data stream was saved by an earlier s4accel in one share per process"),
     ([], "DeepSpeed's ZeRO checkpoint"),
 ])
 def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, text, sets, refused):
@@ -159,6 +222,10 @@ def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, t
         if not sets:  # under DeepSpeed: each process's optimizer partition
             (ckpt / "pytorch_model").mkdir(exist_ok=True)
             (ckpt / "pytorch_model" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    if "data.streaming=true" in sets:  # an earlier version's stream: a position per process
+        share = {"sources": [{"epoch": 0, "position": None, "leftover": torch.zeros(0), "ready": None}],
+                 "rng": {}, "blocks_seen": torch.zeros(1)}
+        torch.save({"processes": [share, share]}, ckpt / "custom_checkpoint_2.pkl")
     assert plan_world_change(ckpt, recipe, 2, force=False) == (recipe, None)  # the same world: nothing to do
     with pytest.raises(ResumeError, match=f"saved by 2 process\\(es\\), this run has 1: {refused}.*resume on 2"):
         plan_world_change(ckpt, recipe, 1, force=True)

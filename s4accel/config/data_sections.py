@@ -135,8 +135,14 @@ class DataCfg(_Where):
     many short documents it trained a better model of each at 0.95x the speed or more (README, Data); `concat` for
     labelled documents and sequences of numbers, which are one example each already."""
     streaming: bool = False
-    """Read the source as a stream (`datasets` iterable dataset): tokenised and packed on the fly, shared between
-    processes without overlap, its position saved in every checkpoint, memory flat whatever the corpus size."""
+    """Read the source as a stream (`datasets` iterable dataset): tokenised and packed on the fly into one sequence
+    of blocks that the processes take in turn (block i to process i mod P, so a run resumes on another number of
+    processes), its position saved in every checkpoint, memory flat whatever the corpus size."""
+    shuffle_buffer: int = Field(1024, ge=0)
+    """With `streaming`: each pass reads the source's shards (its files) in an order drawn from `run.seed` and the
+    pass, and a seeded buffer of this many blocks hands them out in random order, mixing blocks from about this many
+    apart; the buffer's blocks are saved in every checkpoint (4 bytes a token). 0: the stream in file order, as read.
+    (Map-style data is shuffled whole every epoch, whatever this says.)"""
     num_proc: int | None = Field(None, ge=1)
     """Processes for tokenising a map-style dataset (`datasets.map(num_proc=...)`); `null`: one."""
     batch_size: int = Field(16, ge=1)

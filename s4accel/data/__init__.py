@@ -4,7 +4,10 @@
                       `datasets` source (Hub id, local folder, save_to_disk folder)
     tokenize.py       byte / BPE / any AutoTokenizer; fast tokenising and packing on Arrow buffers
     text.py           documents -> packed blocks for a language model (one source or a mixture)
-    streaming.py      the same, read on the fly (data.streaming): per-process shares, exact resume, flat memory
+    streaming.py      the same, read on the fly (data.streaming): one block sequence dealt out to the processes,
+                      resumable on any number of them, shuffled, flat memory
+    source_stream.py  one streamed source's documents -> blocks, shard by shard, its position saved at any block
+    shuffle_buffer.py a seeded shuffle buffer of blocks whose contents are part of its position
     labelled.py       labelled documents for a sequence classifier (data.label_field)
     arrays.py         labelled sequences of numbers (digits, UCR sets, your .npz/.csv, LRA's images)
     lra_text.py       Long Range Arena's ListOps and Retrieval files as labelled documents; the ListOps tokenizer

@@ -61,7 +61,7 @@ def build_dataloaders(cfg: DataCfg, data, seed: int, eval_max_batches: int | Non
                       num_processes: int = 1, collate=None):
     """Train loader and validation loader over `data.train`/`data.val` (`datasets.Dataset`s or torch datasets),
     batched by `collate` (default: the data source's own). A map-style train split is shuffled with a seeded generator
-    in full batches only; a stream (an iterable dataset, each process reading its own share) is read in order. The
+    in full batches only; a stream (an iterable dataset handing each process its own blocks) is read as it comes. The
     validation split is read in order, its first `eval_max_batches` batches per process when capped."""
     collate = collate or collate_fn(cfg)
     if isinstance(data.train, IterableDataset):

@@ -29,9 +29,15 @@ def training_fields(recipe_dict: dict) -> dict:
     return {k: v for k, v in flatten(recipe_dict).items() if not k.startswith(RESUME_NEUTRAL)}
 
 
+INTRODUCED = {"data.shuffle_buffer": 0}
+"""Recipe keys added since checkpoints were first written, and the value that means what a recipe without them did:
+an older checkpoint's recipe reads as that value (its stream was not shuffled)."""
+
+
 def recipe_diff(old: dict, new: dict) -> list[str]:
-    """`key: old -> new` for every training-relevant key that differs between two recipe dicts."""
-    a, b = training_fields(old), training_fields(new)
+    """`key: old -> new` for every training-relevant key that differs between two recipe dicts (`old` read with the
+    `INTRODUCED` values for keys it predates)."""
+    a, b = {**INTRODUCED, **training_fields(old)}, training_fields(new)
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
             if a.get(k) != b.get(k)]
 
@@ -103,6 +109,8 @@ def load_checkpoint(accelerator, ckpt: Path, n_saved: int, other_world: bool = F
     check_pickles(ckpt)
     try:
         accelerator.load_state(str(ckpt))  # model, optimizer, RNG states of every process, and the objects above
+    except ResumeError:  # a registered object refused its saved state, saying why
+        raise
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResumeError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {first[:300]}") from None

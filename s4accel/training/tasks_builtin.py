@@ -90,7 +90,7 @@ class CausalLMTask(BuiltinTask):
                                                    for k, v in self.data.source_tokens.items()))
         self.stream = self.data.train if getattr(self.data.train, "resumable", False) else None
         if self.stream is not None:
-            self.stream.accelerator = acc  # its state is gathered from every process into each checkpoint
+            self.stream.accelerator = acc  # an earlier version's per-process state is gathered into checkpoints
         if self.recipe.train.state.mode != "none":  # the rows' recurrent state, carried from chunk to chunk
             self.carried = CarriedState(self.recipe.train.state, acc)
         self.collate = collate_lm
@@ -107,7 +107,7 @@ class CausalLMTask(BuiltinTask):
 
     def dataloaders(self, data: TaskData):
         train_dl, val_dl, _ = super().dataloaders(data)
-        if self.stream is not None:  # every process reads its own share, in order: not sharded again
+        if self.stream is not None:  # every process takes its own blocks of the stream already: not sharded again
             return Loaders(train_dl, val_dl, shard_train=False)
         if self.recipe.train.state.mode != "none":  # fixed rows per process in text order: a sharded
             # loader would hand a process another row's continuation
@@ -158,8 +158,8 @@ class CausalLMTask(BuiltinTask):
 
     def on_train_end(self, model):
         if self.stream is not None and len(self.stream.labels) > 1:
-            seen = self.stream.tokens_seen()
-            self.accelerator.print("data mixture, tokens trained on (this process): " + ", ".join(
+            seen, by = self.stream.tokens_seen()
+            self.accelerator.print(f"data mixture, tokens trained on ({by}): " + ", ".join(
                 f"{k} {v:,}" for k, v in seen.items()))
         self.samples = write_samples(self.accelerator, model, self.data.tokenizer, self.recipe, self.run_dir)
 

@@ -15,9 +15,11 @@ What a checkpoint holds carries over: the model and the optimizer's state (whole
 torch.distributed.checkpoint reshards them), the schedule and the loop's counters, the EMA (saved whole). The
 random streams of each process cannot (there is one per process): they are derived again from the seed, the step
 and the process, so dropout and the router's jitter draw other numbers than the uninterrupted run would have.
-Not carried over, and refused: stateful training (each process carries the recurrent state of its own rows), a
-streamed source (each process reads its own share of the stream) and DeepSpeed's ZeRO checkpoints (one optimizer
-partition per process, which DeepSpeed loads only on as many processes).
+A streamed source (data.streaming) moves the same way: its blocks are one sequence that the processes take in turn,
+so its position is one state, the same on every process and for any number of them (data/streaming.py).
+Not carried over, and refused: stateful training (each process carries the recurrent state of its own rows), a stream
+saved by an earlier version (one share of it per process) and DeepSpeed's ZeRO checkpoints (one optimizer partition
+per process, which DeepSpeed loads only on as many processes).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from accelerate.utils import set_seed
 
 from ..config import Recipe
+from ..data.streaming import per_process_refusal, saved_per_process
 from ..errors import ResumeError
 from .checkpoint import TrainState, checkpoint_recipe
 
@@ -67,9 +71,8 @@ def plan_world_change(ckpt: Path, recipe: Recipe, processes: int, force: bool) -
         raise ResumeError(f"{what}: stateful training (train.state.mode: {recipe.train.state.mode}) carries each "
                           f"process's own rows from chunk to chunk and cannot change its number of processes; "
                           f"resume on {old.processes}")
-    if recipe.data.streaming:
-        raise ResumeError(f"{what}: a streamed source (data.streaming) is read in one share per process, which "
-                          f"cannot be dealt out again; resume on {old.processes}")
+    if recipe.data.streaming and (shares := saved_stream_shares(ckpt)) is not None:
+        raise ResumeError(f"{what}: {per_process_refusal(shares)}")
     if next(ckpt.rglob("*optim_states.pt"), None) is not None:
         raise ResumeError(f"{what}: DeepSpeed's ZeRO checkpoint holds one optimizer partition per process, which it "
                           f"loads only on as many processes; resume on {old.processes}")
@@ -88,6 +91,19 @@ def plan_world_change(ckpt: Path, recipe: Recipe, processes: int, force: bool) -
            else "or --force, which recomputes train.grad_accum when it can")
     raise ResumeError(f"{what}: the checkpoint trained on {old.describe()}, this run would train on "
                       f"{new.global_batch} (a different global batch is another training run): {hint}; {how}")
+
+
+def saved_stream_shares(ckpt: Path) -> int | None:
+    """The number of per-process shares of a stream an earlier version saved in `ckpt` (None: none such). The saved
+    objects are read as plain data and tensors only (`weights_only`), as every checkpoint file is before loading."""
+    for path in sorted(ckpt.glob("custom_checkpoint_*.pkl")):
+        try:
+            shares = saved_per_process(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception:  # not this one's to judge: the resume's own checks name a damaged file
+            continue
+        if shares is not None:
+            return shares
+    return None
 
 
 def move_to_world(state: TrainState, old: World, new: World, seed: int, rank: int) -> None:
