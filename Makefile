@@ -58,8 +58,12 @@ install: $(STAMP)
 quickstart: $(STAMP)
 	$(VENV)/bin/s4accel train recipes/quickstart.yaml --set run.overwrite=true $(ARGS)
 
+# Two test processes (pytest-xdist), one test file each at a time (its module fixtures built once): the suite is
+# mostly Python starting and importing torch, which one process leaves the second core idle for.
+TEST_WORKERS := -n 2 --dist loadfile
+
 test: $(STAMP)
-	$(OFFLINE) $(PY) -m pytest $(ARGS)
+	$(OFFLINE) $(PY) -m pytest $(TEST_WORKERS) $(ARGS)
 
 # Not a stamp: every run asks PyPI again, so the lane meets a release the day it ships. The versions it got are
 # printed first.
@@ -76,7 +80,7 @@ newest-env: $(NEWEST)/bin/python
 	@$(NEWEST)/bin/python tests/scripts/lane_versions.py "newest lane"
 
 test-newest: $(STAMP) newest-env
-	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(NEWEST)/bin/python -m pytest $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
+	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(NEWEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
 
 $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
 	$(PYTHON) -m venv $(OLDEST)
@@ -88,7 +92,7 @@ $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
 
 test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
 	@$(OLDEST)/bin/python tests/scripts/lane_versions.py "floor lane"
-	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
+	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
 
 # The whole suite on the newest releases (with the extras it tests); only if it passes is the lock rewritten from
 # that environment.

@@ -8,6 +8,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two test processes at once (`pytest -n 2`, as `make test` runs): one thread each, and one for every process
+    # they start, or their thread pools spin against each other on two cores (every op up to 20x slower).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -15,6 +15,10 @@ TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}
 """The environment a subprocess needs to import the tests' own modules (testing_callbacks, testing_tasks)."""
 
 
+FREE_PORT = ["--main_process_port", "0"]
+"""For `accelerate launch`: a port of its own for each launch (the suite may run two test processes at once)."""
+
+
 def sets(*items: str) -> list[str]:
     """`--set` before each recipe override, for `run_cli`."""
     return [arg for item in items for arg in ("--set", item)]

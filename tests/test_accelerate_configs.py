@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 
-from helpers import REPO
+from helpers import FREE_PORT, REPO
 
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
@@ -61,7 +61,7 @@ def test_fsdp_config_on_cpu_processes_runs_ddp_and_says_so(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
                            str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
                            "no", "-m", "s4accel", "train", str(REPO / "recipes" / "s4_tiny_debug.yaml"), "--set",
                            f"run.out_dir={tmp_path / 'run'}", "--set", "train.max_steps=3", "--set",

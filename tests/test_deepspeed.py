@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TESTS_ON_PATH, TINY, callback_override, final_weights, short_epochs
+from helpers import FREE_PORT, REPO, TESTS_ON_PATH, TINY, callback_override, final_weights, short_epochs
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -25,8 +25,8 @@ SSM = ("log_dt", "A_imag", "log_A_real", "kernel.C", "layer.D")  # S4D's paramet
 
 
 def launch(config, text, out, *extra, script=DEEPSPEED_ON_CPU, precision="no", resume=False, ok=True):
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-            "--mixed_precision", precision, *script, "train", str(TINY)]
+    args = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file", str(config),
+            "--num_processes", "2", "--mixed_precision", precision, *script, "train", str(TINY)]
     # grad_accum 2 (which DeepSpeed's engine divides by itself), dropout (the RNG states matter), samples
     for item in short_epochs(text, out, "train.max_steps=12", "checkpoint.every_steps=6", "checkpoint.keep_last=4",
                              "train.eval_every=6", "sample.prompts=['ROMEO.']", "sample.max_new_tokens=16", *extra):

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TESTS_ON_PATH, read_metrics, run_cli, sets, train_in_process
+from helpers import FREE_PORT, REPO, TESTS_ON_PATH, read_metrics, run_cli, sets, train_in_process
 
 DIGITS = REPO / "recipes" / "digits.yaml"
 BALANCED = '''
@@ -144,7 +144,7 @@ def test_eval_scores_are_the_same_on_one_and_two_processes(run):
     from s4accel.training.class_scores import confusion_text
 
     out, overrides = run
-    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "eval", str(out),
                           str(DIGITS), *sets(*overrides), "--json"], capture_output=True, text=True, timeout=600,
                          cwd=REPO, env={**os.environ, **TESTS_ON_PATH})

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from helpers import REPO, TINY, train_in_process
+from helpers import FREE_PORT, REPO, TINY, train_in_process
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
 
 

@@ -12,14 +12,15 @@ import time
 import pytest
 import torch
 
-from helpers import (REPO, TINY, callback_override, final_weights, read_metrics, sets, stepped, short_epochs,
-                     train_in_process)
+from helpers import (FREE_PORT, REPO, TINY, callback_override, final_weights, read_metrics, sets, short_epochs,
+                     stepped, train_in_process)
 from s4accel.training.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+# --standalone: a rendezvous on a free port of its own (the suite may run two test processes at once).
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
               str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}  # s4accel, testing_callbacks
 STEPS = 16
@@ -67,7 +68,7 @@ def test_torchrun_restarts_a_group_that_lost_a_process_and_it_resumes_bit_exactl
     (here 3 of 4 restarts failed with the static one, 3 of 4 with the shared c10d store: "Connection refused" from
     gloo, or a group that never formed)."""
     out, marker = tmp_path / "run", tmp_path / "killed"
-    proc = run(*TORCHRUN, "--standalone", "--max-restarts", "1", *recipe(
+    proc = run(*TORCHRUN, "--max-restarts", "1", *recipe(
         text, out, "train.resume=auto", callback_override("testing_callbacks:KilledOnceAt", step=12,
                                                           marker=str(marker))),
                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TINY, final_weights, read_metrics, short_epochs, small_text_file
+from helpers import FREE_PORT, REPO, TINY, final_weights, read_metrics, short_epochs, small_text_file
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import REPO, TINY, final_weights, read_metrics, run_cli, train_in_process
+from helpers import FREE_PORT, REPO, TINY, final_weights, read_metrics, run_cli, train_in_process
 from s4accel.errors import RecipeError
 
 pytestmark = pytest.mark.slow
@@ -188,7 +188,7 @@ def read_rows(path):
         return list(csv.DictReader(f))
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel"]
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
+from helpers import FREE_PORT, REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
 from s4accel.data.stateful_rows import StreamBatchSampler
 
 
@@ -68,7 +68,7 @@ def test_two_processes_equal_one_process_with_all_rows(text, tmp_path):
                                   "checkpoint.every_steps=0"))
     two = tmp_path / "two"
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
                            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", str(TINY),
                            *[a for item in stream(text, two, "train.state.mode=tbptt", "train.max_steps=10",
                                                   "checkpoint.every_steps=0") for a in ("--set", item)]],

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
+from helpers import FREE_PORT, REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_a_sorted_stream_is_shuffled_by_the_seed_and_read_in_file_order_without_
     assert {f for block in in_order for f in block} == {0, 1}, in_order
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", str(TINY)]
 
 
@@ -249,6 +249,7 @@ def test_a_bad_line_the_stream_reaches_mid_training_stops_in_one_line_and_the_ru
     second.write_text(good + '{"text": broken\n')
     args = [f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{first},{second}]",
             "data.streaming=true", "data.seq_len=32", "data.batch_size=4", "data.val_blocks=2", "train.max_steps=200",
+            "data.shuffle_buffer=16",  # the default 1,024 blocks would hold the whole first file before step 1
             "train.eval_every=0", "checkpoint.every_steps=10", "checkpoint.keep_last=1", "scheduler.warmup_steps=0",
             "log.progress_bar=false", "log.log_with=[jsonl]", "sample.prompts=[]"]
     sets = [a for o in args for a in ("--set", o)]

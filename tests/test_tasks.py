@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, callback_override, final_weights, read_metrics, run_cli, train_in_process
+from helpers import FREE_PORT, REPO, callback_override, final_weights, read_metrics, run_cli, train_in_process
 
 EXAMPLES = REPO / "examples"
 DIABETES = EXAMPLES / "diabetes.yaml"
@@ -156,7 +156,7 @@ def test_two_process_gan_keeps_both_models_identical_on_every_rank(tmp_path):
     two ranks (different batches and noise) would drift apart at the first step."""
     run_dir, sums = tmp_path / "run", tmp_path / "sums.json"
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
                            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", GAN,
                            "--set", GAN_TASK, "--set", f"run.out_dir={run_dir}", "--set", "train.max_steps=30",
                            "--set", "train.eval_every=15", "--set", "log.progress_bar=false",
