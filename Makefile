@@ -36,7 +36,10 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # without s4accel importable), a tiny run killed, resumed bit-exactly and exported, generate/eval/pipeline on it,
 # and the Hub round trip.
 LANE_TESTS := tests/models/test_model_contracts.py tests/models/test_remote_code.py tests/test_lanes.py \
-	tests/test_inference.py tests/test_hub.py \
+	tests/test_inference.py \
+	tests/test_hub.py::test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_model \
+	tests/test_hub.py::test_recipe_can_push_at_the_end_of_training \
+	tests/test_hub.py::test_a_bad_token_is_one_line_and_leaves_the_run_untouched \
 	tests/test_resume.py::test_sigterm_mid_epoch_saves_within_one_step_and_resume_is_bit_exact
 
 # A tracker that fails is switched off with a warning and training goes on; in the lanes that warning is an error,

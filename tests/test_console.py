@@ -36,11 +36,11 @@ def test_a_run_and_eval_print_no_library_noise(tmp_path):
     common = sets(f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{data}]",
                   "data.seq_len=32", "log.progress_bar=false", "sample.prompts=[]")
     proc = run_cli("train", TINY, *common, *sets("train.max_steps=4", "checkpoint.every_steps=2",
-                                                 "train.eval_every=2"), env=bars_as_users_have_them)
+                                                 "train.eval_every=2"), env=bars_as_users_have_them, fresh=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = proc.stdout + proc.stderr
     assert "done: 4 steps" in said and not [n for n in NOISE if n in said], said
-    scored = run_cli("eval", tmp_path / "run", TINY, *common, env=bars_as_users_have_them)
+    scored = run_cli("eval", tmp_path / "run", TINY, *common, env=bars_as_users_have_them, fresh=True)
     assert scored.returncode == 0, scored.stderr[-2000:]
     assert "loss" in scored.stdout and not [n for n in NOISE if n in scored.stdout + scored.stderr], scored.stderr
 
