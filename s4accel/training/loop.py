@@ -29,6 +29,7 @@ from .console import RUN_LOG, quiet_libraries
 from .ending import finish
 from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
 from .metrics import Meter
+from .precision import convolution_line
 from .preemption import StopSignals
 from .profiling import Profile
 from .resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
@@ -307,6 +308,8 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
                       f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
                       f"{precision(accelerator)}")
+    if line := convolution_line(accelerator.unwrap_model(model), accelerator):
+        accelerator.print(line)
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "

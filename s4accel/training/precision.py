@@ -66,3 +66,18 @@ def apply_fsdp_precision(accelerator, model: torch.nn.Module) -> list[str]:
         for method in getattr(module, "fsdp_forward_methods", ()):  # they read the parameters outside forward too
             register_fsdp_forward_method(module, method)
     return [name for name, _ in units]
+
+
+def convolution_line(model: torch.nn.Module, accelerator) -> str | None:
+    """The line a run prints about its S4 layers' convolution (the path, its operand dtype and chunk, as the model
+    chooses them for this device and precision), or None for a model without S4 layers."""
+    from ..models.modeling_s4 import conv_plan
+
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "s4accel-s4":
+        return None
+    dtype = next((p.dtype for n, p in model.named_parameters() if ".kernel." not in n), torch.float32)
+    device = accelerator.device.type
+    plan = conv_plan(config, device, dtype, HALF.get(accelerator.mixed_precision))
+    how = "forced by" if config.conv_path != "auto" else "chosen for " + device + " by"
+    return f"S4 convolution: {plan.describe()}, {how} model.overrides.conv_path={config.conv_path}"

@@ -1,0 +1,511 @@
+"""The GPU speed table: one S4 layer against attention, and ~100M language models (S4D, the dense transformer, MoE),
+eager and compiled. Writes a dated Markdown file and its JSON, naming the device, versions, commit and every shape:
+
+    python bench/gpu_speed.py [--out-dir bench/results] [--budget-s 420] [--commit HASH] [--reference-dir DIR]
+    python bench/gpu_speed.py --device cpu --quick       # a dry run of the script itself on tiny shapes
+
+What it times (CUDA events around each pass, after warm-up passes; the median of the timed ones):
+
+layer   forward + backward of one layer, B 64, H 768, N 64, under bf16 autocast, on a float32 input (what a layer
+        norm hands it) with a random output gradient, at L 1K, 4K, 16K: `S4Layer` on the chunked path (eager, and
+        under `torch.compile`), on the FFT path (float32 FFTs of length 2L: the CPU path, and the GPU path before the
+        chunked one), and a causal attention layer of the same width (qkv and output projections around
+        `scaled_dot_product_attention`, 12 heads). Peak memory of each pass (the inputs included).
+chunks  the chunked path with chunks of 64 to 512 steps at each L: what the default chunk was chosen from.
+fp32    the same layer without autocast at L 1K and 4K: chunked (float32 matmuls, then with TF32 allowed), the FFT
+        path, and state-spaces/s4's `s4d.py` from `--reference-dir` as it runs by default (its 1x1 Conv1d in TF32:
+        cuDNN's default), on its own (B, H, L) layout.
+models  a training step (forward, backward, fused AdamW, bf16 autocast, 32,768 tokens a step) of three ~100M language
+        models with a vocabulary of 32,000, d_model 768, 12 blocks: S4D with a SwiGLU MLP of width 2048 in each
+        block; the dense transformer of the same shape (the MoE family with use_moe false, 12 heads, SDPA); and the
+        MoE transformer (8 experts of width 1024, top-2: the dense MLP's active FLOPs). At L 1K to 16K (batch
+        32,768 / L), eager and compiled (Accelerate's regional compilation of the blocks, as `train.compile` does).
+        Tokens/s, MFU as `s4accel.training.flops` counts it (against the GPU's published bf16 peak), peak memory.
+
+Everything runs in priority order within `--budget-s` seconds (the lease of a GPU is short): what did not fit is
+listed in the file as not measured. The JSON holds every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM  # noqa: E402
+from s4accel.models.modeling_s4 import S4Layer  # noqa: E402
+from s4accel.training.flops import peak_tflops, step_flops  # noqa: E402
+
+LAYER_LENGTHS = (1024, 4096, 16384)
+MODEL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+CHUNKS = (64, 128, 256, 512)
+TOKENS = 32768
+
+
+class CausalSelfAttention(nn.Module):
+    """qkv projection, causal SDPA over `heads` heads, output projection: (B, L, H) -> (B, L, H)."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, L, H = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, L, H / heads)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))
+
+
+class Bench:
+    """Timing with a deadline: `run(key, build)` measures `build()`'s pass unless the budget is spent."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device = args.device
+        self.deadline = time.perf_counter() + args.budget_s
+        self.results: dict = {}
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def time_pass(self, fn, warmup: int = 2, seconds: float = 1.5, most: int = 20) -> dict:
+        """Median of timed passes (CUDA events), after `warmup` passes; as many as fit in `seconds` (3 to `most`)."""
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        first = (time.perf_counter() - t0) / warmup
+        reps = max(3, min(most, int(seconds / max(first, 1e-4))))
+        samples = []
+        for _ in range(reps):
+            if self.device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                samples.append(1000 * (time.perf_counter() - t))
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.device == "cuda" else None
+        return {"ms": statistics.median(samples), "samples_ms": [round(s, 4) for s in samples],
+                "warmup_s": round(first * warmup, 2), "peak_gib": None if peak is None else round(peak, 3)}
+
+    def run(self, key: str, build, need_s: float = 5.0, **timing) -> dict | None:
+        """Measure `build()` (which returns the pass) under `key`, unless fewer than `need_s` seconds are left."""
+        if self.left() < need_s:
+            self.skipped.append(key)
+            return None
+        try:
+            result = self.time_pass(build(), **timing)
+        except torch.cuda.OutOfMemoryError as e:
+            result = {"error": f"out of memory: {str(e).splitlines()[0][:200]}"}
+        except Exception as e:  # one failing configuration must not hide the others
+            result = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-2000:]}
+        finally:
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+        self.results[key] = result
+        print(json.dumps({key: {k: v for k, v in result.items() if k not in ("samples_ms", "traceback")}}),
+              flush=True)
+        return result
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+
+
+def s4_layer(H: int, N: int, **config) -> S4Layer:
+    layer = S4Layer(S4Config(d_model=H, d_state=N, **config))
+    layer.kernel.reset_parameters()
+    nn.init.normal_(layer.D)
+    return layer
+
+
+def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast: bool, layout: str = "blh",
+               compiled: bool = False):
+    """forward + backward of `module` on a float32 input with a random output gradient."""
+    device = bench.device
+    module = module.to(device)
+    shape = (B, L, H) if layout == "blh" else (B, H, L)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    forward = torch.compile(module) if compiled else module
+
+    def out():
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            y = forward(x)
+        return y[0] if isinstance(y, tuple) else y
+
+    grad = torch.randn_like(out().detach())
+
+    def run():
+        for p in module.parameters():
+            p.grad = None
+        x.grad = None
+        out().backward(grad)
+    return run
+
+
+def section_layer(bench: Bench, s):
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    for L in s["layer_lengths"]:
+        bench.run(f"layer/chunked/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, True))
+        bench.run(f"layer/fft/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fft"), B, L, H, True))
+        bench.run(f"layer/attention/L{L}", lambda: layer_pass(bench, CausalSelfAttention(H, s["heads"]), B, L, H,
+                                                              True))
+
+
+def section_layer_compiled(bench: Bench, s):
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    for L in s["layer_lengths"]:
+        torch._dynamo.reset()
+        bench.run(f"layer/chunked_compiled/L{L}",
+                  lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, True, compiled=True),
+                  need_s=60)
+
+
+def section_chunks(bench: Bench, s):
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    for L in s["layer_lengths"]:
+        for T in s["chunks"]:
+            if T <= L:
+                bench.run(f"chunks/bf16/T{T}/L{L}", lambda: layer_pass(
+                    bench, s4_layer(H, N, conv_path="chunked", conv_chunk=T), B, L, H, True))
+    for L in s["layer_lengths"][:2]:
+        for T in s["chunks"]:
+            if T <= L:
+                bench.run(f"chunks/fp32/T{T}/L{L}", lambda: layer_pass(
+                    bench, s4_layer(H, N, conv_path="chunked", conv_chunk=T), B, L, H, False))
+
+
+def section_fp32(bench: Bench, s):
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    reference = import_reference(bench.args.reference_dir)
+    for L in s["layer_lengths"][:2]:
+        bench.run(f"fp32/chunked/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, False))
+        bench.run(f"fp32/fft/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fft"), B, L, H, False))
+        if reference is not None:
+            bench.run(f"fp32/reference/L{L}", lambda: layer_pass(
+                bench, reference.S4D(H, d_state=N, transposed=True), B, L, H, False, layout="bhl"))
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            bench.run(f"fp32/chunked_tf32/L{L}", lambda: layer_pass(
+                bench, s4_layer(H, N, conv_path="chunked"), B, L, H, False))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def import_reference(ref_dir):
+    """state-spaces/s4's models/s4/s4d.py from `ref_dir`, or None. Its one import of the research repo (DropoutNd,
+    used only with dropout > 0) gets an inert stand-in."""
+    if ref_dir is None or not (Path(ref_dir) / "s4d.py").is_file():
+        return None
+    import importlib
+    import types
+
+    for name in ("src", "src.models", "src.models.nn"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["src.models.nn"].DropoutNd = nn.Dropout
+    sys.path.insert(0, str(ref_dir))
+    try:
+        return importlib.import_module("s4d")
+    except ImportError as e:
+        print(json.dumps({"reference": f"not imported: {e}"}), flush=True)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+def build_lm(family: str, s) -> nn.Module:
+    common = dict(vocab_size=s["vocab"], d_model=s["d_model"], n_layer=s["n_layer"])
+    if family == "s4d":
+        return S4ForCausalLM(S4Config(d_state=s["d_state"], ffn="mlp", d_ffn=s["d_ffn"], **common))
+    if family == "dense":
+        return MoEForCausalLM(MoEConfig(n_head=s["heads"], d_ffn=s["d_ffn"], use_moe=False, **common))
+    return MoEForCausalLM(MoEConfig(n_head=s["heads"], d_ffn=s["d_ffn"] // 2, num_experts=8, num_experts_per_tok=2,
+                                    **common))
+
+
+def lm_pass(bench: Bench, family: str, L: int, compiled: bool, s):
+    device = bench.device
+    torch.manual_seed(0)
+    model = build_lm(family, s).to(device)
+    batch = max(1, s["tokens"] // L)
+    ids = torch.randint(3, s["vocab"], (batch, L), device=device)
+    if compiled:
+        from accelerate.utils import compile_regions
+
+        torch._dynamo.reset()
+        model = compile_regions(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+
+    def run():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    run.meta = {"batch": batch, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "flops": sum(step_flops(model.config, batch, L).values())}
+    return run
+
+
+def section_models(bench: Bench, s, plan):
+    peak = peak_tflops(torch.device(bench.device), "bf16")[0] if bench.device == "cuda" else None
+    for family, L, compiled in plan:
+        key = f"models/{family}/{'compiled' if compiled else 'eager'}/L{L}"
+        if key in bench.results:
+            continue
+        holder = {}
+
+        def build():
+            holder["run"] = lm_pass(bench, family, L, compiled, s)
+            return holder["run"]
+        result = bench.run(key, build, need_s=90 if compiled else 15, warmup=3 if compiled else 2, seconds=2.0,
+                           most=10)
+        if result and "ms" in result:
+            meta = holder["run"].meta
+            result.update(meta)
+            result["tokens_per_s"] = round(meta["batch"] * L / (result["ms"] / 1000))
+            tflops = meta["flops"] / (result["ms"] / 1000) / 1e12
+            result["tflops"] = round(tflops, 1)
+            result["mfu"] = round(tflops / peak, 4) if peak else None
+
+
+def model_plan(s) -> list:
+    """Eager first (every family, the issue's lengths first), then the compiled runs the comparison needs, then the
+    rest."""
+    first = [L for L in (2048, 8192) if L in s["model_lengths"]]
+    rest = [L for L in s["model_lengths"] if L not in first]
+    eager = [(f, L, False) for L in first + rest for f in ("s4d", "dense", "moe")]
+    compiled = [(f, L, True) for L in first for f in ("s4d", "dense")]
+    later = [(f, L, True) for L in rest for f in ("s4d", "dense")] + [("moe", L, True) for L in first + rest]
+    return eager, compiled, later
+
+
+def section_profile(bench: Bench, s):
+    """The CUDA kernels of one pass, by total time: the chunked layer at the middle layer length, and an eager
+    training step of the S4D language model at L 2,048 (where the time goes, for whoever speeds it up next)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    L = s["layer_lengths"][len(s["layer_lengths"]) // 2]
+    Lm = 2048 if 2048 in s["model_lengths"] else s["model_lengths"][0]
+    targets = {f"layer_chunked_L{L}": lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, True),
+               f"s4d_lm_eager_L{Lm}": lambda: lm_pass(bench, "s4d", Lm, False, s)}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device == "cuda" else [])
+    out = {}
+    for name, build in targets.items():
+        if bench.left() < 20:
+            bench.skipped.append(f"profile/{name}")
+            continue
+        try:
+            run = build()
+            for _ in range(2):
+                run()
+            bench.sync()
+            with profile(activities=activities) as prof:
+                run()
+                bench.sync()
+            attr = "device_time_total" if bench.device == "cuda" else "cpu_time_total"
+            rows = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0 and
+                    (bench.device != "cuda" or getattr(e, "device_type", None) is not None and
+                     str(e.device_type).endswith("CUDA"))]
+            rows.sort(key=lambda e: -getattr(e, attr))
+            total = sum(getattr(e, attr) for e in rows)
+            out[name] = {"total_ms": round(total / 1000, 3), "kernels": [
+                {"name": e.key[:120], "ms": round(getattr(e, attr) / 1000, 3), "calls": e.count} for e in rows[:30]]}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            if bench.device == "cuda":
+                torch.cuda.empty_cache()
+        print(json.dumps({f"profile/{name}": out[name]}), flush=True)
+    bench.results["profile"] = out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def fmt_ms(r):
+    if r is None:
+        return "not measured"
+    if "error" in r:
+        return "OOM" if "out of memory" in r["error"] else "error"
+    return f"{r['ms']:.2f} ms ({r['peak_gib']:.1f} GiB)" if r.get("peak_gib") is not None else f"{r['ms']:.2f} ms"
+
+
+def fmt_lm(r):
+    if r is None:
+        return "not measured"
+    if "error" in r:
+        return "OOM" if "out of memory" in r["error"] else "error"
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+    mem = f", {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
+    return f"{r['tokens_per_s'] / 1000:.0f}k{mfu}{mem}"
+
+
+def markdown(report: dict, s) -> str:
+    R = report["results"]
+    lines = [f"# GPU speed: {report['device']}, {report['date']}", "",
+             f"Commit `{report['commit']}`; torch {report['torch']} (CUDA {report['cuda']}, cuDNN {report['cudnn']}), "
+             f"transformers {report['transformers']}, accelerate {report['accelerate']}, triton "
+             f"{report['triton']}, Python {report['python']}.", "",
+             f"Command: `{report['command']}`. Medians of CUDA-event timings after warm-up passes; every sample is in "
+             "the JSON file of the same name.", ""]
+    Ls = s["layer_lengths"]
+    head = "| | " + " | ".join(f"L {L:,}" for L in Ls) + " |"
+    sep = "|---" * (len(Ls) + 1) + "|"
+    lines += [f"## One layer, forward + backward (B {s['layer_batch']}, H {s['d_model']}, N {s['d_state']}, "
+              "bf16 autocast, float32 input)", "", "Time (peak memory of the pass, inputs included).", "", head, sep]
+    rows = [("S4Layer, chunked path (eager)", "layer/chunked"),
+            ("S4Layer, chunked path (`torch.compile`)", "layer/chunked_compiled"),
+            ("S4Layer, FFT path (float32 FFTs at 2L; the CPU path)", "layer/fft"),
+            ("causal attention (SDPA) with qkv and output projections", "layer/attention")]
+    for name, key in rows:
+        lines.append(f"| {name} | " + " | ".join(fmt_ms(R.get(f"{key}/L{L}")) for L in Ls) + " |")
+    ratios = []
+    for L in Ls:
+        a, c = R.get(f"layer/attention/L{L}"), R.get(f"layer/chunked/L{L}")
+        ratios.append(f"{a['ms'] / c['ms']:.2f}x" if a and c and "ms" in a and "ms" in c else "-")
+    lines += ["| attention / chunked (eager) | " + " | ".join(ratios) + " |", ""]
+    lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
+    for dtype in ("bf16", "fp32"):
+        for T in s["chunks"]:
+            cells = [fmt_ms(R.get(f"chunks/{dtype}/T{T}/L{L}")) for L in Ls]
+            lines.append(f"| {dtype}, chunks of {T} | " + " | ".join(cells) + " |")
+    lines += ["", "## float32, no autocast", "", "| | " + " | ".join(f"L {L:,}" for L in Ls[:2]) + " |",
+              "|---" * 3 + "|"]
+    for name, key in (("S4Layer, chunked (float32 matmuls)", "fp32/chunked"),
+                      ("S4Layer, chunked (TF32 allowed: `train.tf32`)", "fp32/chunked_tf32"),
+                      ("S4Layer, FFT path", "fp32/fft"),
+                      ("state-spaces/s4 `s4d.py` (its Conv1d in TF32, cuDNN's default)", "fp32/reference")):
+        lines.append(f"| {name} | " + " | ".join(fmt_ms(R.get(f"{key}/L{L}")) for L in Ls[:2]) + " |")
+    Ms = s["model_lengths"]
+    lines += ["", f"## Language models, a training step of {s['tokens']:,} tokens (bf16 autocast, fused AdamW)", "",
+              f"d_model {s['d_model']}, {s['n_layer']} blocks, vocabulary {s['vocab']:,}. S4D: N {s['d_state']}, "
+              f"SwiGLU {s['d_ffn']} in each block. Dense: the MoE family with use_moe false, {s['heads']} heads. MoE: "
+              f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.flops counts it, "
+              "peak memory). Compiled: Accelerate's regional compilation, as `train.compile: true`.", "",
+              "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
+    for family, name in (("s4d", "S4D"), ("dense", "dense transformer"), ("moe", "MoE transformer")):
+        for mode in ("eager", "compiled"):
+            cells = [fmt_lm(R.get(f"models/{family}/{mode}/L{L}")) for L in Ms]
+            params = next((R[k]["params_m"] for k in R if k.startswith(f"models/{family}/") and "params_m" in R[k]),
+                          None)
+            label = f"{name} ({params}M)" if params else name
+            lines.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
+    lines += ["", "S4D against the dense transformer, each in its best mode (tokens/s ratio):", ""]
+    for L in Ms:
+        best = {}
+        for family in ("s4d", "dense"):
+            rates = [R[k]["tokens_per_s"] for k in (f"models/{family}/eager/L{L}", f"models/{family}/compiled/L{L}")
+                     if k in R and "tokens_per_s" in R[k]]
+            best[family] = max(rates) if rates else None
+        if best["s4d"] and best["dense"]:
+            lines.append(f"- L {L:,}: {best['s4d'] / best['dense']:.2f}x")
+    errors = {k: v["error"] for k, v in R.items() if "error" in v and k != "profile"}
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- `{k}`: {v}" for k, v in errors.items()]
+    if report["skipped"]:
+        lines += ["", "Not measured within the time budget: " + ", ".join(f"`{k}`" for k in report["skipped"]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def shapes(args) -> dict:
+    if args.quick:
+        return dict(layer_batch=2, d_model=64, d_state=16, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
+                    vocab=300, n_layer=2, d_ffn=128, tokens=512, model_lengths=(64, 128))
+    return dict(layer_batch=64, d_model=768, d_state=64, heads=12, layer_lengths=LAYER_LENGTHS, chunks=CHUNKS,
+                vocab=32000, n_layer=12, d_ffn=2048, tokens=TOKENS, model_lengths=MODEL_LENGTHS)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting measurements after this long")
+    ap.add_argument("--commit", default="unknown", help="the commit measured (the GPU machine has no .git)")
+    ap.add_argument("--reference-dir", type=Path, help="a folder holding state-spaces/s4's models/s4/s4d.py")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of this script")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (with --device cpu)")
+    ap.add_argument("--sections", nargs="+", default=["layer", "models", "chunks", "layer_compiled", "fp32",
+                                                       "models_later"],
+                    choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
+                             "models_first"])
+    ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device"}))
+        return 1
+    import accelerate
+    import transformers
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.automatic_dynamic_shapes = False  # every length its own static graph, as a run has
+    s = shapes(args)
+    bench = Bench(args)
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+              "date": datetime.date.today().isoformat(), "commit": args.commit, "torch": torch.__version__,
+              "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+              "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+              "triton": triton_version, "python": platform.python_version(),
+              "command": "python bench/gpu_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "shapes": s, "results": bench.results, "skipped": bench.skipped}
+    print(json.dumps({k: v for k, v in report.items() if k not in ("results", "skipped")}), flush=True)
+    if args.model_lengths:
+        s["model_lengths"] = tuple(args.model_lengths)
+    eager, compiled, later = model_plan(s)
+    sections = {"profile": lambda: section_profile(bench, s), "layer": lambda: section_layer(bench, s), "models": lambda: section_models(bench, s, eager + compiled),
+                "chunks": lambda: section_chunks(bench, s), "layer_compiled": lambda: section_layer_compiled(bench, s),
+                "fp32": lambda: section_fp32(bench, s), "models_later": lambda: section_models(bench, s, later),
+                "models_first": lambda: section_models(bench, s, [x for f in ("s4d", "dense") for x in
+                                                                  ((f, s["model_lengths"][0], False),
+                                                                   (f, s["model_lengths"][0], True))])}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    slug = report["device"].replace(" ", "-").replace("/", "-")
+    stem = args.out_dir / f"{report['date']}-gpu-speed-{slug}"
+    for name in args.sections:
+        try:
+            sections[name]()
+        except Exception as e:  # a section's own bug must not lose the others' numbers
+            bench.results[f"section/{name}"] = {"error": f"{type(e).__name__}: {e}"[:500],
+                                                "traceback": traceback.format_exc()[-2000:]}
+            print(json.dumps({f"section/{name}": bench.results[f"section/{name}"]}), flush=True)
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        stem.with_suffix(".md").write_text(markdown(report, s))
+    print(markdown(report, s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

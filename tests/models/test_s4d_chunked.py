@@ -1,0 +1,286 @@
+"""The chunked S4D convolution (`s4d_chunked.py`, the GPU path) against its slow references: the FFT convolution of
+the kernel and the SSM run step by step, values and every gradient, in float64, float32 and bfloat16; the whole model
+on either path (documents, carried state, generation); the path each device gets; `torch.compile` without complex
+code. GPU-only checks are marked `gpu`."""
+
+import warnings
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassError  # the config classes are strict dataclasses
+
+from s4accel import S4Config, S4ForCausalLM
+from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan, fft_conv
+from s4accel.models.s4d_chunked import chunked_conv
+
+S4D_VARIANTS = [(disc, init) for disc in ("zoh", "bilinear") for init in ("diag-lin", "diag-inv", "diag-legs",
+                                                                         "diag-real")]
+# Tolerances, relative to the reference's largest value. bfloat16: the inputs, the Toeplitz taps, the powers of dA and
+# the states are rounded to 8 bits of mantissa for the products (accumulated in float32): about what rounding the
+# input alone costs the float32 FFT path (measured: 3.3e-3 of the largest value, against 7e-3 for the chunked path,
+# at H 64, L 4096, N 64).
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def kernel(disc="zoh", init="diag-lin", H=6, N=8, bidirectional=False, seed=0):
+    torch.manual_seed(seed)
+    k = S4DKernel(S4Config(d_model=H, d_state=N, disc=disc, init=init, dt_min=0.01, dt_max=0.5,
+                           bidirectional=bidirectional))
+    k.reset_parameters()
+    return k.double()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def chunked(k, u, D, T, dtype, direction=0, shift=0):
+    log_dA, (Cr, Ci) = k.discretize_pairs()
+    return chunked_conv(u, log_dA, (Cr[direction], Ci[direction]), D, T, dtype, shift)
+
+
+@pytest.mark.parametrize(("disc", "init"), S4D_VARIANTS)
+def test_real_pair_discretization_equals_the_complex_one(disc, init):
+    k = kernel(disc, init)
+    log_dA, C_tilde = k.discretize()
+    (ar, ai), (cr, ci) = k.discretize_pairs()
+    # dA itself (the logarithm's branch may differ by 2 pi i: every power is the same)
+    torch.testing.assert_close(torch.exp(torch.complex(ar, ai)), torch.exp(log_dA), rtol=0, atol=1e-14)
+    torch.testing.assert_close(torch.complex(cr, ci), C_tilde, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize(("disc", "init"), S4D_VARIANTS)
+@pytest.mark.parametrize("T", [16, 32, 48, 112], ids=lambda t: f"T{t}")
+def test_chunked_equals_the_fft_convolution_in_float64(disc, init, T):
+    """Chunks of 16 and 32 steps divide L = 96 (6 and 3 chunks), 48 two of them, 112 covers it with padding (one
+    chunk): the convolution with its D skip, and the anti-causal half of a bidirectional layer."""
+    k = kernel(disc, init, bidirectional=True)
+    u, D = torch.randn(3, 96, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    K = k(96)
+    ref = fft_conv(u.transpose(1, 2), K[:1], D).transpose(1, 2)
+    assert rel(chunked(k, u, D, T, torch.float64), ref) < TOL[torch.float64]
+    both = fft_conv(u.transpose(1, 2), K, D).transpose(1, 2)
+    anti = chunked(k, u.flip(1), None, T, torch.float64, direction=1, shift=1).flip(1)
+    assert rel(chunked(k, u, D, T, torch.float64) + anti, both) < TOL[torch.float64]
+
+
+def test_chunked_equals_the_recurrence():
+    """The SSM run one step at a time (x_k = dA x_(k-1) + u_k, y_k = 2 Re(C~ x_k)): with 5 chunks and padding."""
+    k = kernel("zoh", "diag-inv")
+    u = torch.randn(2, 70, 6, dtype=torch.float64)
+    y_rec, _ = k.recurrence(u.transpose(1, 2))
+    assert rel(chunked(k, u, None, 16, torch.float64), y_rec.transpose(1, 2)) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("disc", ["zoh", "bilinear"])
+def test_chunked_values_and_gradients_equal_the_float64_reference(dtype, disc):
+    """Values, the input's gradient and every SSM parameter's (log_dt, log_A_real, A_imag, C, D), at N 64 and 8
+    chunks, each within the dtype's tolerance of the float64 FFT path."""
+    H, L = 16, 512
+    torch.manual_seed(1)
+    layers = {}
+    for name in ("ref", "fast"):
+        torch.manual_seed(1)
+        layers[name] = S4Layer(S4Config(d_model=H, d_state=64, disc=disc, conv_path="fft" if name == "ref" else
+                                        "chunked", conv_chunk=64)).double()
+        layers[name].kernel.reset_parameters()
+        torch.nn.init.normal_(layers[name].D)
+    layers["fast"].load_state_dict(layers["ref"].state_dict())
+    u = torch.randn(4, L, H, dtype=torch.float64)
+    grad_out = torch.randn(4, L, H, dtype=torch.float64)
+    results = {}
+    for name, layer in layers.items():
+        x = (u if name == "ref" else u.to(dtype)).clone().requires_grad_(True)
+        params = dict(layer.kernel.named_parameters()) | {"D": layer.D}
+        if name == "fast":  # the chunked path alone, in `dtype`
+            log_dA, (Cr, Ci) = layer.kernel.discretize_pairs()
+            y = chunked_conv(x, log_dA, (Cr[0], Ci[0]), layer.D.double(), 64, dtype)
+        else:
+            y = fft_conv(x.transpose(1, 2), layer.kernel(L), layer.D).transpose(1, 2)
+        grads = torch.autograd.grad(y, [x, *params.values()], grad_out.to(y.dtype))
+        results[name] = {"y": y, "u": grads[0], **dict(zip(params, grads[1:]))}
+    for key, ref in results["ref"].items():
+        assert rel(results["fast"][key], ref) < TOL[dtype], key
+
+
+@pytest.mark.parametrize("where", ["autocast", "bf16-model"])
+def test_under_autocast_or_in_bfloat16_the_chunked_path_computes_in_bfloat16(where):
+    """A float32 model under bf16 autocast, and a model loaded in bfloat16: the chunked path's products run in
+    bfloat16 (its output is bfloat16), within the bfloat16 tolerance of the FFT path of the same model, which
+    convolves in float32."""
+    torch.manual_seed(0)
+    config = S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=16, conv_path="chunked", conv_chunk=32)
+    model = S4ForCausalLM(config).eval()
+    if where == "bf16-model":
+        model = model.to(torch.bfloat16)
+    ids = torch.randint(3, 50, (2, 100))
+    seen = []
+    model.backbone.layers[0].layer.register_forward_hook(lambda m, i, out: seen.append(out[0].dtype))
+    logits = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "autocast"):
+        for path in ("fft", "chunked"):
+            config.conv_path = path
+            logits[path] = model(ids).logits
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert rel(logits["chunked"], logits["fft"]) < 3e-2
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_the_model_on_either_path_gives_the_same_logits_and_gradients(bidirectional):
+    from s4accel import S4ForSequenceClassification
+
+    grads = {}
+    for path in ("fft", "chunked"):
+        torch.manual_seed(0)
+        config = S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=16, conv_path=path, conv_chunk=16,
+                          bidirectional=bidirectional, num_labels=3)
+        model = (S4ForSequenceClassification if bidirectional else S4ForCausalLM)(config).double()
+        ids = torch.randint(3, 50, (3, 75))
+        out = model(ids, labels=torch.tensor([0, 2, 1]) if bidirectional else ids)
+        out.loss.backward()
+        grads[path] = {n: p.grad for n, p in model.named_parameters()} | {"logits": out.logits}
+    for name, g in grads["fft"].items():
+        assert rel(grads["chunked"][name], g) < 1e-10, name
+
+
+def test_packed_documents_on_the_chunked_path_stay_apart_bit_for_bit():
+    """Each document in its own zero-padded bucket row (one chunk, or several for a long one): changing one leaves
+    every logit of the next bit-identical, and each document's logits equal its own."""
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=16, conv_path="chunked",
+                                   conv_chunk=16)).eval()
+    lengths = [7, 40, 5, 44]
+    ids = torch.randint(3, 50, (2, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    other = ids.clone()
+    other[:, lengths[0] - 1] = (other[:, lengths[0] - 1] + 1) % 50
+    with torch.no_grad():
+        logits, changed = (model(input_ids=x, position_ids=positions).logits for x in (ids, other))
+        alone = torch.cat([model(input_ids=part).logits for part in ids.split(lengths, dim=1)], 1)
+    assert torch.equal(logits[:, lengths[0]:], changed[:, lengths[0]:])
+    assert not torch.equal(logits[:, :lengths[0]], changed[:, :lengths[0]])
+    assert rel(logits, alone) < 1e-5
+
+
+def test_carried_state_and_cached_generation_agree_with_the_chunked_path():
+    """TBPTT chunks (each from the last one's state) equal the whole sequence, and greedy generation from the
+    recurrent cache equals re-reading the whole sequence, both with the chunked convolution for every read."""
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=8, conv_path="chunked",
+                                   conv_chunk=16)).double().eval()
+    ids = torch.randint(3, 20, (2, 70))
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache, parts = None, []
+        for part in ids.split(33, dim=1):
+            out = model(part, cache=cache, use_cache=True)
+            cache, parts = out.cache, parts + [out.logits]
+    assert rel(torch.cat(parts, 1), whole) < 1e-10
+    model = model.float()
+    prompt = torch.randint(3, 20, (2, 40))
+    cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False))
+
+
+def test_the_path_is_chosen_by_device_and_dtype_and_a_key_forces_one():
+    auto = S4Config()
+    assert conv_plan(auto, "cpu", torch.float32, None).path == "fft"
+    assert conv_plan(auto, "cpu", torch.float32, torch.bfloat16).path == "fft"
+    assert conv_plan(auto, "cuda", torch.float32, None).path == "chunked"
+    assert conv_plan(auto, "cuda", torch.float32, None, L=1000) == ("chunked", 128, torch.float32)
+    assert conv_plan(auto, "cuda", torch.float32, None, L=40).chunk == 48  # a short input: one chunk
+    assert conv_plan(S4Config(kernel="s4"), "cuda", torch.float32, None).path == "fft"  # DPLR: FFT only
+    forced = S4Config(conv_path="chunked", conv_chunk=64)
+    assert conv_plan(forced, "cpu", torch.float32, torch.bfloat16) == ("chunked", 64, torch.bfloat16)
+    assert conv_plan(forced, "cpu", torch.bfloat16, None).dtype == torch.bfloat16
+    assert conv_plan(S4Config(conv_path="fft"), "cuda", torch.float32, torch.bfloat16).path == "fft"
+    with pytest.raises(StrictDataclassError, match="needs kernel=.s4d."):
+        S4Config(kernel="s4", conv_path="chunked")
+    with pytest.raises(StrictDataclassError, match="conv_chunk must be a multiple of 16"):
+        S4Config(conv_chunk=40)
+    with pytest.raises(StrictDataclassError, match="conv_path must be one of"):
+        S4Config(conv_path="flash")
+
+
+@pytest.mark.slow
+def test_the_chunked_layer_compiles_as_one_graph_without_complex_code():
+    """`torch.compile(fullgraph=True)` of the layer on the chunked path: no graph break, no "complex operators"
+    fallback, and the compiled forward and backward equal eager's."""
+    torch.manual_seed(0)
+    layer = S4Layer(S4Config(d_model=16, d_state=16, conv_path="chunked", conv_chunk=16))
+    layer.kernel.reset_parameters()
+    u = torch.randn(2, 64, 16, requires_grad=True)
+    y, _ = layer(u)
+    y.sum().backward()
+    eager = [u.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+    u.grad = None
+    layer.zero_grad()
+    compiled = torch.compile(layer, fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yc, _ = compiled(u)
+        yc.sum().backward()
+    assert not [w for w in caught if "complex" in str(w.message)]
+    torch.testing.assert_close(yc, y, rtol=1e-5, atol=1e-5)
+    for a, b in zip([u.grad, *(p.grad for p in layer.parameters())], eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("L", [1024, 3000])
+def test_on_cuda_the_layer_takes_the_chunked_path_and_matches_the_float64_cpu_reference(dtype, L):
+    """The whole layer (convolution, GELU, GLU projection) on CUDA, auto path, against the float64 FFT path on the
+    CPU; values and the input's gradient."""
+    torch.manual_seed(0)
+    H = 64
+    ref = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fft")).double()
+    ref.kernel.reset_parameters()
+    fast = S4Layer(S4Config(d_model=H, d_state=64)).cuda()
+    fast.load_state_dict(ref.state_dict())
+    u = torch.randn(4, L, H, dtype=torch.float64)
+    g = torch.randn(4, L, H, dtype=torch.float64)
+    half = dtype == torch.bfloat16
+    assert conv_plan(fast.config, "cuda", torch.float32, torch.bfloat16 if half else None).path == "chunked"
+    x = u.float().cuda().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+        y, _ = fast(x)
+    assert y.dtype == dtype
+    y.backward(g.to(y.dtype).cuda())
+    x_ref = u.clone().requires_grad_(True)
+    y_ref, _ = ref(x_ref)
+    y_ref.backward(g)
+    # bfloat16: the GLU projection's bf16 matmul adds its own rounding to the convolution's
+    assert rel(y.cpu(), y_ref) < (3e-2 if half else 1e-5)
+    assert rel(x.grad.cpu(), x_ref.grad) < (3e-2 if half else 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does():
+    """A training step of the S4D language model under bf16 autocast, `torch.compile(fullgraph=True)`: no graph
+    break, no complex-operator fallback, and the loss and gradients within bf16 rounding of eager's."""
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=300, d_model=128, n_layer=2, d_state=64, ffn="mlp", d_ffn=256)).cuda()
+    ids = torch.randint(3, 300, (4, 1024), device="cuda")
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager_loss, eager_grads = step(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grads = step(torch.compile(model, fullgraph=True))
+    assert not [w for w in caught if "complex" in str(w.message)]
+    assert abs(loss.item() - eager_loss.item()) < 1e-2
+    for name, g in eager_grads.items():
+        assert rel(grads[name].cpu(), g.cpu()) < 5e-2, name
