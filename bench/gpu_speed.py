@@ -195,7 +195,7 @@ def section_chunks(bench: Bench, s):
             if T <= L:
                 bench.run(f"chunks/bf16/T{T}/L{L}", lambda: layer_pass(
                     bench, s4_layer(H, N, conv_path="chunked", conv_chunk=T), B, L, H, True))
-    for L in s["layer_lengths"][:2]:
+    for L in s["layer_lengths"][:1]:
         for T in s["chunks"]:
             if T <= L:
                 bench.run(f"chunks/fp32/T{T}/L{L}", lambda: layer_pass(
@@ -488,9 +488,9 @@ def main(argv=None) -> int:
     sections = {"profile": lambda: section_profile(bench, s), "layer": lambda: section_layer(bench, s), "models": lambda: section_models(bench, s, eager + compiled),
                 "chunks": lambda: section_chunks(bench, s), "layer_compiled": lambda: section_layer_compiled(bench, s),
                 "fp32": lambda: section_fp32(bench, s), "models_later": lambda: section_models(bench, s, later),
-                "models_first": lambda: section_models(bench, s, [x for f in ("s4d", "dense") for x in
-                                                                  ((f, s["model_lengths"][0], False),
-                                                                   (f, s["model_lengths"][0], True))])}
+                "models_first": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
+                                                                  for f in ("s4d", "dense")] +
+                                                       [(f, s["model_lengths"][0], True) for f in ("s4d", "dense")])}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = report["device"].replace(" ", "-").replace("/", "-")
     stem = args.out_dir / f"{report['date']}-gpu-speed-{slug}"
