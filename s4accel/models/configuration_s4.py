@@ -75,9 +75,9 @@ class S4Config(PreTrainedConfig):
             precision autocast, real arithmetic that `torch.compile` generates code for: the fastest on GPUs) or
             `"auto"`: chunked on CUDA, FFT elsewhere. Both compute the same function (to rounding); the DPLR kernel
             (`kernel="s4"`) has only the FFT path.
-        conv_chunk (`int`, *optional*): Steps per chunk of the chunked path (a multiple of 16). `None`: 256 when its
-            operands are bfloat16, 128 in float32 (the tradeoff of the Toeplitz products, which grow with it, and the
-            scan across chunks, which shrinks).
+        conv_chunk (`int`, *optional*): Steps per chunk of the chunked path (a multiple of 16). `None`: by the
+            sequence length, 128 up to 2,048 steps, 256 up to 8,192, 512 beyond (the Toeplitz products grow with the
+            chunk, the scan across chunks shrinks).
         layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.
         use_cache (`bool`): `generate()` decodes from the recurrent state (`cache_params`), one position per step, and

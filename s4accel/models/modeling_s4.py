@@ -44,7 +44,8 @@ from .cache_names import cache_field, one_cache
 from .configuration_s4 import S4Config
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
-from .s4d_chunked import chunked_conv
+from .s4d_chunked import (chunk_matrices, chunked_conv, conv_channels_first, project_channels_first,
+                          to_channels_first)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -101,8 +102,17 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     if half and device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         half = False
     dtype = torch.bfloat16 if half else wide
-    chunk = config.conv_chunk or (256 if half else 128)
+    chunk = config.conv_chunk or default_chunk(L)
     return ConvPlan("chunked", chunk if L is None else min(chunk, -(-L // 16) * 16), dtype)
+
+
+def default_chunk(L: int | None) -> int:
+    """Steps per chunk when `conv_chunk` is None: the Toeplitz products cost `2 T` per element and the scan across
+    chunks `~4 N L / T^2`, so the best T grows about as the cube root of L (measured on an H200, bf16: 128 at L 1K,
+    256 at 4K, 512 at 16K, each within a few percent of the next size)."""
+    if L is None or L <= 2048:
+        return 128
+    return 256 if L <= 8192 else 512
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -512,17 +522,25 @@ class S4Layer(nn.Module):
         on its own (the state reaches only the row's first one, when it continues; the state returned is the last
         one's)."""
         L = u.shape[1]
-        plan = conv_plan(self.config, u.device.type, u.dtype, _autocast_dtype(u.device.type), L)
+        autocast = _autocast_dtype(u.device.type)
+        plan = conv_plan(self.config, u.device.type, u.dtype, autocast, L)
         # The SSM in float32 whatever the autocast dtype: exp(dtA * l) over long l and the FFT lose everything in half
         # precision (log_dt going NaN under fp16 is a known report against the reference). The chunked path makes
         # its matrices in float32 and rounds only the operands of its products to plan.dtype.
         with torch.autocast(device_type=u.device.type, enabled=False):
             D = _fp32_or_wider(self.D)
-            conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D)
-            y = conv(u) if documents is None else documents.apply(conv, u)  # (B, L, H), with the skip D u
-            if state is not None:
-                reach = self.kernel.state_output(state, L).transpose(1, 2)  # (B, L, H)
-                y = y + (reach if documents is None else reach * documents.first[..., None])
+            channels_first = plan.path == "chunked" and documents is None and self._plain_projection()
+            if channels_first:
+                # channels first from the convolution through GELU and the projection: no transpose but the input's
+                y = self._chunked_channels_first(u, plan, D)  # (H, B, L)
+                if state is not None:
+                    y = y + self.kernel.state_output(state, L).permute(1, 0, 2)
+            else:
+                conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D)
+                y = conv(u) if documents is None else documents.apply(conv, u)  # (B, L, H), with the skip D u
+                if state is not None:
+                    reach = self.kernel.state_output(state, L).transpose(1, 2)  # (B, L, H)
+                    y = y + (reach if documents is None else reach * documents.first[..., None])
             new_state = None
             if return_state:
                 u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
@@ -531,8 +549,38 @@ class S4Layer(nn.Module):
                 else:  # the row's last document, from zero unless it is the continued first one
                     carried = None if state is None else state * (documents.single & documents.continues)[:, None, None]
                     new_state = self.kernel.forward_state(u32 * documents.last[:, None, :], carried)
+        if channels_first:
+            return self._mix_channels_first(y.to(plan.dtype), autocast), new_state
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
         return self._mix(y.contiguous().to(plan.dtype if plan.path == "chunked" else u.dtype)), new_state
+
+    def _plain_projection(self) -> bool:
+        """The output projection is a plain Linear whose weight `forward` may read directly (not one wrapped by an
+        adapter such as PEFT's LoRA, nor one whose parameters DeepSpeed ZeRO-3 gathers in the module's own hook)."""
+        return type(self.output_linear) is nn.Linear and not hasattr(self.output_linear.weight, "ds_id")
+
+    def _chunked_channels_first(self, u: torch.Tensor, plan: "ConvPlan", D: torch.Tensor) -> torch.Tensor:
+        """u (B, L, H) -> the convolution with its D skip, channels first: (H, B, L) in plan.dtype."""
+        B, L, H = u.shape
+        T = plan.chunk
+        nc = -(-L // T)
+        log_dA, (Cr, Ci) = self.kernel.discretize_pairs()
+        x = to_channels_first(u, plan.dtype, nc * T)  # (H, B, nc T), zeros past L
+        y = conv_channels_first(x, *chunk_matrices(log_dA, (Cr[0], Ci[0]), D, T, nc), nc=nc)
+        if Cr.shape[0] == 2:  # the anti-causal kernel: the reversed sequence, strictly after each step
+            back = to_channels_first(u.flip(1), plan.dtype, nc * T)
+            back = conv_channels_first(back, *chunk_matrices(log_dA, (Cr[1], Ci[1]), None, T, nc, 1), nc=nc, shift=1)
+            y = y[..., :L] + back[..., :L].flip(-1)
+        return y[..., :L] if y.shape[-1] != L else y
+
+    def _mix_channels_first(self, y: torch.Tensor, autocast: torch.dtype | None) -> torch.Tensor:
+        """`_mix` of a channels-first `y (H, B, L)` -> (B, L, H): GELU and dropout in that layout, the projection
+        reading it as it lies (`project_channels_first`), the GLU on its (B, L, 2H) output."""
+        H, B, L = y.shape
+        z = self.dropout(self.activation(y)).reshape(H, B * L)
+        linear = self.output_linear
+        z = project_channels_first(z, linear.weight, linear.bias, autocast or z.dtype)  # (B L, 2H)
+        return self.glu(z.view(B, L, 2 * H))
 
     def _fft_conv(self, L: int, D: torch.Tensor):
         """(n, l, H) -> (n, l, H) float32 (a transposed view), l <= L: FFTs of the kernel's first l taps."""

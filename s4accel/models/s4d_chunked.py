@@ -49,7 +49,8 @@ def chunk_matrices(log_dA, C_tilde, D, T: int, nc: int, shift: int = 0):
     tap `K[t - s]`; 1: strictly causal, `u[s]` for s < t with tap `K[t - s - 1]` (the anti-causal half of a
     bidirectional layer, on the reversed sequence). Returns, with `N = 2n` real rows for `n` complex modes
     (interleaved real, imaginary):
-        toeplitz (H, T, T)       [j, i] = K[i - j - shift] for i - j >= shift (plus D on the diagonal), else 0
+        taps (H, T - shift)      K[0 .. T-1-shift] (plus D at lag 0), the Toeplitz matrix's
+                                 `[j, i] = taps[i - j - shift]` for i - j >= shift, else 0 (`toeplitz`)
         to_state (H, N, T)       [(m, re/im), j] = dA_m^(T-1-j)
         scan (H, n, nc, 2 nc)    [c', c] = (dA^T)^(c-1-c') for c' < c, else 0; real parts, then imaginary parts
         from_state (H, N, T)     [(m, re), i] = 2 Re(Q), [(m, im), i] = -2 Im(Q), Q = C~_m dA_m^(i+1-shift)
@@ -62,9 +63,9 @@ def chunk_matrices(log_dA, C_tilde, D, T: int, nc: int, shift: int = 0):
     taps = 2 * (torch.einsum("hn,hnl->hl", cr, pr[..., :T]) - torch.einsum("hn,hnl->hl", ci, pi[..., :T]))  # (H, T)
     if D is not None:  # the skip is the tap at lag 0
         taps = torch.cat([taps[:, :1] + D[:, None], taps[:, 1:]], dim=-1)
-    toeplitz = _toeplitz(taps[:, :T - shift], shift)
+    taps = taps[:, :T - shift]
     if nc == 1:
-        return toeplitz, None, None, None
+        return taps, None, None, None
     # slices and flips rather than index lists: their backward is a copy, not an index_put with accumulation
     to_state = torch.stack([pr[..., :T].flip(-1), pi[..., :T].flip(-1)], dim=2).reshape(H, 2 * n, T)  # dA^(T-1-j)
     er, ei = pr[..., 1 - shift: T + 1 - shift], pi[..., 1 - shift: T + 1 - shift]  # dA^(i + 1 - shift)
@@ -74,7 +75,7 @@ def chunk_matrices(log_dA, C_tilde, D, T: int, nc: int, shift: int = 0):
     # the scan: (dA^T)^(c - 1 - c') strictly above the diagonal, a Toeplitz matrix of the powers of dA^T too
     gr, gi = powers(log_dA, T * torch.arange(nc - 1, device=ar.device, dtype=ar.dtype))  # (H, n, nc - 1)
     scan = torch.cat([_toeplitz(gr, 1), _toeplitz(gi, 1)], dim=-1)  # (H, n, nc, 2 nc)
-    return toeplitz, to_state, scan, from_state
+    return taps, to_state, scan, from_state
 
 
 def _toeplitz(taps: torch.Tensor, shift: int = 0) -> torch.Tensor:
@@ -86,31 +87,180 @@ def _toeplitz(taps: torch.Tensor, shift: int = 0) -> torch.Tensor:
     return windows[..., 1 - shift: T + 1 - shift, :].flip(-2)  # row j: window T - shift - j
 
 
-def chunked_conv(u: torch.Tensor, log_dA, C_tilde, D: torch.Tensor | None, T: int, dtype: torch.dtype,
-                 shift: int = 0) -> torch.Tensor:
-    """`y = K * u (+ D u)` for `u (B, L, H)` -> `y (B, L, H)` in `dtype`, by chunks of `T` steps (see the module
-    docs; `shift` as in `chunk_matrices`). The products read and write `dtype`; the matrices are made in the
-    parameters' dtype, and the scan across chunks runs in float32 (or float64) whatever `dtype` is."""
-    B, L, H = u.shape
-    nc = -(-L // T)
-    wide = log_dA[0].dtype  # float32, or float64 for reference checks
-    toeplitz, to_state, scan, from_state = chunk_matrices(log_dA, C_tilde, D, T, nc, shift)
-    # (B, L, H) -> (H, B, nc T) in dtype, zero-padded at the end (a causal convolution's outputs before the padding
-    # do not read it): one copy, the channels' batched products read rows of T contiguous steps
-    if nc * T == L:
-        x = u.permute(2, 0, 1).to(dtype, memory_format=torch.contiguous_format)
-    else:
-        x = u.new_zeros(H, B, nc * T, dtype=dtype)
-        x[..., :L] = u.permute(2, 0, 1)
-    x = x.view(H, B * nc, T)  # (H, M, T), M = B nc chunks
-    y = torch.bmm(x, toeplitz.to(dtype))  # within each chunk: (H, M, T)
+class _Toeplitz(torch.autograd.Function):
+    """`taps (H, m)` -> the Toeplitz matrices `(H, T, T)` (`_toeplitz`) built directly in `dtype`; the backward sums
+    the gradient along each diagonal in float32 or wider (a padded copy read as a strided view), rather than through the
+    flip, slice and unfold of the float32 construction (several passes over an (H, T, T) tensor, as large as a
+    (64, 1024, 768) activation at T = 256)."""
+
+    @staticmethod
+    def forward(ctx, taps, shift: int, dtype):
+        ctx.shift, ctx.m = shift, taps.shape[-1]
+        ctx.dtype = taps.dtype
+        return _toeplitz(taps.to(dtype), shift).contiguous()
+
+    @staticmethod
+    def backward(ctx, G):
+        H, T, _ = G.shape
+        padded = torch.nn.functional.pad(G.contiguous(), (0, T))  # (H, T, 2T): [j, e] below reads [j, j + e]
+        wide = torch.float64 if G.dtype == torch.float64 else torch.float32
+        diagonals = padded.as_strided((H, T, T), (2 * T * T, 2 * T + 1, 1)).sum(1, dtype=wide)
+        return diagonals[:, ctx.shift: ctx.shift + ctx.m].to(ctx.dtype), None, None
+
+
+def toeplitz(taps: torch.Tensor, shift: int, dtype: torch.dtype) -> torch.Tensor:
+    """`(H, m)` taps -> `(H, T, T)` in `dtype` with `[j, i] = taps[i - j - shift]` (see `_toeplitz`)."""
+    return _Toeplitz.apply(taps, shift, dtype)
+
+
+def conv_channels_first(x: torch.Tensor, taps, to_state, scan, from_state, nc: int, shift: int = 0) -> torch.Tensor:
+    """The chunked convolution on `x (H, B, nc T)` (channels first, zero-padded past the sequence) -> `(H, B, nc T)`
+    in x's dtype, from `chunk_matrices`' outputs. The products read and write x's dtype; the scan across chunks runs
+    in the matrices' dtype (float32, or float64)."""
+    H, B, Lp = x.shape
+    T, dtype, wide = Lp // nc, x.dtype, taps.dtype
+    xm = x.view(H, B * nc, T)  # (H, M, T), M = B nc chunks
+    y = torch.bmm(xm, toeplitz(taps, shift, dtype))  # within each chunk: (H, M, T)
     if nc > 1:
-        n = log_dA[0].shape[1]
-        S = torch.bmm(to_state.to(dtype), x.transpose(1, 2))  # (H, N, M): each chunk's own end state
+        n = to_state.shape[1] // 2
+        S = torch.bmm(to_state.to(dtype), xm.transpose(1, 2))  # (H, N, M): each chunk's own end state
         S = S.to(wide).view(H * n, 2 * B, nc)  # per (channel, mode): rows [Re S over b; Im S over b], chunks
         Z = torch.bmm(S, scan.reshape(H * n, nc, 2 * nc))  # (H n, 2B, 2nc): [[Re S Re G, Re S Im G], [Im S ...]]
         X = torch.stack([Z[:, :B, :nc] - Z[:, B:, nc:], Z[:, :B, nc:] + Z[:, B:, :nc]], dim=1)  # entering states
         X = X.to(dtype).view(H, 2 * n, B * nc)  # (H, N, M), rows as to_state's
         y = torch.baddbmm(y, X.transpose(1, 2), from_state.to(dtype))  # what they add: (H, M, T)
-    y = y.view(H, B, nc * T)[..., :L]
-    return y.permute(1, 2, 0).contiguous()  # (B, L, H)
+    return y.view(H, B, Lp)
+
+
+def chunked_conv(u: torch.Tensor, log_dA, C_tilde, D: torch.Tensor | None, T: int, dtype: torch.dtype,
+                 shift: int = 0) -> torch.Tensor:
+    """`y = K * u (+ D u)` for `u (B, L, H)` -> `y (B, L, H)` in `dtype`, by chunks of `T` steps (see the module
+    docs; `shift` as in `chunk_matrices`): `conv_channels_first` between two transposes. The products read and write
+    `dtype`; the matrices are made in the parameters' dtype, and the scan across chunks runs in float32 (or float64)
+    whatever `dtype` is."""
+    B, L, H = u.shape
+    nc = -(-L // T)
+    x = to_channels_first(u, dtype, nc * T)  # zero-padded at the end: a causal output never reads what follows it
+    y = conv_channels_first(x, *chunk_matrices(log_dA, C_tilde, D, T, nc, shift), nc=nc, shift=shift)
+    return from_channels_first(y, L)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layouts. The batched products want each channel's steps contiguous, (H, B, L); the model's tensors are (B, L, H).
+# PyTorch copies a permuted tensor with its generic strided kernel (measured at ~0.6 TB/s on an H200 for the (B, L, H)
+# -> (H, B, L) transpose, against ~3 TB/s for a plain copy), so on CUDA the transposes are a tiled Triton kernel
+# (Triton comes with PyTorch's CUDA builds); elsewhere, and inside `torch.compile` (inductor tiles its own), they are
+# PyTorch's copy.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of PyTorch: the CPU path is PyTorch's copy anyway
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _transpose_kernel(src, dst, R, C, sb, sr, sc, db, dc, dr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dst[b, c, r] = src[b, r, c], cast to dst's dtype: one (BLOCK_R, BLOCK_C) tile per program."""
+        b = tl.program_id(2).to(tl.int64)
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] < R) & (c[None, :] < C)
+        x = tl.load(src + b * sb + r[:, None] * sr + c[None, :] * sc, mask=mask)
+        tl.store(dst + b * db + r[:, None] * dr + c[None, :] * dc, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """`dst[b, c, r] = src[b, r, c]` (with a cast): `src (b, r, c)` and `dst (b, c, r)` views of any strides."""
+    if triton is None or not src.is_cuda or torch.compiler.is_compiling():
+        dst.copy_(src.transpose(1, 2))
+        return
+    nb, R, C = src.shape
+    grid = (triton.cdiv(R, 64), triton.cdiv(C, 64), nb)
+    with torch.cuda.device(src.device):
+        _transpose_kernel[grid](src, dst, R, C, *src.stride(), *dst.stride(), BLOCK_R=64, BLOCK_C=64, num_warps=4)
+
+
+def _to_channels_first(u: torch.Tensor, dtype: torch.dtype, Lp: int) -> torch.Tensor:
+    B, L, H = u.shape
+    out = u.new_empty((H, B, Lp), dtype=dtype)
+    if Lp > L:
+        out[..., L:].zero_()
+    transpose_into(u, out[..., :L].permute(1, 0, 2))  # [b, l, h] -> [b, h, l]
+    return out
+
+
+def _from_channels_first(y: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
+    H, B, _ = y.shape
+    out = y.new_empty((B, L, H), dtype=dtype)
+    transpose_into(y[..., :L].permute(1, 0, 2), out)  # [b, h, l] -> [b, l, h]
+    return out
+
+
+class _ToChannelsFirst(torch.autograd.Function):
+    """`u (B, L, H)` -> `(H, B, Lp)` in `dtype`, zeros past L; backward: the gradient back to (B, L, H) in u's dtype.
+    One pass each way (the transpose and the cast together)."""
+
+    @staticmethod
+    def forward(ctx, u, dtype, Lp: int):
+        ctx.L, ctx.dtype = u.shape[1], u.dtype
+        return _to_channels_first(u, dtype, Lp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _from_channels_first(g, ctx.L, ctx.dtype), None, None
+
+
+class _FromChannelsFirst(torch.autograd.Function):
+    """`y (H, B, Lp)` -> its first L steps as `(B, L, H)` in `dtype`; backward: to (H, B, Lp), zeros past L."""
+
+    @staticmethod
+    def forward(ctx, y, L: int, dtype):
+        ctx.Lp, ctx.dtype = y.shape[2], y.dtype
+        return _from_channels_first(y, L, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_channels_first(g, ctx.dtype, ctx.Lp), None, None
+
+
+def to_channels_first(u: torch.Tensor, dtype: torch.dtype, Lp: int) -> torch.Tensor:
+    """`(B, L, H)` -> `(H, B, Lp)` in `dtype`, zero-padded past L (differentiable)."""
+    return _ToChannelsFirst.apply(u, dtype, Lp)
+
+
+def from_channels_first(y: torch.Tensor, L: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`(H, B, Lp)` -> the first L steps as `(B, L, H)`, in `dtype` (default: y's) (differentiable)."""
+    return _FromChannelsFirst.apply(y, L, dtype or y.dtype)
+
+
+class _ProjectChannelsFirst(torch.autograd.Function):
+    """A Linear layer read from the channels-first layout: `x (K, M)` -> `x^T W^T + b (M, J)` for `W (J, K)`, in
+    `dtype`. The products take x transposed as it lies (a GEMM reads either orientation), and the backward writes
+    x's gradient channels first too, `W^T g^T (K, M)`, so that neither direction transposes an activation (PyTorch's
+    Linear on the transposed view would hand back a transposed gradient, which the activation's backward then reads
+    with strided loads)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        x, w = x.to(dtype), weight.to(dtype)
+        out = torch.mm(x.t(), w.t()) if bias is None else torch.addmm(bias.to(dtype), x.t(), w.t())
+        ctx.save_for_backward(x, w)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        grad_x = torch.mm(w.t(), g.t())  # (K, M)
+        grad_w = torch.mm(g.t(), x.t()).to(ctx.dtypes[0])  # (J, K)
+        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+        grad_b = None if ctx.dtypes[1] is None else g.sum(0, dtype=wide).to(ctx.dtypes[1])
+        return grad_x, grad_w, grad_b, None
+
+
+def project_channels_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """`x (K, M)` channels first -> `(M, J)`: `F.linear(x.T, weight, bias)` in `dtype`, without transposing x."""
+    return _ProjectChannelsFirst.apply(x, weight, bias, dtype)

@@ -38,7 +38,7 @@ def test_its_sections_run_as_a_dry_run_on_the_cpu(tmp_path):
     for dtype in ("bfloat16", "float32"):  # grouped_mm, fused and the loop compute the same layer
         assert set(moe[dtype]["ms"]) == {"loop", "fused", "grouped_mm"}
         assert moe[dtype]["grouped_mm_vs_loop"] < (2e-2 if dtype == "bfloat16" else 1e-5)
-    assert report["s4d_layer"]["L256"]["fwd_bwd_ms"] > 0
+    assert report["s4d_layer"]["auto/L256"]["fwd_bwd_ms"] > 0 and report["s4d_layer"]["fft/L256"]["fwd_bwd_ms"] > 0
     for family in ("s4d", "moe"):
         assert report["documents"][family]["next_document_bit_identical"]
         assert report["documents"][family]["packed_vs_alone"] < 1e-4

@@ -11,7 +11,8 @@ from huggingface_hub.errors import StrictDataclassError  # the config classes ar
 
 from s4accel import S4Config, S4ForCausalLM
 from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan, fft_conv
-from s4accel.models.s4d_chunked import chunked_conv
+from s4accel.models.s4d_chunked import (chunked_conv, from_channels_first, project_channels_first,
+                                        to_channels_first, toeplitz, transpose_into)
 
 S4D_VARIANTS = [(disc, init) for disc in ("zoh", "bilinear") for init in ("diag-lin", "diag-inv", "diag-legs",
                                                                          "diag-real")]
@@ -189,6 +190,8 @@ def test_the_path_is_chosen_by_device_and_dtype_and_a_key_forces_one():
     assert conv_plan(auto, "cpu", torch.float32, torch.bfloat16).path == "fft"
     assert conv_plan(auto, "cuda", torch.float32, None).path == "chunked"
     assert conv_plan(auto, "cuda", torch.float32, None, L=1000) == ("chunked", 128, torch.float32)
+    assert conv_plan(auto, "cuda", torch.float32, torch.bfloat16, L=4096).chunk == 256
+    assert conv_plan(auto, "cuda", torch.float32, torch.bfloat16, L=16384).chunk == 512
     assert conv_plan(auto, "cuda", torch.float32, None, L=40).chunk == 48  # a short input: one chunk
     assert conv_plan(S4Config(kernel="s4"), "cuda", torch.float32, None).path == "fft"  # DPLR: FFT only
     forced = S4Config(conv_path="chunked", conv_chunk=64)
@@ -201,6 +204,63 @@ def test_the_path_is_chosen_by_device_and_dtype_and_a_key_forces_one():
         S4Config(conv_chunk=40)
     with pytest.raises(StrictDataclassError, match="conv_path must be one of"):
         S4Config(conv_path="flash")
+
+
+def test_the_layout_changes_are_exact_and_carry_gradients_back():
+    """(B, L, H) -> (H, B, Lp) zero-padded, and back, with casts; float64 gradcheck of both."""
+    u = torch.randn(2, 13, 5, dtype=torch.float64, requires_grad=True)
+    x = to_channels_first(u, torch.float64, 16)
+    assert torch.equal(x[..., :13], u.detach().permute(2, 0, 1)) and not x[..., 13:].any()
+    assert torch.equal(from_channels_first(x, 13), u.detach())
+    assert to_channels_first(u.float(), torch.bfloat16, 16).dtype == torch.bfloat16
+    assert torch.autograd.gradcheck(lambda v: to_channels_first(v, torch.float64, 16), (u,))
+    assert torch.autograd.gradcheck(lambda v: from_channels_first(v, 13), (x.detach().requires_grad_(True),))
+
+
+def test_the_channels_first_projection_equals_a_linear_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 10).double()
+    x = torch.randn(6, 30, dtype=torch.float64, requires_grad=True)  # (K, M) channels first
+    out = project_channels_first(x, linear.weight, linear.bias, torch.float64)
+    torch.testing.assert_close(out, linear(x.t()), rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(lambda v, w, b: project_channels_first(v, w, b, torch.float64),
+                                    (x, linear.weight, linear.bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the layer calls it under autocast: bf16 like a Linear
+        low = project_channels_first(x.float(), linear.weight.float(), linear.bias.float(), torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float().t(), linear.weight.float(), linear.bias.float())
+    assert low.dtype == torch.bfloat16 and torch.equal(low, ref)
+
+
+def test_the_toeplitz_matrices_and_their_gradient_along_the_diagonals():
+    taps = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    for shift in (0, 1):
+        M = toeplitz(taps, shift, torch.float64)
+        T = 7 + shift
+        for j in range(T):
+            for i in range(T):
+                want = taps[:, i - j - shift] if 0 <= i - j - shift < 7 else torch.zeros(3, dtype=torch.float64)
+                assert torch.equal(M[:, j, i], want)
+        assert torch.autograd.gradcheck(lambda t: toeplitz(t, shift, torch.float64), (taps,))
+
+
+def test_an_adapted_projection_keeps_its_adapter_on_the_chunked_path():
+    """A LoRA adapter (PEFT) on the output projection: the channels-first fast path reads a plain Linear's weight, so
+    an adapted one takes the other layout, and both paths give the adapted model's logits."""
+    peft = pytest.importorskip("peft")
+    logits = {}
+    for path in ("fft", "chunked"):
+        torch.manual_seed(0)
+        model = S4ForCausalLM(S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=16, conv_path=path,
+                                       conv_chunk=16))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["output_linear"],
+                                                           init_lora_weights=False))
+        ids = torch.randint(3, 50, (2, 40))
+        with torch.no_grad():
+            logits[path] = model(input_ids=ids).logits
+            model.disable_adapter_layers()
+            plain = model(input_ids=ids).logits
+    assert not torch.allclose(logits["chunked"], plain, atol=1e-3)  # the adapter changes the output
+    assert rel(logits["chunked"], logits["fft"]) < 1e-5
 
 
 @pytest.mark.slow
@@ -241,6 +301,7 @@ def test_on_cuda_the_layer_takes_the_chunked_path_and_matches_the_float64_cpu_re
     H = 64
     ref = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fft")).double()
     ref.kernel.reset_parameters()
+    torch.nn.init.normal_(ref.D)  # (a bare S4Layer's D is uninitialised memory)
     fast = S4Layer(S4Config(d_model=H, d_state=64)).cuda()
     fast.load_state_dict(ref.state_dict())
     u = torch.randn(4, L, H, dtype=torch.float64)
@@ -284,3 +345,20 @@ def test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_
     assert abs(loss.item() - eager_loss.item()) < 1e-2
     for name, g in eager_grads.items():
         assert rel(grads[name].cpu(), g.cpu()) < 5e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.float32)], ids=str)
+def test_on_cuda_the_triton_transpose_equals_pytorchs_copy_bit_for_bit(src_dtype, dst_dtype):
+    """The tiled Triton transpose (with its cast) against PyTorch's own strided copy, on shapes that leave partial
+    tiles, into a padded channels-first buffer and back."""
+    torch.manual_seed(0)
+    u = torch.randn(3, 1000, 70, device="cuda").to(src_dtype)
+    out = torch.full((70, 3, 1024), float("nan"), device="cuda", dtype=dst_dtype)
+    transpose_into(u, out[..., :1000].permute(1, 0, 2))
+    assert torch.equal(out[..., :1000], u.permute(2, 0, 1).to(dst_dtype))
+    back = torch.empty(3, 1000, 70, device="cuda", dtype=src_dtype)
+    transpose_into(out[..., :1000].permute(1, 0, 2), back)
+    assert torch.equal(back, out[..., :1000].permute(1, 2, 0).to(src_dtype))
