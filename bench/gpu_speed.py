@@ -453,7 +453,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-dir", type=Path, help="a folder holding state-spaces/s4's models/s4/s4d.py")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of this script")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (with --device cpu)")
-    ap.add_argument("--sections", nargs="+", default=["layer", "models", "fp32", "chunks", "layer_compiled", "profile",
+    ap.add_argument("--sections", nargs="+", default=["layer", "models", "layer_compiled", "fp32", "chunks", "profile",
                                                        "models_later"],
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first"])
