@@ -456,7 +456,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", nargs="+", default=["layer", "models", "layer_compiled", "fp32", "chunks", "profile",
                                                        "models_later"],
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
-                             "models_first"])
+                             "models_first", "s4d_compiled"])
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -488,6 +488,7 @@ def main(argv=None) -> int:
     sections = {"profile": lambda: section_profile(bench, s), "layer": lambda: section_layer(bench, s), "models": lambda: section_models(bench, s, eager + compiled),
                 "chunks": lambda: section_chunks(bench, s), "layer_compiled": lambda: section_layer_compiled(bench, s),
                 "fp32": lambda: section_fp32(bench, s), "models_later": lambda: section_models(bench, s, later),
+                "s4d_compiled": lambda: section_models(bench, s, [("s4d", L, True) for L in s["model_lengths"]]),
                 "models_first": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
                                                                   for f in ("s4d", "dense")] +
                                                        [(f, s["model_lengths"][0], True) for f in ("s4d", "dense")])}

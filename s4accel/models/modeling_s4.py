@@ -99,7 +99,7 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     if path == "fft":
         return ConvPlan("fft", 0, wide)
     half = input_dtype in HALF or autocast_dtype in HALF
-    if half and device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if half and device_type == "cuda" and not _bf16_matmuls():
         half = False
     dtype = torch.bfloat16 if half else wide
     chunk = config.conv_chunk or default_chunk(L)
@@ -113,6 +113,13 @@ def default_chunk(L: int | None) -> int:
     if L is None or L <= 2048:
         return 128
     return 256 if L <= 8192 else 512
+
+
+@torch.compiler.assume_constant_result
+def _bf16_matmuls() -> bool:
+    """Whether this CUDA device multiplies bfloat16 natively: a constant to `torch.compile` (a bool from a torch
+    function is otherwise a graph break in every layer)."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -362,3 +362,16 @@ def test_on_cuda_the_triton_transpose_equals_pytorchs_copy_bit_for_bit(src_dtype
     back = torch.empty(3, 1000, 70, device="cuda", dtype=src_dtype)
     transpose_into(out[..., :1000].permute(1, 0, 2), back)
     assert torch.equal(back, out[..., :1000].permute(1, 2, 0).to(src_dtype))
+
+
+def test_choosing_the_path_for_a_cuda_device_is_no_graph_break():
+    """The layer asks `conv_plan` in every forward: `torch.compile(fullgraph=True)` must trace it for CUDA too (a
+    torch function returning a bool, `torch.cuda.is_bf16_supported`, broke the graph in every layer)."""
+    config = S4Config()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def plan_of(x):
+        plan = conv_plan(config, "cuda", x.dtype, torch.bfloat16, 4096)
+        return x * plan.chunk
+
+    assert torch.equal(plan_of(torch.ones(2)), torch.full((2,), 256.0))
