@@ -378,6 +378,13 @@ def markdown(report: dict, s) -> str:
              f"{report['triton']}, Python {report['python']}.", "",
              f"Command: `{report['command']}`. Medians of CUDA-event timings after warm-up passes; every sample is in "
              "the JSON file of the same name.", ""]
+    if report.get("note"):
+        lines += [report["note"], ""]
+    if report.get("runs"):  # merged from several calls (a GPU lease is short): which cells each one measured
+        lines += ["Merged from these runs on the same machine type, each later one replacing the cells it measured:", ""]
+        lines += [f"{i}. commit `{run['commit']}`: `{run['command']}` ({len(run['keys'])} cells)"
+                  for i, run in enumerate(report["runs"], 1)]
+        lines.append("")
     Ls = s["layer_lengths"]
     head = "| | " + " | ".join(f"L {L:,}" for L in Ls) + " |"
     sep = "|---" * (len(Ls) + 1) + "|"
@@ -437,6 +444,26 @@ def markdown(report: dict, s) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge(paths: list[Path]) -> dict:
+    """One report from several runs' JSON files, in order: a later run's cells replace an earlier one's; `runs`
+    says which commit and command measured which cells, and each cell carries its commit."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {**reports[-1], "results": {}, "skipped": [], "runs": []}
+    for report in reports:
+        cells = {k: {**v, "commit": report["commit"]} for k, v in report["results"].items() if k != "profile"}
+        merged["results"].update(cells)
+        if "profile" in report["results"]:
+            merged["results"]["profile"] = report["results"]["profile"]
+        merged["runs"].append({"commit": report["commit"], "command": report["command"], "keys": sorted(cells)})
+    merged["skipped"] = sorted({k for r in reports for k in r["skipped"]} - set(merged["results"]))
+    merged["commit"] = ", ".join(dict.fromkeys(r["commit"] for r in reports))
+    merged["command"] = "python bench/gpu_speed.py --merge " + " ".join(Path(p).name for p in paths)
+    merged["shapes"] = {**reports[0]["shapes"], "model_lengths": sorted(
+        {L for r in reports for L in r["shapes"]["model_lengths"]}), "layer_lengths": reports[0]["shapes"][
+        "layer_lengths"]}
+    return merged
+
+
 def shapes(args) -> dict:
     if args.quick:
         return dict(layer_batch=2, d_model=64, d_state=16, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
@@ -458,7 +485,18 @@ def main(argv=None) -> int:
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled"])
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
+    ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
+    ap.add_argument("--note", help="with --merge: a paragraph the merged file carries (what a reader must know)")
     args = ap.parse_args(argv)
+    if args.merge:
+        report = merge(args.merge)
+        report["note"] = args.note
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        stem = args.out_dir / Path(args.merge[-1]).stem
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        stem.with_suffix(".md").write_text(markdown(report, report["shapes"]))
+        print(stem.with_suffix(".md").read_text())
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1

@@ -112,7 +112,9 @@ class TrainCfg(_Section):
     the command line wins over this key."""
     tf32: bool = False
     """On CUDA: float32 matmuls and convolutions in TF32 (`torch.set_float32_matmul_precision("high")`, Ampere or
-    newer), faster at ~1e-3 relative precision. Nothing changes on CPU."""
+    newer), faster at ~1e-3 relative precision: in a float32 run (no mixed precision) every Linear and the S4 layer's
+    chunked convolution products, about twice as fast. Nothing changes on CPU, nor in the bf16/fp16 matmuls of a
+    mixed-precision run."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak TFLOP/s of one device, what `train/mfu` divides by. `null`: the published dense peak of a known GPU for
     the run's precision (H100, H200, A100, L40S, L4, A10, RTX 4090, V100), or on a CPU a float32 matmul measured at
