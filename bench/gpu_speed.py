@@ -49,27 +49,12 @@ sys.path.insert(0, str(REPO / "bench"))
 from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM  # noqa: E402
 from s4accel.models.modeling_s4 import S4Layer  # noqa: E402
 from s4accel.training.flops import peak_tflops, step_flops  # noqa: E402
+from s4_layer import CausalSelfAttention  # noqa: E402  (the same attention layer as the CPU bench's)
 
 LAYER_LENGTHS = (1024, 4096, 16384)
 MODEL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CHUNKS = (64, 128, 256, 512)
 TOKENS = 32768
-
-
-class CausalSelfAttention(nn.Module):
-    """qkv projection, causal SDPA over `heads` heads, output projection: (B, L, H) -> (B, L, H)."""
-
-    def __init__(self, d_model: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.out = nn.Linear(d_model, d_model)
-
-    def forward(self, x):
-        B, L, H = x.shape
-        q, k, v = self.qkv(x).view(B, L, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, L, H / heads)
-        return self.out(y.transpose(1, 2).reshape(B, L, H))
 
 
 class Bench:

@@ -1,0 +1,40 @@
+"""bench/gpu_speed.py, the GPU speed table: a dry run on the CPU (tiny shapes; this checks the script, not a GPU)
+writes the dated Markdown and JSON files with every row, and `--merge` joins runs, saying which commit measured each
+cell."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+SCRIPT = REPO / "bench" / "gpu_speed.py"
+
+
+def gpu_speed(*args):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_a_dry_run_writes_the_table_and_a_merge_names_each_cells_commit(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    gpu_speed("--device", "cpu", "--quick", "--out-dir", str(first), "--commit", "aaaa", "--sections", "layer")
+    gpu_speed("--device", "cpu", "--quick", "--out-dir", str(second), "--commit", "bbbb", "--sections", "fp32")
+    (report_a,), (report_b,) = first.glob("*-gpu-speed-*.json"), second.glob("*-gpu-speed-*.json")
+    a = json.loads(report_a.read_text())
+    assert a["commit"] == "aaaa" and all(a["results"][f"layer/{m}/L{L}"]["ms"] > 0
+                                         for m in ("chunked", "fft", "attention") for L in (128, 256))
+    table = report_a.with_suffix(".md").read_text()
+    assert "| S4Layer, chunked path (eager) | " in table and "| attention / chunked (eager) |" in table
+
+    merged_dir = tmp_path / "merged"
+    gpu_speed("--merge", str(report_a), str(report_b), "--out-dir", str(merged_dir), "--note", "two runs")
+    merged = json.loads((merged_dir / report_b.name).read_text())
+    assert merged["results"]["layer/chunked/L128"]["commit"] == "aaaa"
+    assert merged["results"]["fp32/chunked/L128"]["commit"] == "bbbb"
+    text = (merged_dir / report_b.name).with_suffix(".md").read_text()
+    assert "two runs" in text and "commit `aaaa`" in text and "commit `bbbb`" in text
+    assert "| S4Layer, chunked (TF32 allowed: `train.tf32`) | " in text
