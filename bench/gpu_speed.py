@@ -429,6 +429,26 @@ def markdown(report: dict, s) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_stem(report: dict) -> str:
+    """`<date>-gpu-speed-<device>`: the file name of a report (its .md and .json)."""
+    return f"{report['date']}-gpu-speed-" + report["device"].replace(" ", "-").replace("/", "-")
+
+
+def portable_command(argv: list[str]) -> str:
+    """The command as anyone can rerun it: the folder arguments inside this checkout relative to it, others named
+    by what they are (a GPU machine's output folder says nothing to a reader)."""
+    out, previous = [], None
+    for arg in argv:
+        if previous == "--reference-dir":  # a copy of state-spaces/s4's file, outside the repository
+            arg = "REFERENCE-DIR"
+        elif previous == "--out-dir" and Path(arg).is_absolute():
+            path = Path(arg).resolve()
+            arg = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "OUT-DIR"
+        out.append(arg)
+        previous = arg
+    return "python bench/gpu_speed.py " + " ".join(out)
+
+
 def merge(paths: list[Path]) -> dict:
     """One report from several runs' JSON files, in order: a later run's cells replace an earlier one's; `runs`
     says which commit and command measured which cells, and each cell carries its commit."""
@@ -477,7 +497,7 @@ def main(argv=None) -> int:
         report = merge(args.merge)
         report["note"] = args.note
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem = args.out_dir / Path(args.merge[-1]).stem
+        stem = args.out_dir / report_stem(report)
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
         stem.with_suffix(".md").write_text(markdown(report, report["shapes"]))
         print(stem.with_suffix(".md").read_text())
@@ -502,7 +522,7 @@ def main(argv=None) -> int:
               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
               "transformers": transformers.__version__, "accelerate": accelerate.__version__,
               "triton": triton_version, "python": platform.python_version(),
-              "command": "python bench/gpu_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": portable_command(argv if argv is not None else sys.argv[1:]),
               "shapes": s, "results": bench.results, "skipped": bench.skipped}
     print(json.dumps({k: v for k, v in report.items() if k not in ("results", "skipped")}), flush=True)
     if args.model_lengths:
@@ -516,8 +536,7 @@ def main(argv=None) -> int:
                                                                   for f in ("s4d", "dense")] +
                                                        [(f, s["model_lengths"][0], True) for f in ("s4d", "dense")])}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    slug = report["device"].replace(" ", "-").replace("/", "-")
-    stem = args.out_dir / f"{report['date']}-gpu-speed-{slug}"
+    stem = args.out_dir / report_stem(report)
     for name in args.sections:
         try:
             sections[name]()
