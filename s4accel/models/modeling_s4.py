@@ -44,7 +44,7 @@ from .cache_names import cache_field, one_cache
 from .configuration_s4 import S4Config
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
-from .s4d_chunked import (chunk_matrices, chunked_conv, conv_channels_first, project_channels_first,
+from .s4d_chunked import (chunk_matrices, conv_channels_first, from_channels_first, project_channels_first,
                           to_channels_first)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -539,7 +539,7 @@ class S4Layer(nn.Module):
             channels_first = plan.path == "chunked" and documents is None and self._plain_projection()
             if channels_first:
                 # channels first from the convolution through GELU and the projection: no transpose but the input's
-                y = self._chunked_channels_first(u, plan, D)  # (H, B, L)
+                y = self._chunked_channels_first(u, plan.chunk, plan.dtype, D)  # (H, B, L)
                 if state is not None:
                     y = y + self.kernel.state_output(state, L).permute(1, 0, 2)
             else:
@@ -566,16 +566,17 @@ class S4Layer(nn.Module):
         adapter such as PEFT's LoRA, nor one whose parameters DeepSpeed ZeRO-3 gathers in the module's own hook)."""
         return type(self.output_linear) is nn.Linear and not hasattr(self.output_linear.weight, "ds_id")
 
-    def _chunked_channels_first(self, u: torch.Tensor, plan: "ConvPlan", D: torch.Tensor) -> torch.Tensor:
-        """u (B, L, H) -> the convolution with its D skip, channels first: (H, B, L) in plan.dtype."""
+    def _chunked_channels_first(self, u: torch.Tensor, T: int, dtype: torch.dtype, D: torch.Tensor,
+                                pairs=None) -> torch.Tensor:
+        """u (B, L, H) -> the convolution with its D skip in chunks of T steps, channels first: (H, B, L) in dtype.
+        `pairs`: the kernel's `discretize_pairs()`, when the caller has them already."""
         B, L, H = u.shape
-        T = plan.chunk
         nc = -(-L // T)
-        log_dA, (Cr, Ci) = self.kernel.discretize_pairs()
-        x = to_channels_first(u, plan.dtype, nc * T)  # (H, B, nc T), zeros past L
+        log_dA, (Cr, Ci) = pairs or self.kernel.discretize_pairs()
+        x = to_channels_first(u, dtype, nc * T)  # (H, B, nc T), zeros past L
         y = conv_channels_first(x, *chunk_matrices(log_dA, (Cr[0], Ci[0]), D, T, nc), nc=nc)
         if Cr.shape[0] == 2:  # the anti-causal kernel: the reversed sequence, strictly after each step
-            back = to_channels_first(u.flip(1), plan.dtype, nc * T)
+            back = to_channels_first(u.flip(1), dtype, nc * T)
             back = conv_channels_first(back, *chunk_matrices(log_dA, (Cr[1], Ci[1]), None, T, nc, 1), nc=nc, shift=1)
             y = y[..., :L] + back[..., :L].flip(-1)
         return y[..., :L] if y.shape[-1] != L else y
@@ -595,16 +596,13 @@ class S4Layer(nn.Module):
         return lambda v: fft_conv(_fp32_or_wider(v).transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2)
 
     def _chunked_conv(self, plan: "ConvPlan", D: torch.Tensor):
-        """(n, l, H) -> (n, l, H) in plan.dtype: `s4d_chunked.chunked_conv`; a second, anti-causal kernel reads the
-        reversed sequence strictly after each step."""
-        log_dA, (Cr, Ci) = self.kernel.discretize_pairs()
+        """(n, l, H) -> (n, l, H) in plan.dtype, l <= L: `_chunked_channels_first` and back (packed documents; an
+        adapted projection)."""
+        pairs = self.kernel.discretize_pairs()
 
         def conv(v):
             T = min(plan.chunk, -(-v.shape[1] // 16) * 16)  # a short document is one chunk
-            y = chunked_conv(v, log_dA, (Cr[0], Ci[0]), D, T, plan.dtype)
-            if Cr.shape[0] == 2:
-                y = y + chunked_conv(v.flip(1), log_dA, (Cr[1], Ci[1]), None, T, plan.dtype, shift=1).flip(1)
-            return y
+            return from_channels_first(self._chunked_channels_first(v, T, plan.dtype, D, pairs), v.shape[1])
         return conv
 
     def step(self, u: torch.Tensor, state: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
