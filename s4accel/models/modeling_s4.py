@@ -42,6 +42,7 @@ from transformers.utils import can_return_tuple
 
 from .cache_names import cache_field, one_cache
 from .configuration_s4 import S4Config
+from .context_parallel import ChunkRows, ContextParallel
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, from_channels_first, project_channels_first,
@@ -232,7 +233,7 @@ class _SSMKernel(nn.Module):
     ~100, where bfloat16 steps by 0.5.
     """
 
-    fsdp_forward_methods = ("state_output", "forward_state", "step_params")
+    fsdp_forward_methods = ("state_output", "forward_state", "step_params", "advance")
     """Methods besides `forward` that read the parameters: where this module is an FSDP unit of its own (the float32
     unit of mixed precision), each must gather them as `forward` does."""
 
@@ -375,11 +376,19 @@ class S4DKernel(_SSMKernel):
         x = ((u_rev @ lo.transpose(-1, -2)) * hi).sum(-2)  # sum_j dA^(I j) sum_i dA^i u_(L-1-l): (B, H, N/2)
         return x if state is None else x + torch.exp(log_dA * L) * state
 
-    def state_output(self, state: torch.Tensor, L: int) -> torch.Tensor:
+    def state_output(self, state: torch.Tensor, L: int, direction: int = 0) -> torch.Tensor:
         """What an initial state adds to the next L outputs: `y_k += 2 Re(C~ dA^(k+1) x_0)`.
-        (B, H, N/2) -> (B, H, L)."""
+        (B, H, N/2) -> (B, H, L). `direction=1`: what the state of reading the steps after a block backwards adds to
+        the block through the anti-causal kernel, `y_(L-1-r) += 2 Re(C~_1 dA^r x_0)`."""
         log_dA, C_tilde = self.discretize()
+        if direction:
+            return vandermonde_product(state * C_tilde[1], log_dA, L).flip(-1)
         return vandermonde_product(state * C_tilde[0] * torch.exp(log_dA), log_dA, L)
+
+    def advance(self, state: torch.Tensor, L: int) -> torch.Tensor:
+        """The state L steps later without input: `dA^L x`, (B, H, N/2)."""
+        log_dA, _ = self.discretize()
+        return torch.exp(log_dA * L) * state
 
 
 class S4Kernel(_SSMKernel):
@@ -493,11 +502,21 @@ class S4Kernel(_SSMKernel):
             x = x + torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(dA, L), state)
         return x
 
-    def state_output(self, state: torch.Tensor, L: int) -> torch.Tensor:
-        """`y_k += Re(C dA^(k+1) x_0)`, (B, H, N) -> (B, H, L)."""
+    def state_output(self, state: torch.Tensor, L: int, direction: int = 0) -> torch.Tensor:
+        """`y_k += Re(C dA^(k+1) x_0)`, (B, H, N) -> (B, H, L). `direction=1`: the anti-causal kernel's
+        `y_(L-1-r) += Re(C_1 dA^r x_0)` (see `S4DKernel.state_output`)."""
         dA, _ = self._dense()
-        rows = krylov(dA.transpose(-1, -2), self._c_true(dA)[0], L + 1)[..., 1:]  # (H, N, L): (C dA^(k+1))^T
+        C = self._c_true(dA)[direction]
+        if direction:
+            rows = krylov(dA.transpose(-1, -2), C, L)  # (H, N, L): (C_1 dA^r)^T
+            return torch.einsum("hnl,bhn->bhl", rows, state).real.flip(-1)
+        rows = krylov(dA.transpose(-1, -2), C, L + 1)[..., 1:]  # (H, N, L): (C dA^(k+1))^T
         return torch.einsum("hnl,bhn->bhl", rows, state).real
+
+    def advance(self, state: torch.Tensor, L: int) -> torch.Tensor:
+        """`dA^L x`, (B, H, N)."""
+        dA, _ = self._dense()
+        return torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(dA, L), state)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -518,17 +537,20 @@ class S4Layer(nn.Module):
         self.output_linear = nn.Linear(H, 2 * H)  # GLU halves it back to H
         self.glu = nn.GLU(dim=-1)
 
-    def _mix(self, y: torch.Tensor) -> torch.Tensor:
+    def _mix(self, y: torch.Tensor, rows: ChunkRows | None = None) -> torch.Tensor:
         """Pointwise nonlinearity and mixing across channels: (..., H) -> (..., H)."""
-        return self.glu(self.output_linear(self.dropout(self.activation(y))))
+        return self.glu(self.output_linear(_dropout(self.dropout, self.activation(y), rows)))
 
     def forward(self, u: torch.Tensor, state: torch.Tensor | None = None, return_state: bool = False,
-                documents: Documents | None = None):
+                documents: Documents | None = None, rows: ChunkRows | None = None):
         """u (B, L, H) -> y (B, L, H) and, with `return_state`, the SSM state after the last step (else None).
         `state`: the SSM state before the first step (None: zeros). `documents`: each document of a packed row read
         on its own (the state reaches only the row's first one, when it continues; the state returned is the last
-        one's)."""
+        one's). `rows`: u is one chunk of longer sequences split across a context-parallel group; the other
+        chunks' contributions are exchanged (`_from_other_chunks`)."""
         L = u.shape[1]
+        if rows is not None and (state is not None or return_state):
+            raise ValueError("context parallelism splits whole sequences: it carries no state in or out")
         autocast = _autocast_dtype(u.device.type)
         plan = conv_plan(self.config, u.device.type, u.dtype, autocast, L)
         # The SSM in float32 whatever the autocast dtype: exp(dtA * l) over long l and the FFT lose everything in half
@@ -536,18 +558,23 @@ class S4Layer(nn.Module):
         # its matrices in float32 and rounds only the operands of its products to plan.dtype.
         with torch.autocast(device_type=u.device.type, enabled=False):
             D = _fp32_or_wider(self.D)
+            reach = None  # what the steps before this block (a state, other chunks) add to its outputs: (B, H, L)
+            if state is not None:
+                reach = self.kernel.state_output(state, L)
+                reach = reach if documents is None else reach * documents.first[:, None, :]
+            elif rows is not None:
+                reach = self._from_other_chunks(u, documents, rows)
             channels_first = plan.path == "chunked" and documents is None and self._plain_projection()
             if channels_first:
                 # channels first from the convolution through GELU and the projection: no transpose but the input's
                 y = self._chunked_channels_first(u, plan.chunk, plan.dtype, D)  # (H, B, L)
-                if state is not None:
-                    y = y + self.kernel.state_output(state, L).permute(1, 0, 2)
+                if reach is not None:
+                    y = y + reach.permute(1, 0, 2)
             else:
                 conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D)
                 y = conv(u) if documents is None else documents.apply(conv, u)  # (B, L, H), with the skip D u
-                if state is not None:
-                    reach = self.kernel.state_output(state, L).transpose(1, 2)  # (B, L, H)
-                    y = y + (reach if documents is None else reach * documents.first[..., None])
+                if reach is not None:
+                    y = y + reach.transpose(1, 2)
             new_state = None
             if return_state:
                 u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
@@ -557,9 +584,49 @@ class S4Layer(nn.Module):
                     carried = None if state is None else state * (documents.single & documents.continues)[:, None, None]
                     new_state = self.kernel.forward_state(u32 * documents.last[:, None, :], carried)
         if channels_first:
-            return self._mix_channels_first(y.to(plan.dtype), autocast), new_state
+            return self._mix_channels_first(y.to(plan.dtype), autocast, rows), new_state
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
-        return self._mix(y.contiguous().to(plan.dtype if plan.path == "chunked" else u.dtype)), new_state
+        return self._mix(y.contiguous().to(plan.dtype if plan.path == "chunked" else u.dtype), rows), new_state
+
+    def _from_other_chunks(self, u: torch.Tensor, documents: Documents | None, rows: ChunkRows) -> torch.Tensor:
+        """What the rest of the sequence adds to this chunk `u (B, L, H)` of it: (B, H, L), float32 (or float64).
+
+        Every process reads its chunk from a zero state to the end state `s_q` (and, bidirectional, backwards to
+        the state at its start); one gather hands all of them to every process. Chunk p starts from
+        `x_p = a_(p-1) dA^L x_(p-1) + s_(p-1)` (`a_q` per row: the state passes through chunk q, no document starts
+        in it), and the anti-causal kernel reads the later chunks' backward states the same way from the end."""
+        parallel = rows.parallel
+        kernel = self.kernel
+        u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
+        B, _, L = u32.shape
+        bidirectional = self.kernel.C.shape[0] == 2
+        if bidirectional and (documents is not None or rows.fresh is not None):
+            raise ValueError("context parallelism does not split the packed documents of a bidirectional model")
+        if documents is None:  # one document per row, continued unless the chunk's first position starts one
+            passes = torch.ones(B, dtype=torch.bool, device=u.device) if rows.fresh is None else ~rows.fresh
+            reaches = passes[:, None, None]
+            own = kernel.forward_state(u32)  # (B, H, n) complex
+        else:
+            passes = documents.single & documents.continues
+            reaches = documents.first[:, None, :]
+            own = kernel.forward_state(u32 * documents.last[:, None, :])  # the chunk's last document's
+        parts = [own] + ([kernel.forward_state(u32.flip(-1))] if bidirectional else [])
+        sent = torch.cat([torch.view_as_real(p).flatten(1) for p in parts] + [passes[:, None].to(u32.dtype)], 1)
+        got = parallel.gather(sent)  # (P, B, n): one collective, its size independent of L
+        width = sent.shape[1] - 1
+        states = [torch.view_as_complex(t.reshape(parallel.size, *own.shape, 2).contiguous())
+                  for t in got[..., :width].chunk(len(parts), dim=-1)]  # each (P, B, H, n)
+        x = torch.zeros_like(own)
+        for q in range(parallel.rank):  # the chunks before this one, first to last
+            x = kernel.advance(x, L) * got[q, :, -1, None, None] + states[0][q]
+        # `0 *` every gathered value: the gather is in the graph on every process, so every one joins its backward
+        reach = kernel.state_output(x, L) * reaches + 0 * got.sum()
+        if bidirectional:
+            x = torch.zeros_like(own)
+            for q in range(parallel.size - 1, parallel.rank, -1):  # the chunks after this one, last to first
+                x = kernel.advance(x, L) + states[1][q]
+            reach = reach + kernel.state_output(x, L, direction=1)
+        return reach
 
     def _plain_projection(self) -> bool:
         """The output projection is a plain Linear whose weight `forward` may read directly (not one wrapped by an
@@ -581,11 +648,12 @@ class S4Layer(nn.Module):
             y = y[..., :L] + back[..., :L].flip(-1)
         return y[..., :L] if y.shape[-1] != L else y
 
-    def _mix_channels_first(self, y: torch.Tensor, autocast: torch.dtype | None) -> torch.Tensor:
+    def _mix_channels_first(self, y: torch.Tensor, autocast: torch.dtype | None,
+                            rows: ChunkRows | None = None) -> torch.Tensor:
         """`_mix` of a channels-first `y (H, B, L)` -> (B, L, H): GELU and dropout in that layout, the projection
         reading it as it lies (`project_channels_first`), the GLU on its (B, L, 2H) output."""
         H, B, L = y.shape
-        z = self.dropout(self.activation(y)).reshape(H, B * L)
+        z = _dropout(self.dropout, self.activation(y), rows, time_dim=2).reshape(H, B * L)
         linear = self.output_linear
         z = project_channels_first(z, linear.weight, linear.bias, autocast or z.dtype)  # (B L, 2H)
         return self.glu(z.view(B, L, 2 * H))
@@ -612,6 +680,14 @@ class S4Layer(nn.Module):
             y, state = self.kernel.step(u32, state, params)
             y = y + u32 * _fp32_or_wider(self.D)
         return self._mix(y.to(u.dtype)), state
+
+
+def _dropout(dropout: nn.Dropout, x: torch.Tensor, rows: ChunkRows | None, time_dim: int = 1) -> torch.Tensor:
+    """`dropout(x)`, or under context parallelism masks that depend on each position's place in the whole sequence
+    (the same whichever process holds it)."""
+    if rows is None or not dropout.training:
+        return dropout(x)
+    return rows.parallel.dropout(x, dropout.p, time_dim)
 
 
 def _norm(config: S4Config) -> nn.Module:
@@ -647,29 +723,30 @@ class S4Block(GradientCheckpointingLayer):
         else:
             self.ffn = None
 
-    def _residual(self, x, f, norm):
+    def _residual(self, x, f, norm, rows=None):
         z = norm(x) if self.prenorm else x
         y, extra = f(z)
-        x = x + self.dropout(y)
+        x = x + _dropout(self.dropout, y, rows)
         return (x if self.prenorm else norm(x)), extra
 
-    def _feed_forward(self, x, mask=None):
+    def _feed_forward(self, x, mask=None, rows=None):
         if self.ffn is None:
             return x, None
         if self.is_moe:
-            return self._residual(x, lambda z: self.ffn(z, mask), self.ffn_norm)
-        return self._residual(x, lambda z: (self.ffn(z), None), self.ffn_norm)
+            parallel = rows.parallel if rows is not None else None
+            return self._residual(x, lambda z: self.ffn(z, mask, parallel), self.ffn_norm, rows)
+        return self._residual(x, lambda z: (self.ffn(z), None), self.ffn_norm, rows)
 
-    def forward(self, x, mask=None, state=None, return_state=False, documents=None):
+    def forward(self, x, mask=None, state=None, return_state=False, documents=None, rows=None):
         def ssm(z):
             if mask is not None:
                 # Padded positions feed zeros into the SSM, so a left-padded prompt leaves the same state as no
                 # padding.
                 z = z * mask[..., None].to(z.dtype)
-            return self.layer(z, state, return_state, documents)
+            return self.layer(z, state, return_state, documents, rows)
 
-        x, state = self._residual(x, ssm, self.norm)
-        x, aux = self._feed_forward(x, mask)
+        x, state = self._residual(x, ssm, self.norm, rows)
+        x, aux = self._feed_forward(x, mask, rows)
         return x, state, aux
 
     def step(self, x, state, params, mask=None):
@@ -795,6 +872,12 @@ class S4PreTrainedModel(PreTrainedModel):
     # prompt-lookup decoding (which must discard rejected candidate tokens) with its own message.
     _is_stateful = True
 
+    def set_context_parallel(self, parallel: ContextParallel | None) -> None:
+        """Read every sequence given to `forward` as this process's chunk of a longer one split across the
+        processes of `parallel` (None: whole sequences again). Not saved with the model: a runtime setting, as a
+        device is. Generation and carried state need whole sequences: unset it first."""
+        self.base_model.context_parallel = parallel
+
     @torch.no_grad()
     def _init_weights(self, module):
         """Embeddings and Linears get N(0, initializer_range) from the base class; SSM parameters their structured
@@ -810,6 +893,9 @@ class S4PreTrainedModel(PreTrainedModel):
 class S4Model(S4PreTrainedModel):
     """Input encoder (token embedding, or a linear layer for `input_values` when `d_input` is set), `n_layer` S4
     blocks and a final norm (pre-norm only). -> hidden states (B, L, H)."""
+
+    context_parallel: ContextParallel | None = None
+    """Set by `set_context_parallel`: the inputs are this process's chunk of sequences split across a group."""
 
     def __init__(self, config: S4Config):
         super().__init__(config)
@@ -892,6 +978,12 @@ class S4Model(S4PreTrainedModel):
             fresh = position_ids[:, 0] == 0
             states = [state * ~fresh.view(-1, *[1] * (state.dim() - 1)) for state in states]
         documents = Documents.of(position_ids)  # None: one document per row, nothing to split
+        rows = None
+        if self.context_parallel is not None:  # this chunk's place in sequences split across processes
+            if use_cache or states is not None:
+                raise ValueError("a model split along the sequence (set_context_parallel) has no cache: it reads "
+                                 "whole sequences split across processes; unset it to generate")
+            rows = ChunkRows(self.context_parallel, None if position_ids is None else position_ids[:, 0] == 0)
         # 3. The layers: one position after a state runs the recurrent step (O(1) per token), anything longer the
         # convolution from that state. Each returns its state after the last position (when asked) and its router's
         # auxiliary outputs (an MoE feed-forward).
@@ -904,7 +996,7 @@ class S4Model(S4PreTrainedModel):
                 if all_hidden is not None:
                     all_hidden.append(x)
                 x, state, aux = block(x, mask=attention_mask, state=states[i] if states is not None else None,
-                                      return_state=bool(use_cache), documents=documents)
+                                      return_state=bool(use_cache), documents=documents, rows=rows)
                 new_states.append(state)
                 auxes.append(aux)
         # 4. The final norm; the states after the last position go into the cache for the next call.
@@ -1138,12 +1230,8 @@ class S4ForSequenceClassification(S4PreTrainedModel):
         if attention_mask is None:
             attention_mask = torch.ones(h.shape[:2], dtype=h.dtype, device=h.device)
         mask = attention_mask.to(h.dtype)
-        if self.config.pooling == "mean":
-            pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-        else:  # the last real step: the highest index with mask 1
-            positions = torch.arange(h.shape[1], device=h.device)
-            last = (mask * positions).argmax(1)
-            pooled = h[torch.arange(h.shape[0], device=h.device), last]
+        parallel = self.backbone.context_parallel
+        pooled = self._pool(h, mask) if parallel is None else self._pool_split(h, mask, parallel)
         logits = self.score(pooled)  # (B, num_labels)
         loss = None
         if labels is not None:
@@ -1152,6 +1240,29 @@ class S4ForSequenceClassification(S4PreTrainedModel):
                 loss = loss + out.aux_loss
         return S4SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                           **_moe_fields(out))
+
+    def _pool(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, L, H) -> (B, H): the mean over real steps, or the last real step (the highest index with mask 1)."""
+        if self.config.pooling == "mean":
+            return (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        positions = torch.arange(h.shape[1], device=h.device)
+        last = (mask * positions).argmax(1)
+        return h[torch.arange(h.shape[0], device=h.device), last]
+
+    def _pool_split(self, h: torch.Tensor, mask: torch.Tensor, parallel: ContextParallel) -> torch.Tensor:
+        """`_pool` over sequences whose chunks lie on the processes of `parallel`, the same on each: sums over the
+        group (the mean), or the last real step from the process that holds it."""
+        B, L = mask.shape
+        if self.config.pooling == "mean":
+            sums = parallel.all_reduce(torch.cat([(h * mask[..., None]).sum(1), mask.sum(1, keepdim=True)], -1))
+            return sums[:, :-1] / sums[:, -1:].clamp(min=1)
+        positions = torch.arange(L, device=h.device) + parallel.rank * L  # in the whole sequence
+        real = mask > 0
+        last = torch.where(real, positions, -1).amax(1)  # (B,) -1: no real step in this chunk
+        last = parallel.max(last).clamp(min=0)  # a row without real steps pools its first step, as `_pool` does
+        mine = (last >= parallel.rank * L) & (last < (parallel.rank + 1) * L)
+        picked = h[torch.arange(B, device=h.device), (last - parallel.rank * L).clamp(0, L - 1)]
+        return parallel.all_reduce(picked * mine[:, None].to(h.dtype))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         if self.config.problem_type is None:

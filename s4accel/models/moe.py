@@ -73,6 +73,21 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
     return z.mean() if z.numel() else logits.new_zeros(())
 
 
+def group_router_losses(probs: torch.Tensor, experts: torch.Tensor, logits: torch.Tensor, num_experts: int,
+                        mask: torch.Tensor | None, parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """`load_balancing_loss` and `router_z_loss` over the tokens of a whole group of processes (context
+    parallelism: the rest of each sequence is on the others): the sums they are made of, summed over the group in
+    one collective."""
+    if mask is not None:
+        probs, experts, logits = probs[mask], experts[mask], logits[mask]
+    E = num_experts
+    counts = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)  # no gradient, as f_e has none
+    z = torch.logsumexp(logits, dim=-1) ** 2
+    sums = parallel.all_reduce(torch.cat([probs.sum(0), z.sum()[None], counts, probs.new_full((1,), len(probs))]))
+    n = sums[-1].clamp(min=1)
+    return E * (sums[E + 1: 2 * E + 1] / n * (sums[:E] / n)).sum(), sums[E] / n
+
+
 def pad_slices(token: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor,
                rows: int = EXPERT_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad each expert's slice of the pairs sorted by expert to a multiple of `rows` with pairs (token 0, weight 0),
@@ -285,14 +300,20 @@ class MoELayer(nn.Module):
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits in float32, also under autocast: x (T, D) -> (T, E)."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x = x.float()
+            x = x if x.dtype == torch.float64 else x.float()  # float64 stays float64 (reference checks)
             if self.training and self.jitter > 0:  # Switch's multiplicative input jitter
                 x = x * torch.empty_like(x).uniform_(1 - self.jitter, 1 + self.jitter)
             w = self.router.weight
             # Through the module where it is float32 already, so that an FSDP unit of its own gathers it (in float32)
-            return self.router(x) if w.dtype == torch.float32 else F.linear(x, w.float())
+            return self.router(x) if w.dtype == x.dtype else F.linear(x, w.to(x.dtype))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, parallel=None) -> tuple[torch.Tensor, dict]:
+        """`parallel` (a `ContextParallel`): x is this process's chunk of sequences split across a group, whose
+        router losses are those of the whole sequences."""
+        if parallel is not None and parallel.size > 1 and (self.capacity_factor is not None or
+                                                           (self.training and self.jitter > 0)):
+            raise ValueError("a sequence split across processes cannot use capacity_factor or router_jitter: which "
+                             "pairs an expert drops and the jitter's noise depend on the whole batch's token order")
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (T, D)
         T, E, k = flat.shape[0], self.num_experts, self.top_k
@@ -327,8 +348,12 @@ class MoELayer(nn.Module):
         out = self.experts(flat, token, weight, kept_counts)  # (T, D), autocast dtype if any
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        aux = {"router_logits": logits, "balance_loss": load_balancing_loss(probs, experts, E, valid),
-               "z_loss": router_z_loss(logits, valid), "expert_counts": counts, "dropped": dropped}
+        if parallel is None:
+            balance, z = load_balancing_loss(probs, experts, E, valid), router_z_loss(logits, valid)
+        else:
+            balance, z = group_router_losses(probs, experts, logits, E, valid, parallel)
+        aux = {"router_logits": logits, "balance_loss": balance, "z_loss": z, "expert_counts": counts,
+               "dropped": dropped}
         return out.reshape(shape), aux
 
 
