@@ -93,6 +93,12 @@ class TrainCfg(_Section):
     """Stop when an eval metric stops improving (`null`: off)."""
     state: StateCfg = Field(default_factory=StateCfg)
     """Stateful training over long streams (`mode: none` by default)."""
+    context_parallel: int = Field(1, ge=1)
+    """Processes that share each sequence (S4 models): each holds a contiguous chunk of `seq_len / context_parallel`
+    steps, and each layer exchanges the chunks' end states (one small collective, whatever the length), so the
+    outputs, losses and gradients are those of whole sequences while each process holds a share of the activations.
+    The processes of a run form groups of this size; `num_processes / context_parallel` groups train data-parallel
+    (each on its own batches). Evaluation reads whole sequences, data-parallel over all processes. 1: off."""
     profile: ProfileCfg | None = None
     """`torch.profiler` over a few optimizer steps: a trace per process in `<run_dir>/profile/` (TensorBoard's
     profiler plugin or ui.perfetto.dev open it) and the operators' totals in `profile/summary.txt` (`null`: off)."""

@@ -301,6 +301,38 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
+    def _context_parallel_fits(self):
+        """What a sequence split across processes cannot do, refused before any compute."""
+        P = self.train.context_parallel
+        if P == 1:
+            return self
+        key = f"train.context_parallel: {P}"
+        family = MODEL_SIZES.get(self.model.name or "", {}).get("family") if self.model.pretrained is None else None
+        if family == "moe":
+            raise ValueError(f"{key} splits S4 models along the sequence; the MoE transformer's attention is not "
+                             f"split here (for attention, Accelerate's context parallelism, ParallelismConfig(cp_size"
+                             f"=...) with FSDP2, runs ring attention through SDPA on GPUs)")
+        if self.train.state.mode != "none":
+            raise ValueError(f"{key}: stateful training (train.state.mode: {self.train.state.mode}) carries a state "
+                             f"from batch to batch; a split sequence is read whole in each step (use one or the other)")
+        if self.data.streaming:
+            raise ValueError(f"{key}: a streamed source gives each process its own blocks; the processes of a context "
+                             f"group must read the same ones (use a map-style source)")
+        if self.train.compile:
+            raise ValueError(f"{key} is not compiled: the state exchange is a collective inside every layer (set "
+                             f"train.compile: false)")
+        if self.task.target not in (None, "causal_lm", "classification"):
+            raise ValueError(f"{key} splits the batches of the built-in tasks (causal_lm, classification); "
+                             f"{self.task.target} would see chunks of sequences")
+        overrides = self.model.overrides
+        if overrides.get("capacity_factor") is not None or overrides.get("router_jitter"):
+            raise ValueError(f"{key}: capacity_factor and router_jitter depend on the whole batch's token order; "
+                             f"unset them in model.overrides")
+        if self.data.is_lm and self.data.seq_len % P:
+            raise ValueError(f"{key} must divide data.seq_len={self.data.seq_len} into equal chunks")
+        return self
+
+    @model_validator(mode="after")
     def _prompts_need_text(self):
         if self.sample.prompts and not self.data.is_lm:
             raise ValueError("sample.prompts: this data trains a sequence classifier, which does not generate text; "

@@ -611,10 +611,13 @@ class S4Layer(nn.Module):
             reaches = documents.first[:, None, :]
             own = kernel.forward_state(u32 * documents.last[:, None, :])  # the chunk's last document's
         parts = [own] + ([kernel.forward_state(u32.flip(-1))] if bidirectional else [])
-        sent = torch.cat([torch.view_as_real(p).flatten(1) for p in parts] + [passes[:, None].to(u32.dtype)], 1)
+        # as real pairs (gloo and NCCL have no complex dtype); `real`/`imag` rather than `view_as_real`, whose
+        # backward needs its gradient at an even storage offset, which a slice of this row need not be
+        sent = torch.cat([torch.stack([p.real, p.imag], -1).flatten(1) for p in parts]
+                         + [passes[:, None].to(u32.dtype)], 1)
         got = parallel.gather(sent)  # (P, B, n): one collective, its size independent of L
         width = sent.shape[1] - 1
-        states = [torch.view_as_complex(t.reshape(parallel.size, *own.shape, 2).contiguous())
+        states = [torch.complex(*t.reshape(parallel.size, *own.shape, 2).unbind(-1))
                   for t in got[..., :width].chunk(len(parts), dim=-1)]  # each (P, B, H, n)
         x = torch.zeros_like(own)
         for q in range(parallel.rank):  # the chunks before this one, first to last

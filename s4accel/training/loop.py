@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
 from ..errors import RecipeError
+from . import context_parallel
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState
 from .console import RUN_LOG, quiet_libraries
@@ -95,6 +96,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     """`train`, once the run directory is this run's."""
     # 0. The checkpoint to resume from and the recipe against it, the Accelerator, the run directory checked.
     recipe, accelerator, run_files, resumed = open_run(recipe, resume, force)
+    layout = context_parallel.start(recipe, accelerator)  # None unless train.context_parallel splits sequences
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)
 
@@ -102,25 +104,35 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
     built = build_in_place(recipe, accelerator, run_files, task)
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
-    model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders)
+    model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders,
+                                                  layout)
     context.optimizers = {o.name: o for o in optimizers}
     del built  # the unprepared objects: the prepared ones above replace them
 
     # 2. The checkpointed state, restored when resuming; what callbacks see of the run.
     state = restore(accelerator, resumed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
     signals = StopSignals()
-    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer,
-                      partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
-                              progress=recipe.log.progress_bar))
+    evaluate_model = partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
+                             progress=recipe.log.progress_bar)
+    if layout is not None:  # evaluation reads whole sequences (no gradient kept: one layer's activations at a time)
+        evaluate_model = layout.reading_whole(accelerator, evaluate_model)
+    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer, evaluate_model)
     with signals, frozen_setup_objects():  # from the trackers on, a SIGTERM is a request the next step answers
         callbacks.on_train_start(run)
         start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
+        if layout is not None:  # from here the model reads this process's chunk of each sequence
+            layout.attach(accelerator, model)
+            accelerator.print(context_parallel.describe(layout, accelerator.unwrap_model(model),
+                                                        recipe.data.batch_size, recipe.data.seq_len,
+                                                        accelerator.num_processes))
         run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
         # 3. The loop: one iteration per optimizer step.
         step = Stepper(accelerator, model, task, optimizers, recipe, signals)
         batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                                partial(callbacks.on_epoch_end, run))
+        if layout is not None:
+            batches = layout.split_stream(batches)
         meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
         eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
         eval_metrics, last_ckpt, stop_reason, preempted = {}, resumed.checkpoint, None, False
@@ -158,6 +170,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
 
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
+    if layout is not None:
+        layout.detach(accelerator, model)  # whole sequences again: the samples' generate() reads them
     if not preempted:
         result.final_dir, result.samples = export_final(run, callbacks)
     # 5. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
@@ -360,13 +374,16 @@ def build_callbacks(recipe: Recipe) -> CallbackList:
     return CallbackList(cbs)
 
 
-def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], loaders: Loaders):
+def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], loaders: Loaders,
+            layout: context_parallel.Layout | None = None):
     """Everything through `accelerator.prepare` in one call (DeepSpeed and FSDP need model and optimizers together),
     except: a stream loader of stateful training (fixed rows per process in text order; a sharded loader would
-    interleave them, so a carried state would continue another row's text), and under manual optimisation the DDP
-    wrapper (`Task.step` averages gradients itself)."""
+    interleave them, so a carried state would continue another row's text), under manual optimisation the DDP
+    wrapper (`Task.step` averages gradients itself), and under context parallelism the training loader, dealt per
+    data-parallel group after the rest."""
     train_dl, val_dl, shard_train = loaders
-    objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train else []), val_dl]
+    split = layout is not None and shard_train
+    objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train and not split else []), val_dl]
     if task.automatic_optimization:
         model, *objs = accelerator.prepare(model, *objs)
     else:
@@ -378,7 +395,10 @@ def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], lo
         objs = list(accelerator.prepare(*objs))
     optimizers = [TrainOptimizer(o.name, prepared, o.scheduler) for o, prepared in zip(optimizers, objs)]
     objs = objs[len(optimizers):]
-    if shard_train:
+    if split:
+        with layout.dealing(accelerator):
+            train_dl = accelerator.prepare(train_dl)
+    elif shard_train:
         train_dl = objs.pop(0)
     return model, optimizers, train_dl, objs[0]
 

@@ -109,7 +109,9 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
         accelerator.print(f"FSDP mixed precision: {len(units)} float32 units ({kinds}), "
                           f"{accelerator.mixed_precision} for the rest, gradients reduced in float32")
     loaders = as_loaders(task.dataloaders(context.data), task)
-    context.plan = make_plan(recipe, loaders.train, accelerator.num_processes, loaders.shard_train)
+    # under context parallelism the processes of a group draw the same batches: one share per data-parallel group
+    dealt_to = accelerator.num_processes // recipe.train.context_parallel
+    context.plan = make_plan(recipe, loaders.train, dealt_to, loaders.shard_train)
     built = check_optimizers(task.build_optimizers(net), task) if optimizers else []
     return Run(task, context, net, built, loaders, context.plan)
 

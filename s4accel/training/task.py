@@ -315,7 +315,10 @@ def _rows(batch: dict) -> int:
 
 def count_items(batch) -> torch.Tensor:
     """What the built-in losses average over: real target tokens of a language-model batch (labels are shifted inside
-    the model, so position 0 is never a target), or sequences of a classification batch (one label each)."""
+    the model, so position 0 is never a target, unless `shift_labels` gives them shifted), or sequences of a
+    classification batch (one label each)."""
+    if "shift_labels" in batch:  # a chunk of a sequence split across processes: its targets are shifted already
+        return (batch["shift_labels"] != -100).sum()
     labels = batch["labels"]
     if labels.dim() == 1:
         return torch.tensor(labels.shape[0], device=labels.device)

@@ -64,6 +64,12 @@ def plan_world_change(ckpt: Path, recipe: Recipe, processes: int, force: bool) -
     `train.grad_accum` recomputed to keep the checkpoint's global batch) and the saved world when it differs from
     this one (None: the same number of processes, nothing to convert). Refusals are one `ResumeError`."""
     old = saved_world(ckpt)
+    split = int(checkpoint_recipe(ckpt)["train"].get("context_parallel", 1))
+    if split != recipe.train.context_parallel or (split > 1 and old.processes != processes):
+        # its data position and random streams are per data-parallel group and per process of a context group
+        raise ResumeError(f"{ckpt} was saved by {old.processes} process(es) with train.context_parallel: {split}; "
+                          f"this run has {processes} with {recipe.train.context_parallel}: a context-parallel run "
+                          f"resumes on the layout it was saved by only")
     if old.processes == processes:
         return recipe, None
     what = f"{ckpt} was saved by {old.processes} process(es), this run has {processes}"

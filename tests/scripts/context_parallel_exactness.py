@@ -36,6 +36,7 @@ FAMILIES = {
     "s4d_moe_lm": dict(kernel="s4d", ffn="moe", num_experts=4, num_experts_per_tok=2, d_ffn=16,
                        router_aux_loss_coef=0.1, router_z_loss_coef=0.01),
     "s4d_lm_documents": dict(kernel="s4d"),
+    "s4d_lm_one_row": dict(kernel="s4d"),  # a batch of one (each row's states at odd offsets of what is sent)
     "s4d_classifier_bidirectional_mean": dict(kernel="s4d", bidirectional=True, d_input=3, num_labels=3),
     "s4_dplr_classifier_bidirectional_last": dict(kernel="s4", l_max=32, bidirectional=True, d_input=3,
                                                   num_labels=3, pooling="last"),
@@ -52,7 +53,7 @@ def inputs(name: str, dtype):
             mask[1, 37:] = 0
             batch["attention_mask"] = mask
         return batch
-    ids = torch.randint(0, V, (B, L), generator=g)
+    ids = torch.randint(0, V, (1 if "one_row" in name else B, L), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
     if "documents" in name:  # documents that cross the chunk borders (16, 32, 48) and one that starts on one
         pos = torch.arange(L).repeat(B, 1)

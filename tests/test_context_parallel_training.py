@@ -1,0 +1,113 @@
+"""`train.context_parallel`: the processes of a group share each sequence, one contiguous chunk each, and train what
+one process reading whole sequences trains; beside data parallelism (2 x 2 on 4 CPU processes), with accumulation,
+clipping, EMA, checkpoints, an exact resume and an export that generates; and what it refuses, in one line."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import FREE_PORT, REPO, TINY, final_weights, run_cli
+from s4accel.config import load_recipe
+from s4accel.errors import RecipeError
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
+          str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+QUIET = ["--set", "log.progress_bar=false"]
+
+
+def launch(procs, recipe, run_dir, *sets, timeout=600):
+    args = [*LAUNCH, "--num_processes", str(procs), "-m", "s4accel", "train", str(recipe), "--set",
+            f"run.out_dir={run_dir}", *QUIET]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ})
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_two_processes_sharing_each_sequence_train_what_one_process_trains(tmp_path, hf_cache):
+    """20 steps of the language model: the same weights (1e-5), the same losses logged."""
+    one = run_cli("train", TINY, "--set", f"run.out_dir={tmp_path / 'one'}", *QUIET)
+    assert one.returncode == 0, one.stderr[-3000:]
+    split = launch(2, TINY, tmp_path / "split", "train.context_parallel=2")
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "context parallel: each sequence of 64 steps split over 2 processes (chunks of 32)" in split.stdout
+    assert max_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "split")) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_classifier_split_over_two_processes_trains_what_one_process_trains(tmp_path, hf_cache):
+    """The digits' bidirectional classifier (pooled over the whole sequence, its loss the same on both processes)."""
+    digits = REPO / "recipes" / "digits.yaml"
+    sets = ["model.overrides.dropout=0.0", "train.max_steps=8", "train.eval_every=0", "checkpoint.every_steps=0"]
+    one = run_cli("train", digits, "--set", f"run.out_dir={tmp_path / 'one'}", *QUIET,
+                  *[x for s in sets for x in ("--set", s)])
+    assert one.returncode == 0, one.stderr[-3000:]
+    split = launch(2, digits, tmp_path / "split", "train.context_parallel=2", *sets)
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert max_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "split")) < 1e-5
+
+
+@pytest.mark.slow
+def test_two_by_two_layout_trains_as_data_parallel_resumes_exactly_and_exports(tmp_path, hf_cache):
+    """4 processes: 2 data-parallel groups of 2 sharing each sequence, with accumulation, clipping and EMA, train what
+    2 data-parallel processes reading whole sequences train; stopped and resumed, the run ends where an
+    uninterrupted one does; another layout is refused on resume; the export generates."""
+    sets = ["train.max_steps=8", "train.grad_accum=2", "train.clip_grad_norm=0.5", "train.ema.decay=0.9",
+            "checkpoint.every_steps=4", "checkpoint.keep_last=2", "train.eval_every=4"]
+    ddp = launch(2, TINY, tmp_path / "ddp", *sets)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    whole = launch(4, TINY, tmp_path / "whole", "train.context_parallel=2", *sets)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "2 data-parallel group(s)" in whole.stdout
+    for name in ("final", "final_ema"):
+        assert max_diff(final_weights(tmp_path / "ddp", name), final_weights(tmp_path / "whole", name)) < 1e-5
+
+    # the run stopped after step 4: its last checkpoint and its export gone, it resumes from step 4
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000008")
+    shutil.rmtree(tmp_path / "cut" / "final")
+    other = launch(4, TINY, tmp_path / "cut", "train.context_parallel=1", *sets, "train.resume=auto")
+    assert other.returncode != 0
+    assert "resumes on the layout it was saved by only" in other.stdout + other.stderr
+    resumed = launch(4, TINY, tmp_path / "cut", "train.context_parallel=2", *sets, "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_00000004 at step 4" in resumed.stdout
+    for name in ("final", "final_ema"):
+        assert max_diff(final_weights(tmp_path / "whole", name), final_weights(tmp_path / "cut", name)) < 1e-6
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "final")
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False).shape == (1, 7)
+    assert (tmp_path / "whole" / "samples.txt").read_text().count("--- sample") == 1
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["model.name=moe-tiny"], "Accelerate's context parallelism"),
+    (["train.state.mode=tbptt"], "stateful training"),
+    (["data.streaming=true"], "streamed source"),
+    (["train.compile=true"], "not compiled"),
+    (["model.overrides.capacity_factor=1.0", "model.overrides.ffn=moe"], "capacity_factor and router_jitter"),
+    (["data.seq_len=63"], "must divide data.seq_len=63"),
+])
+def test_what_a_split_sequence_cannot_do_is_one_line_naming_the_key(sets, words):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY, ["train.context_parallel=2", *sets])
+    message = str(info.value)
+    assert "train.context_parallel: 2" in message and words in message and "\n" not in message
+
+
+def test_more_processes_per_sequence_than_the_run_has_is_refused_before_any_compute(tmp_path):
+    proc = run_cli("train", TINY, "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "train.context_parallel=2",
+                   *QUIET)
+    assert proc.returncode == 2
+    assert "train.context_parallel: 2 must divide the run's 1 process(es)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
