@@ -111,3 +111,25 @@ def test_more_processes_per_sequence_than_the_run_has_is_refused_before_any_comp
     assert proc.returncode == 2
     assert "train.context_parallel: 2 must divide the run's 1 process(es)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_dropout_does_not_depend_on_how_many_processes_share_a_sequence(tmp_path, hf_cache):
+    """With dropout, 2 and 4 processes per sequence draw the same masks: the same weights after 6 steps."""
+    sets = ["model.overrides.dropout=0.2", "train.max_steps=6", "train.eval_every=0", "checkpoint.every_steps=0",
+            "sample.prompts=[]"]
+    two = launch(2, TINY, tmp_path / "two", "train.context_parallel=2", *sets)
+    assert two.returncode == 0, two.stderr[-3000:]
+    four = launch(4, TINY, tmp_path / "four", "train.context_parallel=4", *sets)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert max_diff(final_weights(tmp_path / "two"), final_weights(tmp_path / "four")) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_long_sequence_recipe_trains_on_two_processes(tmp_path, hf_cache):
+    """recipes/shakespeare_long.yaml: sequences of 65,536 bytes split over 2 processes (a few steps here)."""
+    proc = launch(2, REPO / "recipes" / "shakespeare_long.yaml", tmp_path / "run", "train.max_steps=2",
+                  "checkpoint.every_steps=0", "sample.max_new_tokens=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "each sequence of 65,536 steps split over 2 processes (chunks of 32,768)" in proc.stdout
+    assert "done: 2 steps" in proc.stdout and (tmp_path / "run" / "final" / "model.safetensors").exists()

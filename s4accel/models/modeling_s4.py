@@ -174,12 +174,20 @@ def vandermonde_tables(log_dA: torch.Tensor, L: int) -> tuple[torch.Tensor, torc
     I = 1 << max(0, math.ceil(math.log2(L) / 2))
     J = -(-L // I)
     l = torch.arange(max(I, J), device=log_dA.device, dtype=log_dA.real.dtype)
-    return torch.exp(log_dA[..., None] * l[:I]), torch.exp(log_dA[..., None, :] * (I * l[:J, None]))
+    return _cexp(log_dA[..., None] * l[:I]), _cexp(log_dA[..., None, :] * (I * l[:J, None]))
 
 
-def vandermonde_product(v: torch.Tensor, log_dA: torch.Tensor, L: int) -> torch.Tensor:
-    """`2 Re(sum_n v_n dA_n^l)` for l = 0..L-1: v (..., H, n), log_dA (H, n) complex -> (..., H, L) real."""
-    lo, hi = vandermonde_tables(log_dA, L)
+def _cexp(z: torch.Tensor) -> torch.Tensor:
+    """`exp(z)` of a complex tensor as `polar(exp(Re z), Im z)`: torch's complex exp on CPU is not vectorised (about
+    5x slower for the Vandermonde tables, measured on 2 cores); the same values to rounding."""
+    return torch.polar(torch.exp(z.real), z.imag)
+
+
+def vandermonde_product(v: torch.Tensor, log_dA: torch.Tensor, L: int,
+                        tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`2 Re(sum_n v_n dA_n^l)` for l = 0..L-1: v (..., H, n), log_dA (H, n) complex -> (..., H, L) real. `tables`:
+    `vandermonde_tables(log_dA, L)` when the caller has them already."""
+    lo, hi = tables or vandermonde_tables(log_dA, L)
     K = (v[..., None, :] * hi) @ lo  # (..., H, J, I): sum_n v_n dA_n^(I j + i)
     return 2 * K.real.flatten(-2)[..., :L]
 
@@ -233,7 +241,7 @@ class _SSMKernel(nn.Module):
     ~100, where bfloat16 steps by 0.5.
     """
 
-    fsdp_forward_methods = ("state_output", "forward_state", "step_params", "advance")
+    fsdp_forward_methods = ("state_output", "forward_state", "step_params", "block")
     """Methods besides `forward` that read the parameters: where this module is an FSDP unit of its own (the float32
     unit of mixed precision), each must gather them as `forward` does."""
 
@@ -346,8 +354,7 @@ class S4DKernel(_SSMKernel):
 
     def forward(self, L: int) -> torch.Tensor:
         """Kernels `K (c, H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n dA_n^l)`."""
-        log_dA, C_tilde = self.discretize()
-        return vandermonde_product(C_tilde, log_dA, L)
+        return self.block(L).taps()
 
     # Recurrent form
     def zero_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
@@ -367,28 +374,53 @@ class S4DKernel(_SSMKernel):
     def forward_state(self, u: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """The state after reading `u (B, H, L)` from `state` (zero if None):
         `x_L = dA^L x_0 + sum_k dA^(L-1-k) u_k`."""
-        log_dA, _ = self.discretize()
-        L = u.shape[-1]
-        lo, hi = vandermonde_tables(log_dA, L)
-        J, I = hi.shape[-2], lo.shape[-1]
-        # u_(L-1-l) at l = I j + i, zero past l = L-1: (B, H, J, I)
-        u_rev = nn.functional.pad(u.flip(-1), (0, I * J - L)).unflatten(-1, (J, I)).to(lo.dtype)
-        x = ((u_rev @ lo.transpose(-1, -2)) * hi).sum(-2)  # sum_j dA^(I j) sum_i dA^i u_(L-1-l): (B, H, N/2)
-        return x if state is None else x + torch.exp(log_dA * L) * state
+        block = self.block(u.shape[-1])
+        x = block.end_state(u)
+        return x if state is None else x + block.advance(state)
 
     def state_output(self, state: torch.Tensor, L: int, direction: int = 0) -> torch.Tensor:
         """What an initial state adds to the next L outputs: `y_k += 2 Re(C~ dA^(k+1) x_0)`.
         (B, H, N/2) -> (B, H, L). `direction=1`: what the state of reading the steps after a block backwards adds to
         the block through the anti-causal kernel, `y_(L-1-r) += 2 Re(C~_1 dA^r x_0)`."""
-        log_dA, C_tilde = self.discretize()
-        if direction:
-            return vandermonde_product(state * C_tilde[1], log_dA, L).flip(-1)
-        return vandermonde_product(state * C_tilde[0] * torch.exp(log_dA), log_dA, L)
+        return self.block(L).reach(state, direction)
 
-    def advance(self, state: torch.Tensor, L: int) -> torch.Tensor:
-        """The state L steps later without input: `dA^L x`, (B, H, N/2)."""
-        log_dA, _ = self.discretize()
-        return torch.exp(log_dA * L) * state
+    def block(self, L: int) -> "_DiagonalBlock":
+        """The state-passing pieces of a block of L steps, discretised once (`_DiagonalBlock`)."""
+        return _DiagonalBlock(*self.discretize(), L)
+
+
+class _DiagonalBlock:
+    """S4D over a block of L steps, for passing states across blocks (carried state, context parallelism): the end
+    state of reading a block, a state moved L steps on, what a state before the block adds to its outputs. The
+    Vandermonde tables `dA^l` (`vandermonde_tables`) are made once for all three."""
+
+    def __init__(self, log_dA: torch.Tensor, C_tilde: torch.Tensor, L: int):
+        self.log_dA, self.C, self.L = log_dA, C_tilde, L
+        self.lo, self.hi = vandermonde_tables(log_dA, L)  # (H, n, I), (H, J, n)
+
+    def end_state(self, u: torch.Tensor) -> torch.Tensor:
+        """`sum_k dA^(L-1-k) u_k` for u (B, H, L) real -> (B, H, n) complex. Real inputs times the tables' real and
+        imaginary parts (two real matmuls): the product keeps only u for its backward, not a complex copy of it."""
+        L, (J, I) = self.L, (self.hi.shape[-2], self.lo.shape[-1])
+        u_rev = nn.functional.pad(u.flip(-1), (0, I * J - L)).unflatten(-1, (J, I))  # u_(L-1-l), l = I j + i
+        n = self.lo.shape[-2]
+        lo = torch.cat([self.lo.real, self.lo.imag], -2).transpose(-1, -2)  # (H, I, 2n)
+        x = u_rev @ lo  # (B, H, J, 2n): sum_i dA^i u_(L-1-l), real and imaginary parts
+        return (torch.complex(x[..., :n], x[..., n:]) * self.hi).sum(-2)  # sum_j dA^(I j) ...
+
+    def advance(self, x: torch.Tensor) -> torch.Tensor:
+        """The state L steps later without input: `dA^L x`."""
+        return torch.exp(self.log_dA * self.L) * x
+
+    def reach(self, x: torch.Tensor, direction: int = 0) -> torch.Tensor:
+        """`2 Re(C~ dA^(k+1) x)` at k = 0..L-1; `direction=1`: `2 Re(C~_1 dA^r x)` at r = L-1-k. (B, H, L)."""
+        v = x * self.C[1] if direction else x * self.C[0] * torch.exp(self.log_dA)
+        y = vandermonde_product(v, self.log_dA, self.L, (self.lo, self.hi))
+        return y.flip(-1) if direction else y
+
+    def taps(self) -> torch.Tensor:
+        """The convolution kernels `K (c, H, L)` from the same tables (`S4DKernel.forward`)."""
+        return vandermonde_product(self.C, self.log_dA, self.L, (self.lo, self.hi))
 
 
 class S4Kernel(_SSMKernel):
@@ -495,28 +527,42 @@ class S4Kernel(_SSMKernel):
 
     def forward_state(self, u: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """`x_L = dA^L x_0 + sum_k dA^(L-1-k) dB u_k`, (B, H, L) -> (B, H, N)."""
-        dA, dB = self._dense()
-        L = u.shape[-1]
-        x = torch.einsum("bhl,hnl->bhn", u.flip(-1).to(dA.dtype), krylov(dA, dB, L))
-        if state is not None:
-            x = x + torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(dA, L), state)
-        return x
+        block = self.block(u.shape[-1])
+        x = block.end_state(u)
+        return x if state is None else x + block.advance(state)
 
     def state_output(self, state: torch.Tensor, L: int, direction: int = 0) -> torch.Tensor:
         """`y_k += Re(C dA^(k+1) x_0)`, (B, H, N) -> (B, H, L). `direction=1`: the anti-causal kernel's
         `y_(L-1-r) += Re(C_1 dA^r x_0)` (see `S4DKernel.state_output`)."""
-        dA, _ = self._dense()
-        C = self._c_true(dA)[direction]
-        if direction:
-            rows = krylov(dA.transpose(-1, -2), C, L)  # (H, N, L): (C_1 dA^r)^T
-            return torch.einsum("hnl,bhn->bhl", rows, state).real.flip(-1)
-        rows = krylov(dA.transpose(-1, -2), C, L + 1)[..., 1:]  # (H, N, L): (C dA^(k+1))^T
-        return torch.einsum("hnl,bhn->bhl", rows, state).real
+        return self.block(L).reach(state, direction)
 
-    def advance(self, state: torch.Tensor, L: int) -> torch.Tensor:
-        """`dA^L x`, (B, H, N)."""
-        dA, _ = self._dense()
-        return torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(dA, L), state)
+    def block(self, L: int) -> "_DenseBlock":
+        """The state-passing pieces of a block of L steps (`_DenseBlock`), the dense form made once."""
+        dA, dB = self._dense()
+        return _DenseBlock(dA, dB, self._c_true(dA), L, lambda: self(L))
+
+
+class _DenseBlock:
+    """`_DiagonalBlock` for the dense (N, N) transition of the DPLR kernel, in its full complex eigenbasis. Its Krylov
+    tables are (H, N, L): fine for the blocks of carried state and generation; long blocks cost O(H N L) memory."""
+
+    def __init__(self, dA: torch.Tensor, dB: torch.Tensor, C: torch.Tensor, L: int, taps):
+        self.dA, self.dB, self.C, self.L = dA, dB, C, L
+        self.taps = taps  # the kernel's own convolution kernels (its Cauchy form, not these tables)
+
+    def end_state(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhl,hnl->bhn", u.flip(-1).to(self.dA.dtype), krylov(self.dA, self.dB, self.L))
+
+    def advance(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(self.dA, self.L), x)
+
+    def reach(self, x: torch.Tensor, direction: int = 0) -> torch.Tensor:
+        dAt = self.dA.transpose(-1, -2)
+        if direction:
+            rows = krylov(dAt, self.C[1], self.L)  # (H, N, L): (C_1 dA^r)^T
+            return torch.einsum("hnl,bhn->bhl", rows, x).real.flip(-1)
+        rows = krylov(dAt, self.C[0], self.L + 1)[..., 1:]  # (H, N, L): (C dA^(k+1))^T
+        return torch.einsum("hnl,bhn->bhl", rows, x).real
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -562,8 +608,10 @@ class S4Layer(nn.Module):
             if state is not None:
                 reach = self.kernel.state_output(state, L)
                 reach = reach if documents is None else reach * documents.first[:, None, :]
-            elif rows is not None:
-                reach = self._from_other_chunks(u, documents, rows)
+            block = None
+            if rows is not None:  # discretised once for the convolution and the exchange
+                block = self.kernel.block(L)
+                reach = self._from_other_chunks(u, documents, rows, block)
             channels_first = plan.path == "chunked" and documents is None and self._plain_projection()
             if channels_first:
                 # channels first from the convolution through GELU and the projection: no transpose but the input's
@@ -571,7 +619,7 @@ class S4Layer(nn.Module):
                 if reach is not None:
                     y = y + reach.permute(1, 0, 2)
             else:
-                conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D)
+                conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D, block)
                 y = conv(u) if documents is None else documents.apply(conv, u)  # (B, L, H), with the skip D u
                 if reach is not None:
                     y = y + reach.transpose(1, 2)
@@ -588,7 +636,8 @@ class S4Layer(nn.Module):
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
         return self._mix(y.contiguous().to(plan.dtype if plan.path == "chunked" else u.dtype), rows), new_state
 
-    def _from_other_chunks(self, u: torch.Tensor, documents: Documents | None, rows: ChunkRows) -> torch.Tensor:
+    def _from_other_chunks(self, u: torch.Tensor, documents: Documents | None, rows: ChunkRows,
+                           block) -> torch.Tensor:
         """What the rest of the sequence adds to this chunk `u (B, L, H)` of it: (B, H, L), float32 (or float64).
 
         Every process reads its chunk from a zero state to the end state `s_q` (and, bidirectional, backwards to
@@ -596,7 +645,6 @@ class S4Layer(nn.Module):
         `x_p = a_(p-1) dA^L x_(p-1) + s_(p-1)` (`a_q` per row: the state passes through chunk q, no document starts
         in it), and the anti-causal kernel reads the later chunks' backward states the same way from the end."""
         parallel = rows.parallel
-        kernel = self.kernel
         u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
         B, _, L = u32.shape
         bidirectional = self.kernel.C.shape[0] == 2
@@ -604,13 +652,13 @@ class S4Layer(nn.Module):
             raise ValueError("context parallelism does not split the packed documents of a bidirectional model")
         if documents is None:  # one document per row, continued unless the chunk's first position starts one
             passes = torch.ones(B, dtype=torch.bool, device=u.device) if rows.fresh is None else ~rows.fresh
-            reaches = passes[:, None, None]
-            own = kernel.forward_state(u32)  # (B, H, n) complex
+            reaches = None if rows.fresh is None else passes[:, None, None]
+            own = block.end_state(u32)  # (B, H, n) complex
         else:
             passes = documents.single & documents.continues
             reaches = documents.first[:, None, :]
-            own = kernel.forward_state(u32 * documents.last[:, None, :])  # the chunk's last document's
-        parts = [own] + ([kernel.forward_state(u32.flip(-1))] if bidirectional else [])
+            own = block.end_state(u32 * documents.last[:, None, :])  # the chunk's last document's
+        parts = [own] + ([block.end_state(u32.flip(-1))] if bidirectional else [])
         # as real pairs (gloo and NCCL have no complex dtype); `real`/`imag` rather than `view_as_real`, whose
         # backward needs its gradient at an even storage offset, which a slice of this row need not be
         sent = torch.cat([torch.stack([p.real, p.imag], -1).flatten(1) for p in parts]
@@ -621,14 +669,15 @@ class S4Layer(nn.Module):
                   for t in got[..., :width].chunk(len(parts), dim=-1)]  # each (P, B, H, n)
         x = torch.zeros_like(own)
         for q in range(parallel.rank):  # the chunks before this one, first to last
-            x = kernel.advance(x, L) * got[q, :, -1, None, None] + states[0][q]
+            x = block.advance(x) * got[q, :, -1, None, None] + states[0][q]
         # `0 *` every gathered value: the gather is in the graph on every process, so every one joins its backward
-        reach = kernel.state_output(x, L) * reaches + 0 * got.sum()
+        x = x + 0 * got.sum()
+        reach = block.reach(x) if reaches is None else block.reach(x) * reaches
         if bidirectional:
             x = torch.zeros_like(own)
             for q in range(parallel.size - 1, parallel.rank, -1):  # the chunks after this one, last to first
-                x = kernel.advance(x, L) + states[1][q]
-            reach = reach + kernel.state_output(x, L, direction=1)
+                x = block.advance(x) + states[1][q]
+            reach = reach + block.reach(x, direction=1)
         return reach
 
     def _plain_projection(self) -> bool:
@@ -661,9 +710,10 @@ class S4Layer(nn.Module):
         z = project_channels_first(z, linear.weight, linear.bias, autocast or z.dtype)  # (B L, 2H)
         return self.glu(z.view(B, L, 2 * H))
 
-    def _fft_conv(self, L: int, D: torch.Tensor):
-        """(n, l, H) -> (n, l, H) float32 (a transposed view), l <= L: FFTs of the kernel's first l taps."""
-        K = self.kernel(L)
+    def _fft_conv(self, L: int, D: torch.Tensor, block=None):
+        """(n, l, H) -> (n, l, H) float32 (a transposed view), l <= L: FFTs of the kernel's first l taps. `block`:
+        the kernel's `block(L)`, when the caller has it (its taps come from the same tables)."""
+        K = self.kernel(L) if block is None else block.taps()
         return lambda v: fft_conv(_fp32_or_wider(v).transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2)
 
     def _chunked_conv(self, plan: "ConvPlan", D: torch.Tensor):
