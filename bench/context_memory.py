@@ -6,9 +6,10 @@ shorter; its gradients stop at chunk borders).
 
     python bench/context_memory.py [--length 65536] [--procs 1 2 4] [--out-dir bench/results]
 
-Each configuration runs in fresh processes (gloo over a file store). A process's figure is its peak resident memory
-during the step minus its resident memory just before it (after a short warm-up step), so the model, the optimizer-
-free weights and the libraries are not counted; with several processes the largest is reported. Prints JSON; with
+Each configuration runs in fresh processes (gloo over a file store). Two figures per process, the largest process
+reported: the bytes of the tensors autograd saves for the backward (the activations, each storage once, weights not
+counted), and the peak resident memory during the step minus the resident memory just before it (after a short
+warm-up step), which adds the step's transient buffers and what the allocator keeps. Prints JSON; with
 --out-dir writes it to a dated file naming the machine, versions and commit.
 """
 
@@ -45,14 +46,28 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def step(model, ids, parallel):
+def step(model, ids, parallel) -> int:
+    """One forward + backward; returns the bytes of the tensors autograd saved for the backward (the activations:
+    each storage once, the parameters not counted)."""
     batch = {"input_ids": ids, "labels": ids}
     if parallel is not None:
         shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
         batch = {"input_ids": parallel.chunk(ids), "labels": parallel.chunk(ids),
                  "shift_labels": parallel.chunk(shifted)}
-    model(**batch).loss.backward()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
     model.zero_grad(set_to_none=True)
+    return sum(saved.values())
 
 
 def worker(rank, procs, store, length, checkpointing, out):
@@ -72,11 +87,11 @@ def worker(rank, procs, store, length, checkpointing, out):
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
     before = rss()
     t0 = time.perf_counter()
-    step(model, ids, parallel)
+    saved = step(model, ids, parallel)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"peak_step_bytes": peak - before, "seconds": seconds,
+        json.dump({"peak_step_bytes": peak - before, "saved_bytes": saved, "seconds": seconds,
                    "parameters": sum(p.numel() for p in model.parameters())}, f)
     if parallel is not None:
         dist.destroy_process_group()
@@ -89,7 +104,9 @@ def measure(length: int, procs: int, checkpointing: bool = False) -> dict:
         results = [json.load(open(f"{out}.{r}")) for r in range(procs)]
     peak = max(r["peak_step_bytes"] for r in results)
     return {"length": length, "processes": procs, "activation_checkpointing": checkpointing,
-            "peak_step_mib": round(peak / 2**20, 1), "step_seconds": round(max(r["seconds"] for r in results), 2),
+            "peak_step_mib": round(peak / 2**20, 1),
+            "saved_activations_mib": round(max(r["saved_bytes"] for r in results) / 2**20, 1),
+            "step_seconds": round(max(r["seconds"] for r in results), 2),
             "parameters": results[0]["parameters"]}
 
 
@@ -103,13 +120,16 @@ def main(argv=None):
     rows["1 process, activation checkpointing"] = measure(args.length, 1, checkpointing=True)
     chunk = args.length // max(args.procs)
     rows[f"1 process, one chunk of {chunk:,} (TBPTT's memory)"] = measure(chunk, 1)
-    whole = rows[f"split over {args.procs[0]}"]["peak_step_mib"]
+    first = rows[f"split over {args.procs[0]}"]
     for row in rows.values():
-        row["of_first"] = round(row["peak_step_mib"] / whole, 3)
+        row["peak_of_first"] = round(row["peak_step_mib"] / first["peak_step_mib"], 3)
+        row["saved_of_first"] = round(row["saved_activations_mib"] / first["saved_activations_mib"], 3)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    report = {"what": "peak resident memory of one forward + backward step of the quick-start model (s4-small), batch "
-                      "1, float32, over the memory before the step; the largest process",
+    report = {"what": "one forward + backward step of the quick-start model (s4-small), batch 1, float32: the tensors "
+                      "autograd saved for the backward (saved_activations_mib) and the peak resident memory over the "
+                      "memory before the step (peak_step_mib, what the allocator held at the worst moment); the "
+                      "largest process",
               "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "command": "python bench/context_memory.py " + " ".join(argv or sys.argv[1:]),

@@ -168,13 +168,14 @@ def fft_conv(u: torch.Tensor, K: torch.Tensor, D: torch.Tensor | None = None) ->
 
 def vandermonde_tables(log_dA: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Powers `dA^l`, l < L, factored as `dA^(I j) dA^i` (l = I j + i, I = 2^ceil(log2(L)/2) >= sqrt(L), j < J):
-    `lo = dA^i (H, n, I)` and `hi = dA^(I j) (H, J, n)` from `log_dA (H, n)`. A sum over l against them is two small
+    `lo = dA^i (H, I, n)` and `hi = dA^(I j) (H, J, n)` from `log_dA (H, n)`. A sum over l against them is two small
     matmuls: O(n sqrt L) exponentials per channel, and nothing of size (n, L) is built, forward or backward. Each
-    power is one exp of an exact multiple of log dA, so rounding is as for `exp(l log dA)`."""
+    power is one exp of an exact multiple of log dA, so rounding is as for `exp(l log dA)`. `lo` is (I, n) per
+    channel so that its real view is a (I, 2n) matrix too (`_DiagonalBlock.end_state`)."""
     I = 1 << max(0, math.ceil(math.log2(L) / 2))
     J = -(-L // I)
     l = torch.arange(max(I, J), device=log_dA.device, dtype=log_dA.real.dtype)
-    return _cexp(log_dA[..., None] * l[:I]), _cexp(log_dA[..., None, :] * (I * l[:J, None]))
+    return _cexp(log_dA[..., None, :] * l[:I, None]), _cexp(log_dA[..., None, :] * (I * l[:J, None]))
 
 
 def _cexp(z: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,7 @@ def vandermonde_product(v: torch.Tensor, log_dA: torch.Tensor, L: int,
     """`2 Re(sum_n v_n dA_n^l)` for l = 0..L-1: v (..., H, n), log_dA (H, n) complex -> (..., H, L) real. `tables`:
     `vandermonde_tables(log_dA, L)` when the caller has them already."""
     lo, hi = tables or vandermonde_tables(log_dA, L)
-    K = (v[..., None, :] * hi) @ lo  # (..., H, J, I): sum_n v_n dA_n^(I j + i)
+    K = (v[..., None, :] * hi) @ lo.transpose(-1, -2)  # (..., H, J, I): sum_n v_n dA_n^(I j + i)
     return 2 * K.real.flatten(-2)[..., :L]
 
 
@@ -396,17 +397,16 @@ class _DiagonalBlock:
 
     def __init__(self, log_dA: torch.Tensor, C_tilde: torch.Tensor, L: int):
         self.log_dA, self.C, self.L = log_dA, C_tilde, L
-        self.lo, self.hi = vandermonde_tables(log_dA, L)  # (H, n, I), (H, J, n)
+        self.lo, self.hi = vandermonde_tables(log_dA, L)  # (H, I, n), (H, J, n)
 
     def end_state(self, u: torch.Tensor) -> torch.Tensor:
         """`sum_k dA^(L-1-k) u_k` for u (B, H, L) real -> (B, H, n) complex. Real inputs times the tables' real and
-        imaginary parts (two real matmuls): the product keeps only u for its backward, not a complex copy of it."""
-        L, (J, I) = self.L, (self.hi.shape[-2], self.lo.shape[-1])
+        imaginary parts in one real matmul (a view of the table, no copy): the product keeps u and the table for its
+        backward, not a complex copy of u."""
+        L, (J, I) = self.L, (self.hi.shape[-2], self.lo.shape[-2])
         u_rev = nn.functional.pad(u.flip(-1), (0, I * J - L)).unflatten(-1, (J, I))  # u_(L-1-l), l = I j + i
-        n = self.lo.shape[-2]
-        lo = torch.cat([self.lo.real, self.lo.imag], -2).transpose(-1, -2)  # (H, I, 2n)
-        x = u_rev @ lo  # (B, H, J, 2n): sum_i dA^i u_(L-1-l), real and imaginary parts
-        return (torch.complex(x[..., :n], x[..., n:]) * self.hi).sum(-2)  # sum_j dA^(I j) ...
+        x = u_rev @ torch.view_as_real(self.lo).flatten(-2)  # (B, H, J, 2n): sum_i dA^i u_(L-1-l), as pairs
+        return (torch.view_as_complex(x.unflatten(-1, (-1, 2))) * self.hi).sum(-2)  # sum_j dA^(I j) ...
 
     def advance(self, x: torch.Tensor) -> torch.Tensor:
         """The state L steps later without input: `dA^L x`."""
