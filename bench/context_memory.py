@@ -80,7 +80,7 @@ def worker(rank, procs, store, length, checkpointing, out):
     torch.manual_seed(0)
     model = S4ForCausalLM(S4Config(**size, vocab_size=BYTE_VOCAB)).train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     if parallel is not None:
         model.set_context_parallel(parallel)
     step(model, torch.randint(0, 256, (1, 1024 * procs)), parallel)  # warm-up: the allocator's first requests

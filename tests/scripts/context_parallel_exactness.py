@@ -37,6 +37,7 @@ FAMILIES = {
                        router_aux_loss_coef=0.1, router_z_loss_coef=0.01),
     "s4d_lm_documents": dict(kernel="s4d"),
     "s4d_lm_one_row": dict(kernel="s4d"),  # a batch of one (each row's states at odd offsets of what is sent)
+    "s4d_mlp_lm_checkpointed": dict(kernel="s4d", ffn="mlp", d_ffn=24),  # blocks recomputed, exchange and all
     "s4d_classifier_bidirectional_mean": dict(kernel="s4d", bidirectional=True, d_input=3, num_labels=3),
     "s4_dplr_classifier_bidirectional_last": dict(kernel="s4", l_max=32, bidirectional=True, d_input=3,
                                                   num_labels=3, pooling="last"),
@@ -69,7 +70,10 @@ def model_for(name: str, dtype):
     torch.manual_seed(0)
     kw = dict(d_model=8, n_layer=2, d_state=8, vocab_size=V, dropout=0.0, **FAMILIES[name])
     cls = S4ForSequenceClassification if "classifier" in name else S4ForCausalLM
-    return cls(S4Config(**kw)).to(dtype)
+    model = cls(S4Config(**kw)).to(dtype)
+    if "checkpointed" in name:
+        model.activation_checkpointing_enable()
+    return model
 
 
 def shifted(labels):
