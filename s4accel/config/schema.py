@@ -314,7 +314,7 @@ class Recipe(_Section):
                              f"=...) with FSDP2, runs ring attention through SDPA on GPUs)")
         if self.train.state.mode != "none":
             raise ValueError(f"{key}: stateful training (train.state.mode: {self.train.state.mode}) carries a state "
-                             f"from batch to batch; a split sequence is read whole in each step (use one or the other)")
+                             f"from batch to batch; a split sequence is read whole in each step (use one of them)")
         if self.data.streaming:
             raise ValueError(f"{key}: a streamed source gives each process its own blocks; the processes of a context "
                              f"group must read the same ones (use a map-style source)")

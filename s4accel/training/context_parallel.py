@@ -7,7 +7,7 @@ over all processes by DDP as usual: a language model's loss is a sum over its ch
 window's count (`count_items`, gathered over every process), a classifier's loss and the router losses are the same
 on every process of a group (their sums are reduced inside the model), so the average is the gradient of whole
 sequences. Evaluation reads whole sequences, data-parallel over all processes (no gradient is kept, so one layer's
-activations at a time), with the model's split turned off for it.
+activations at a time), with the model's split turned off for it (`whole_sequences`).
 
 The mesh is a torch `DeviceMesh` of our own, with Accelerate's dimension names: Accelerate's `ParallelismConfig(
 cp_size=...)` would build it too, but it installs torch's ring attention (SDPA only) and refuses context parallelism
@@ -31,21 +31,19 @@ from ..models.modeling_s4 import S4Model, S4PreTrainedModel
 
 @dataclass
 class Layout:
-    """The run's processes as `(data-parallel groups, P)`: the mesh and this process's context group."""
+    """The run's processes as `(data-parallel groups, P)`: the mesh and this process's context group; both None when
+    every process reads whole sequences (`train.context_parallel: 1`), and then every method leaves things as they
+    are."""
 
-    mesh: object
-    parallel: ContextParallel
-
-    @property
-    def size(self) -> int:
-        return self.parallel.size
+    mesh: object = None
+    parallel: ContextParallel | None = None
 
     @contextlib.contextmanager
     def dealing(self, accelerator):
         """Within: `accelerator.prepare` of a loader deals its batches per data-parallel group (the processes of a
         context group draw the same ones)."""
         old = accelerator.state.device_mesh
-        accelerator.state.device_mesh = self.mesh
+        accelerator.state.device_mesh = self.mesh or old
         try:
             yield
         finally:
@@ -53,41 +51,35 @@ class Layout:
 
     def attach(self, accelerator, model) -> None:
         """Tell the model its inputs are chunks of this group's sequences."""
-        _set(accelerator, model, self.parallel)
+        if self.parallel is not None:
+            _set(accelerator, model, self.parallel)
 
-    def detach(self, accelerator, model) -> None:
-        """Whole sequences again (export, samples)."""
-        _set(accelerator, model, None)
+    def split(self, batch: dict) -> dict:
+        """This process's chunk of each sequence of `batch` (`split_batch`); the batch itself without a split."""
+        return batch if self.parallel is None else split_batch(batch, self.parallel)
 
-    def split_stream(self, batches):
-        """Each batch of `batches` as this process's chunk of it (`split_batch`); closing it closes `batches`."""
-        try:
-            for batch in batches:
-                yield split_batch(batch, self.parallel)
-        finally:
-            batches.close()
-
-    def reading_whole(self, accelerator, evaluate):
-        """`evaluate(model, ...)` with the model's split turned off while it runs (whole sequences)."""
-        def run(model, *args, **kwargs):
-            split = [m for m in accelerator.unwrap_model(model).modules() if isinstance(m, S4Model)]
-            saved = [m.context_parallel for m in split]
-            for m in split:
-                m.context_parallel = None
-            try:
-                return evaluate(model, *args, **kwargs)
-            finally:
-                for m, p in zip(split, saved):
-                    m.context_parallel = p
-        return run
+    def describe(self, accelerator, model, recipe) -> str | None:
+        """One line: the split, and what a layer exchanges per micro-batch (the chunks' end states: its size does not
+        depend on the length). None without a split."""
+        if self.parallel is None:
+            return None
+        P, L, n = self.parallel.size, recipe.data.seq_len, accelerator.num_processes
+        model = accelerator.unwrap_model(model)
+        config = model.config
+        modes = config.d_state // 2 if config.kernel == "s4d" else config.d_state  # complex state per channel
+        floats = recipe.data.batch_size * (config.d_model * modes * 2 * (2 if config.bidirectional else 1) + 1)
+        size = P * floats * next(model.parameters()).element_size()
+        return (f"context parallel: each sequence of {L:,} steps split over {P} processes (chunks of {L // P:,}), "
+                f"{n // P} data-parallel group(s); each S4 layer gathers {size / 1024:,.1f} KB of chunk states per "
+                f"micro-batch forward and all-reduces as much backward")
 
 
-def start(recipe, accelerator) -> Layout | None:
-    """The layout of a run with `train.context_parallel > 1` (None otherwise), checked against the launch: refusals
-    are one `RecipeError` before any compute. Call on every process (the mesh's groups are made together)."""
+def start(recipe, accelerator) -> Layout:
+    """The layout of the run's processes, checked against the launch: refusals are one `RecipeError` before any
+    compute. Call on every process (the mesh's groups are made together)."""
     P = recipe.train.context_parallel
     if P == 1:
-        return None
+        return Layout()
     n = accelerator.num_processes
     if n % P:
         raise RecipeError(f"train.context_parallel: {P} must divide the run's {n} process(es) (launch a multiple of "
@@ -97,6 +89,26 @@ def start(recipe, accelerator) -> Layout | None:
                           f"without an FSDP or DeepSpeed config)")
     mesh = init_device_mesh(accelerator.device.type, (n // P, P), mesh_dim_names=("dp_replicate", "cp"))
     return Layout(mesh, ContextParallel(mesh.get_group("cp")))
+
+
+def read_whole(accelerator, model) -> None:
+    """Whole sequences again (export, samples): any split of the model's S4 layers turned off."""
+    for module in accelerator.unwrap_model(model).modules():
+        if isinstance(module, S4Model):
+            module.context_parallel = None
+
+
+@contextlib.contextmanager
+def whole_sequences(accelerator, model):
+    """Within: the model reads whole sequences (evaluation), its split as it was afterwards."""
+    split = [m for m in accelerator.unwrap_model(model).modules() if isinstance(m, S4Model)]
+    saved = [m.context_parallel for m in split]
+    read_whole(accelerator, model)
+    try:
+        yield
+    finally:
+        for module, parallel in zip(split, saved):
+            module.context_parallel = parallel
 
 
 def split_batch(batch: dict, parallel: ContextParallel) -> dict:
@@ -115,19 +127,6 @@ def split_batch(batch: dict, parallel: ContextParallel) -> dict:
     if labels is not None and labels.dim() == 2 and labels.shape[1] == L:
         out["shift_labels"] = parallel.chunk(torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
     return out
-
-
-def describe(layout: Layout, model, batch_size: int, seq_len: int, processes: int) -> str:
-    """One line: the split, and what a layer exchanges per micro-batch (the chunks' end states: its size does not
-    depend on the length)."""
-    config = model.config
-    P = layout.size
-    modes = config.d_state // 2 if config.kernel == "s4d" else config.d_state  # complex state per channel
-    floats = batch_size * (config.d_model * modes * 2 * (2 if config.bidirectional else 1) + 1)
-    size = P * floats * next(model.parameters()).element_size()
-    return (f"context parallel: each sequence of {seq_len:,} steps split over {P} processes (chunks of "
-            f"{seq_len // P:,}), {processes // P} data-parallel group(s); each S4 layer gathers {size / 1024:,.1f} KB "
-            f"of chunk states per micro-batch forward and all-reduces as much backward")
 
 
 def _set(accelerator, model, parallel: ContextParallel | None) -> None:

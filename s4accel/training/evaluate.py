@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from .callbacks import CallbackList, RunContext, improved
 from .class_scores import confusion_text
+from .context_parallel import whole_sequences
 from .recipe_metrics import metric_functions, recipe_metrics
 from .step import agree
 from .task import Task
@@ -28,9 +29,11 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False, p
     before each batch. `progress`: a bar on the main process (it goes when done).
 
     The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
-    how often a run evaluates, and whether an evaluation was cut short, never changes what training computes."""
+    how often a run evaluates, and whether an evaluation was cut short, never changes what training computes. A
+    model split along the sequence (`train.context_parallel`) reads whole sequences here, the loader's own (no
+    gradient is kept, so a process holds one layer's activations at a time)."""
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), whole_sequences(accelerator, model):
         was_training = model.training
         model.eval()
         totals, widths, kept = None, None, []

@@ -38,7 +38,7 @@ from .run_dir import RunDir
 from .run_lock import RunLock
 from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
-from .task import Loaders, Task, TrainOptimizer, load_task
+from .task import Task, TrainOptimizer, load_task
 from .zero import precision
 from .tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
 from .world import World, move_to_world, plan_world_change
@@ -95,8 +95,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
 def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult:
     """`train`, once the run directory is this run's."""
     # 0. The checkpoint to resume from and the recipe against it, the Accelerator, the run directory checked.
-    recipe, accelerator, run_files, resumed = open_run(recipe, resume, force)
-    layout = context_parallel.start(recipe, accelerator)  # None unless train.context_parallel splits sequences
+    recipe, accelerator, run_files, resumed, layout = open_run(recipe, resume, force)
     set_seed(recipe.run.seed)
     callbacks = build_callbacks(recipe)
 
@@ -104,35 +103,25 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
     built = build_in_place(recipe, accelerator, run_files, task)
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
-    model, optimizers, train_dl, val_dl = prepare(accelerator, task, built.model, built.optimizers, built.loaders,
-                                                  layout)
+    model, optimizers, train_dl, val_dl = prepare(accelerator, task, built, layout)
     context.optimizers = {o.name: o for o in optimizers}
     del built  # the unprepared objects: the prepared ones above replace them
 
     # 2. The checkpointed state, restored when resuming; what callbacks see of the run.
     state = restore(accelerator, resumed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
     signals = StopSignals()
-    evaluate_model = partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
-                             progress=recipe.log.progress_bar)
-    if layout is not None:  # evaluation reads whole sequences (no gradient kept: one layer's activations at a time)
-        evaluate_model = layout.reading_whole(accelerator, evaluate_model)
-    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer, evaluate_model)
+    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer,
+                      partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
+                              progress=recipe.log.progress_bar))
     with signals, frozen_setup_objects():  # from the trackers on, a SIGTERM is a request the next step answers
         callbacks.on_train_start(run)
-        start_logging(accelerator, recipe, state, task, model, context.data, train_dl)
-        if layout is not None:  # from here the model reads this process's chunk of each sequence
-            layout.attach(accelerator, model)
-            accelerator.print(context_parallel.describe(layout, accelerator.unwrap_model(model),
-                                                        recipe.data.batch_size, recipe.data.seq_len,
-                                                        accelerator.num_processes))
+        start_logging(accelerator, recipe, state, task, model, context.data, train_dl, layout)
         run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
         # 3. The loop: one iteration per optimizer step.
-        step = Stepper(accelerator, model, task, optimizers, recipe, signals)
+        step = Stepper(accelerator, model, task, optimizers, recipe, signals, layout)
         batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                                partial(callbacks.on_epoch_end, run))
-        if layout is not None:
-            batches = layout.split_stream(batches)
         meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
         eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
         eval_metrics, last_ckpt, stop_reason, preempted = {}, resumed.checkpoint, None, False
@@ -170,8 +159,6 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
 
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
-    if layout is not None:
-        layout.detach(accelerator, model)  # whole sequences again: the samples' generate() reads them
     if not preempted:
         result.final_dir, result.samples = export_final(run, callbacks)
     # 5. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
@@ -194,9 +181,10 @@ class Resuming:
 
 def open_run(recipe: Recipe, resume: str | None, force: bool):
     """The checkpoint to resume from (the main process verifies it, the same for all) and the recipe checked against
-    it (on another number of processes too); the Accelerator set for it; the run directory checked (refused when it
-    holds another run). Returns the recipe to run (`--force` may recompute `train.grad_accum` to keep the
-    checkpoint's global batch on another number of processes), the Accelerator, the `RunDir` and the `Resuming`."""
+    it (on another number of processes too); the Accelerator set for it; the processes' layout
+    (`train.context_parallel`); the run directory checked (refused when it holds another run). Returns the recipe to
+    run (`--force` may recompute `train.grad_accum` to keep the checkpoint's global batch on another number of
+    processes), the Accelerator, the `RunDir`, the `Resuming` and the `Layout`."""
     resume, asked_by = requested_resume(recipe, resume)
     ckpt, notes = choose_checkpoint(recipe.run.dir, resume)
     resuming = Resuming()
@@ -205,10 +193,11 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
         changed = check_resumed_recipe(ckpt, recipe, force, batching_may_change=saved_world is not None)
         resuming = Resuming(ckpt, changed, saved_world)
     accelerator = make_accelerator(recipe, ckpt)
+    layout = context_parallel.start(recipe, accelerator)  # which chunk of each sequence this process reads
     run_files = RunDir(recipe.run.dir, accelerator.is_main_process, resuming=ckpt is not None,
                        resume_requested=asked_by, overwrite=recipe.run.overwrite)
     warn(accelerator, *notes, run_files.check(), *setup_warnings(accelerator))
-    return recipe, accelerator, run_files, resuming
+    return recipe, accelerator, run_files, resuming, layout
 
 
 def build_in_place(recipe: Recipe, accelerator, run_files: RunDir, task: Task):
@@ -268,6 +257,7 @@ def export_final(run: RunContext, callbacks: CallbackList) -> tuple[Path, list[s
     """`final/` from the trained model; the samples the language model writes; then what callbacks add (final_ema/
     and the like, before a push reads them)."""
     final = run.run_dir / "final"
+    context_parallel.read_whole(run.accelerator, run.model)  # whole sequences again: the samples' generate()
     run.task.export(run.model, final)
     run.task.on_train_end(run.model)
     samples = getattr(run.task, "samples", [])
@@ -313,7 +303,8 @@ def setup_warnings(accelerator) -> list[str]:
     return out
 
 
-def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl) -> None:
+def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, model, data, train_dl,
+                  layout: context_parallel.Layout) -> None:
     """Trackers started with the flattened recipe; one line saying what trains on what."""
     accelerator.init_trackers(recipe.run.name, config={**tracker_config(recipe.to_dict()), "run_id": state.run_id})
     streamed = not hasattr(data.train, "__len__")
@@ -323,6 +314,8 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
                       f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
                       f"{precision(accelerator)}")
     if line := convolution_line(accelerator.unwrap_model(model), accelerator):
+        accelerator.print(line)
+    if line := layout.describe(accelerator, model, recipe):
         accelerator.print(line)
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:
@@ -374,15 +367,14 @@ def build_callbacks(recipe: Recipe) -> CallbackList:
     return CallbackList(cbs)
 
 
-def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], loaders: Loaders,
-            layout: context_parallel.Layout | None = None):
+def prepare(accelerator, task: Task, built, layout: context_parallel.Layout):
     """Everything through `accelerator.prepare` in one call (DeepSpeed and FSDP need model and optimizers together),
     except: a stream loader of stateful training (fixed rows per process in text order; a sharded loader would
     interleave them, so a carried state would continue another row's text), under manual optimisation the DDP
     wrapper (`Task.step` averages gradients itself), and under context parallelism the training loader, dealt per
-    data-parallel group after the rest."""
-    train_dl, val_dl, shard_train = loaders
-    split = layout is not None and shard_train
+    data-parallel group after the rest, and the model then told which chunk of each sequence it reads."""
+    model, optimizers, (train_dl, val_dl, shard_train) = built.model, built.optimizers, built.loaders
+    split = layout.mesh is not None and shard_train
     objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train and not split else []), val_dl]
     if task.automatic_optimization:
         model, *objs = accelerator.prepare(model, *objs)
@@ -400,6 +392,7 @@ def prepare(accelerator, task: Task, model, optimizers: list[TrainOptimizer], lo
             train_dl = accelerator.prepare(train_dl)
     elif shard_train:
         train_dl = objs.pop(0)
+    layout.attach(accelerator, model)
     return model, optimizers, train_dl, objs[0]
 
 

@@ -295,8 +295,9 @@ class Stepper:
     middle), clipping, the agreement of every process (non-finite numbers, a stop signal, a callback asking to stop,
     a save due by time), the non-finite skip, the update of every optimizer and its schedule, the counters."""
 
-    def __init__(self, accelerator, model, task: Task, optimizers: list[TrainOptimizer], recipe, signals):
+    def __init__(self, accelerator, model, task: Task, optimizers: list[TrainOptimizer], recipe, signals, layout=None):
         self.accelerator, self.model, self.task, self.optimizers = accelerator, model, task, optimizers
+        self.split = layout.split if layout is not None else (lambda batch: batch)  # context parallelism's chunk
         self.recipe, self.cfg, self.signals = recipe, recipe.train, signals
         self.params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
         self.clock = Clock(recipe.checkpoint.every_minutes)  # time-based checkpoints
@@ -305,7 +306,7 @@ class Stepper:
         acc, task, cfg = self.accelerator, self.task, self.cfg
         # A stop signal between micro-batches abandons a long window: back to the last complete step (grad_accum > 1).
         rewind = Rewind(acc, state, task) if cfg.grad_accum > 1 else None
-        window = [next(batches) for _ in range(cfg.grad_accum)]
+        window = [self.split(next(batches)) for _ in range(cfg.grad_accum)]
         run_window = backward_window if task.automatic_optimization else manual_window
         scalars = run_window(acc, self.model, window, task, state.step,
                              abort=self.signals.interrupted if rewind else None)

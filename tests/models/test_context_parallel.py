@@ -23,10 +23,10 @@ from s4accel.training.task import count_items
 @pytest.mark.parametrize("procs", [2, 4])
 def test_every_family_split_over_processes_equals_the_whole_sequence(tmp_path, procs):
     """S4D and DPLR S4, with MLP and MoE blocks, causal language models (with packed documents crossing and starting
-    on chunk borders, a batch of one row, activation checkpointing) and bidirectional and causal classifiers (mean and last-step pooling, padding): 1e-12 in
-    float64, 1e-5 in float32 (of the gradients' scale where it is above 1). The language model's loss is float32
-    whatever the model's dtype (transformers' loss function upcasts the logits to float32): 1e-6 relative. Dropout
-    masks are those one process draws over the whole sequence."""
+    on chunk borders, a batch of one row, activation checkpointing) and bidirectional and causal classifiers (mean
+    and last-step pooling, padding): 1e-12 in float64, 1e-5 in float32 (of the gradients' scale where it is above 1).
+    The language model's loss is float32 whatever the model's dtype (transformers' loss function upcasts the logits
+    to float32): 1e-6 relative. Dropout masks are those one process draws over the whole sequence."""
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "context_parallel_exactness.py"),
                            "--procs", str(procs), "--out", str(out)], capture_output=True, text=True, timeout=600)
@@ -84,7 +84,8 @@ def test_a_process_trains_on_its_chunk_with_targets_shifted_across_the_whole_seq
 
 
 def test_a_classification_batch_keeps_its_labels_whole():
-    batch = {"input_values": torch.randn(3, 8, 1), "attention_mask": torch.ones(3, 8), "labels": torch.tensor([0, 1, 2])}
+    batch = {"input_values": torch.randn(3, 8, 1), "attention_mask": torch.ones(3, 8),
+             "labels": torch.tensor([0, 1, 2])}
     parallel = ContextParallel(None)
     parallel.rank, parallel.size = 1, 2
     part = split_batch(batch, parallel)
