@@ -543,26 +543,47 @@ class S4Kernel(_SSMKernel):
 
 
 class _DenseBlock:
-    """`_DiagonalBlock` for the dense (N, N) transition of the DPLR kernel, in its full complex eigenbasis. Its Krylov
-    tables are (H, N, L): fine for the blocks of carried state and generation; long blocks cost O(H N L) memory."""
+    """`_DiagonalBlock` for the dense (N, N) transition of the DPLR kernel, in its full complex eigenbasis. A long
+    block is read in sub-blocks of `SUB` steps: Krylov tables (H, N, SUB) and one state per sub-block, handed from
+    sub-block to sub-block by `dA^SUB` (a loop of L / SUB small products), rather than (H, N, L) tables (N times a
+    block's inputs)."""
+
+    SUB = 256
 
     def __init__(self, dA: torch.Tensor, dB: torch.Tensor, C: torch.Tensor, L: int, taps):
         self.dA, self.dB, self.C, self.L = dA, dB, C, L
         self.taps = taps  # the kernel's own convolution kernels (its Cauchy form, not these tables)
+        self.T = min(L, self.SUB)
+        self.nb = -(-L // self.T)  # sub-blocks; the last one padded
+
+    def _step(self, x: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("hnm,bhm->bhn", power, x)
 
     def end_state(self, u: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bhl,hnl->bhn", u.flip(-1).to(self.dA.dtype), krylov(self.dA, self.dB, self.L))
+        """`sum_k dA^(L-1-k) dB u_k`: each sub-block's own end state, then folded first to last."""
+        T, nb = self.T, self.nb
+        u = nn.functional.pad(u, (nb * T - self.L, 0)).unflatten(-1, (nb, T))  # zeros first: they add nothing
+        own = torch.einsum("bhjt,hnt->bhjn", u.flip(-1).to(self.dA.dtype), krylov(self.dA, self.dB, T))
+        power, x = torch.linalg.matrix_power(self.dA, T), own[:, :, 0]
+        for j in range(1, nb):
+            x = self._step(x, power) + own[:, :, j]
+        return x
 
     def advance(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("hnm,bhm->bhn", torch.linalg.matrix_power(self.dA, self.L), x)
+        return self._step(x, torch.linalg.matrix_power(self.dA, self.L))
 
     def reach(self, x: torch.Tensor, direction: int = 0) -> torch.Tensor:
+        """`Re(C dA^(k+1) x)` at k < L (`direction=1`: `Re(C_1 dA^r x)` at r = L-1-k): the state at each
+        sub-block's start, then a Krylov table of T rows for all of them."""
+        T, nb = self.T, self.nb
+        power, starts = torch.linalg.matrix_power(self.dA, T), [x]
+        for _ in range(1, nb):
+            starts.append(self._step(starts[-1], power))
         dAt = self.dA.transpose(-1, -2)
-        if direction:
-            rows = krylov(dAt, self.C[1], self.L)  # (H, N, L): (C_1 dA^r)^T
-            return torch.einsum("hnl,bhn->bhl", rows, x).real.flip(-1)
-        rows = krylov(dAt, self.C[0], self.L + 1)[..., 1:]  # (H, N, L): (C dA^(k+1))^T
-        return torch.einsum("hnl,bhn->bhl", rows, x).real
+        # (H, N, T): (C dA^(t+1))^T, or (C_1 dA^t)^T
+        rows = krylov(dAt, self.C[1], T) if direction else krylov(dAt, self.C[0], T + 1)[..., 1:]
+        y = torch.einsum("hnt,bhjn->bhjt", rows, torch.stack(starts, 2)).real.flatten(-2)[..., : self.L]
+        return y.flip(-1) if direction else y
 
 
 # ----------------------------------------------------------------------------------------------------------------

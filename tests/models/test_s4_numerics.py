@@ -76,6 +76,27 @@ def test_chunks_with_carried_state_equal_the_whole_sequence(kernel, disc, init):
     assert rel_err(k.forward_state(u[..., 20:], x), k.forward_state(u)) <= 1e-10
 
 
+@pytest.mark.parametrize("kernel", ["s4d", "s4"])
+def test_a_long_block_passes_states_as_the_recurrence_does(kernel):
+    """Over a block longer than the DPLR kernel's sub-blocks (256 steps, the last one partial): the state it leaves,
+    what a state before it reaches, and (anti-causal) what the state of the steps after it reaches from its end."""
+    init = "diag-lin" if kernel == "s4d" else "legs"
+    k = make_kernel(kernel, "bilinear", init, bidirectional=True)
+    L = 300
+    u = torch.randn(2, 6, L, dtype=torch.float64)
+    _, x_rec = k.recurrence(u)
+    assert rel_err(k.forward_state(u), x_rec) <= 1e-10
+    x0 = k.forward_state(torch.randn(2, 6, 7, dtype=torch.float64))
+    y_rec, _ = k.recurrence(torch.zeros_like(u), x0)
+    assert rel_err(k.state_output(x0, L), y_rec) <= 1e-10
+    # anti-causal: y_(L-1-r) = the causal readout at r of the state x0 read through C_1 instead of C, one step sooner
+    k1 = make_kernel(kernel, "bilinear", init, bidirectional=True)
+    with torch.no_grad():
+        k1.C[0] = k.C[1]
+    y1, _ = k1.recurrence(torch.zeros(2, 6, L + 1, dtype=torch.float64), x0)  # y1[..., r + 1] reads dA^(r+1) x0
+    assert rel_err(k.state_output(x0, L, direction=1)[..., :-1].flip(-1), y1[..., :L - 1]) <= 1e-10
+
+
 @pytest.mark.parametrize(("kernel", "disc", "init"), VARIANTS, ids=IDS)
 def test_kernel_for_a_shorter_length_is_a_prefix(kernel, disc, init):
     k = make_kernel(kernel, disc, init)
