@@ -16,15 +16,23 @@ from s4accel.errors import RecipeError
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
-QUIET = ["--set", "log.progress_bar=false"]
+QUIET = "log.progress_bar=false"
 
 
 def launch(procs, recipe, run_dir, *sets, timeout=600):
-    args = [*LAUNCH, "--num_processes", str(procs), "-m", "s4accel", "train", str(recipe), "--set",
-            f"run.out_dir={run_dir}", *QUIET]
-    for s in sets:
-        args += ["--set", s]
+    """`s4accel train` on `procs` processes (1: the CLI alone), each of `sets` a `--set`."""
+    sets = [x for s in (f"run.out_dir={run_dir}", QUIET, *sets) for x in ("--set", s)]
+    if procs == 1:
+        return run_cli("train", recipe, *sets)
+    args = [*LAUNCH, "--num_processes", str(procs), "-m", "s4accel", "train", str(recipe), *sets]
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ})
+
+
+def trained(procs, recipe, run_dir, *sets) -> str:
+    """`launch`, which must succeed; its standard output."""
+    proc = launch(procs, recipe, run_dir, *sets)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -35,11 +43,9 @@ def max_diff(a: dict, b: dict) -> float:
 @pytest.mark.slow
 def test_two_processes_sharing_each_sequence_train_what_one_process_trains(tmp_path, hf_cache):
     """20 steps of the language model: the same weights (1e-5), the same losses logged."""
-    one = run_cli("train", TINY, "--set", f"run.out_dir={tmp_path / 'one'}", *QUIET)
-    assert one.returncode == 0, one.stderr[-3000:]
-    split = launch(2, TINY, tmp_path / "split", "train.context_parallel=2")
-    assert split.returncode == 0, split.stderr[-3000:]
-    assert "context parallel: each sequence of 64 steps split over 2 processes (chunks of 32)" in split.stdout
+    trained(1, TINY, tmp_path / "one")
+    out = trained(2, TINY, tmp_path / "split", "train.context_parallel=2")
+    assert "context parallel: each sequence of 64 steps split over 2 processes (chunks of 32)" in out
     assert max_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "split")) < 1e-5
 
 
@@ -48,11 +54,8 @@ def test_a_classifier_split_over_two_processes_trains_what_one_process_trains(tm
     """The digits' bidirectional classifier (pooled over the whole sequence, its loss the same on both processes)."""
     digits = REPO / "recipes" / "digits.yaml"
     sets = ["model.overrides.dropout=0.0", "train.max_steps=8", "train.eval_every=0", "checkpoint.every_steps=0"]
-    one = run_cli("train", digits, "--set", f"run.out_dir={tmp_path / 'one'}", *QUIET,
-                  *[x for s in sets for x in ("--set", s)])
-    assert one.returncode == 0, one.stderr[-3000:]
-    split = launch(2, digits, tmp_path / "split", "train.context_parallel=2", *sets)
-    assert split.returncode == 0, split.stderr[-3000:]
+    trained(1, digits, tmp_path / "one", *sets)
+    trained(2, digits, tmp_path / "split", "train.context_parallel=2", *sets)
     assert max_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "split")) < 1e-5
 
 
@@ -63,11 +66,8 @@ def test_two_by_two_layout_trains_as_data_parallel_resumes_exactly_and_exports(t
     uninterrupted one does; another layout is refused on resume; the export generates."""
     sets = ["train.max_steps=8", "train.grad_accum=2", "train.clip_grad_norm=0.5", "train.ema.decay=0.9",
             "checkpoint.every_steps=4", "checkpoint.keep_last=2", "train.eval_every=4"]
-    ddp = launch(2, TINY, tmp_path / "ddp", *sets)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    whole = launch(4, TINY, tmp_path / "whole", "train.context_parallel=2", *sets)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "2 data-parallel group(s)" in whole.stdout
+    trained(2, TINY, tmp_path / "ddp", *sets)
+    assert "2 data-parallel group(s)" in trained(4, TINY, tmp_path / "whole", "train.context_parallel=2", *sets)
     for name in ("final", "final_ema"):
         assert max_diff(final_weights(tmp_path / "ddp", name), final_weights(tmp_path / "whole", name)) < 1e-5
 
@@ -78,9 +78,8 @@ def test_two_by_two_layout_trains_as_data_parallel_resumes_exactly_and_exports(t
     other = launch(4, TINY, tmp_path / "cut", "train.context_parallel=1", *sets, "train.resume=auto")
     assert other.returncode != 0
     assert "resumes on the layout it was saved by only" in other.stdout + other.stderr
-    resumed = launch(4, TINY, tmp_path / "cut", "train.context_parallel=2", *sets, "train.resume=auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step_00000004 at step 4" in resumed.stdout
+    resumed = trained(4, TINY, tmp_path / "cut", "train.context_parallel=2", *sets, "train.resume=auto")
+    assert "step_00000004 at step 4" in resumed
     for name in ("final", "final_ema"):
         assert max_diff(final_weights(tmp_path / "whole", name), final_weights(tmp_path / "cut", name)) < 1e-6
 
@@ -106,8 +105,7 @@ def test_what_a_split_sequence_cannot_do_is_one_line_naming_the_key(sets, words)
 
 
 def test_more_processes_per_sequence_than_the_run_has_is_refused_before_any_compute(tmp_path):
-    proc = run_cli("train", TINY, "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "train.context_parallel=2",
-                   *QUIET)
+    proc = launch(1, TINY, tmp_path / "run", "train.context_parallel=2")
     assert proc.returncode == 2
     assert "train.context_parallel: 2 must divide the run's 1 process(es)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
@@ -118,18 +116,15 @@ def test_dropout_does_not_depend_on_how_many_processes_share_a_sequence(tmp_path
     """With dropout, 2 and 4 processes per sequence draw the same masks: the same weights after 6 steps."""
     sets = ["model.overrides.dropout=0.2", "train.max_steps=6", "train.eval_every=0", "checkpoint.every_steps=0",
             "sample.prompts=[]"]
-    two = launch(2, TINY, tmp_path / "two", "train.context_parallel=2", *sets)
-    assert two.returncode == 0, two.stderr[-3000:]
-    four = launch(4, TINY, tmp_path / "four", "train.context_parallel=4", *sets)
-    assert four.returncode == 0, four.stderr[-3000:]
+    trained(2, TINY, tmp_path / "two", "train.context_parallel=2", *sets)
+    trained(4, TINY, tmp_path / "four", "train.context_parallel=4", *sets)
     assert max_diff(final_weights(tmp_path / "two"), final_weights(tmp_path / "four")) < 1e-5
 
 
 @pytest.mark.slow
 def test_the_long_sequence_recipe_trains_on_two_processes(tmp_path, hf_cache):
     """recipes/shakespeare_long.yaml: sequences of 65,536 bytes split over 2 processes (a few steps here)."""
-    proc = launch(2, REPO / "recipes" / "shakespeare_long.yaml", tmp_path / "run", "train.max_steps=2",
+    out = trained(2, REPO / "recipes" / "shakespeare_long.yaml", tmp_path / "run", "train.max_steps=2",
                   "checkpoint.every_steps=0", "sample.max_new_tokens=8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "each sequence of 65,536 steps split over 2 processes (chunks of 32,768)" in proc.stdout
-    assert "done: 2 steps" in proc.stdout and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert "each sequence of 65,536 steps split over 2 processes (chunks of 32,768)" in out
+    assert "done: 2 steps" in out and (tmp_path / "run" / "final" / "model.safetensors").exists()
