@@ -23,7 +23,7 @@ from s4accel.training.task import count_items
 @pytest.mark.parametrize("procs", [2, 4])
 def test_every_family_split_over_processes_equals_the_whole_sequence(tmp_path, procs):
     """S4D and DPLR S4, with MLP and MoE blocks, causal language models (with packed documents crossing and starting
-    on chunk borders, a batch of one row, activation checkpointing) and bidirectional and causal classifiers (mean
+    on chunk borders, a batch of one row, activation checkpointing, the chunked convolution) and bidirectional and causal classifiers (mean
     and last-step pooling, padding): 1e-12 in float64, 1e-5 in float32 (of the gradients' scale where it is above 1).
     The language model's loss is float32 whatever the model's dtype (transformers' loss function upcasts the logits
     to float32): 1e-6 relative. Dropout masks are those one process draws over the whole sequence."""
@@ -32,7 +32,7 @@ def test_every_family_split_over_processes_equals_the_whole_sequence(tmp_path, p
                            "--procs", str(procs), "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert len(report) == 22  # 10 families and the dropout masks, in two dtypes
+    assert len(report) == 24  # 11 families and the dropout masks, in two dtypes
     for key, r in report.items():
         if key.startswith("dropout"):
             assert r["masks"] == 0, key

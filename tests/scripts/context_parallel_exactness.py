@@ -38,6 +38,7 @@ FAMILIES = {
     "s4d_lm_documents": dict(kernel="s4d"),
     "s4d_lm_one_row": dict(kernel="s4d"),  # a batch of one (each row's states at odd offsets of what is sent)
     "s4d_mlp_lm_checkpointed": dict(kernel="s4d", ffn="mlp", d_ffn=24),  # blocks recomputed, exchange and all
+    "s4d_lm_chunked": dict(kernel="s4d", conv_path="chunked", conv_chunk=16),  # the GPU's convolution, channels first
     "s4d_classifier_bidirectional_mean": dict(kernel="s4d", bidirectional=True, d_input=3, num_labels=3),
     "s4_dplr_classifier_bidirectional_last": dict(kernel="s4", l_max=32, bidirectional=True, d_input=3,
                                                   num_labels=3, pooling="last"),
