@@ -37,6 +37,7 @@ from s4accel.config.sizes import MODEL_SIZES  # noqa: E402
 from s4accel.models import S4Config  # noqa: E402
 from s4accel.models.context_parallel import ContextParallel  # noqa: E402
 from s4accel.models.modeling_s4 import S4ForCausalLM  # noqa: E402
+from s4accel.training.context_parallel import split_batch  # noqa: E402
 
 BYTE_VOCAB = 384  # the byte tokenizer's vocabulary (256 bytes, special and extra ids), as the quick-start trains
 
@@ -50,10 +51,8 @@ def step(model, ids, parallel) -> int:
     """One forward + backward; returns the bytes of the tensors autograd saved for the backward (the activations:
     each storage once, the parameters not counted)."""
     batch = {"input_ids": ids, "labels": ids}
-    if parallel is not None:
-        shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
-        batch = {"input_ids": parallel.chunk(ids), "labels": parallel.chunk(ids),
-                 "shift_labels": parallel.chunk(shifted)}
+    if parallel is not None:  # this process's chunk, as the training loop cuts it
+        batch = split_batch(batch, parallel)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 

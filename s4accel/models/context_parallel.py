@@ -104,6 +104,11 @@ class ChunkRows(NamedTuple):
     fresh: torch.Tensor | None
 
 
+# The collectives with their adjoints. Written here because torch's autograd-aware ones
+# (`torch.distributed.nn.functional.all_gather`, `all_reduce`) are deprecated in torch 2.13 and warn on every call,
+# and their named replacements live in a private module.
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, group, size, rank):

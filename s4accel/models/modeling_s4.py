@@ -667,7 +667,7 @@ class S4Layer(nn.Module):
         in it), and the anti-causal kernel reads the later chunks' backward states the same way from the end."""
         parallel = rows.parallel
         u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
-        B, _, L = u32.shape
+        B = u32.shape[0]
         bidirectional = self.kernel.C.shape[0] == 2
         if bidirectional and (documents is not None or rows.fresh is not None):
             raise ValueError("context parallelism does not split the packed documents of a bidirectional model")

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from s4accel.models import S4Config  # noqa: E402
 from s4accel.models.context_parallel import ContextParallel  # noqa: E402
 from s4accel.models.modeling_s4 import S4ForCausalLM, S4ForSequenceClassification  # noqa: E402
+from s4accel.training.context_parallel import split_batch  # noqa: E402
 
 B, L, V = 2, 64, 40
 
@@ -93,9 +94,8 @@ def run(name, dtype, parallel: ContextParallel | None):
         return out.logits.detach(), out.loss.detach(), {k: p.grad for k, p in model.named_parameters()}
     model.set_context_parallel(parallel)
     lm = "classifier" not in name
-    local = {k: (parallel.chunk(v) if v.dim() > 1 else v) for k, v in batch.items()}
+    local = split_batch(batch, parallel)  # this process's chunk, as the training loop cuts it
     if lm:
-        local["shift_labels"] = parallel.chunk(shifted(batch["labels"]))
         count = (shifted(batch["labels"]) != -100).sum()
         out = model(**local, num_items_in_batch=count)
         aux = out.aux_loss if out.aux_loss is not None else 0
