@@ -12,7 +12,9 @@ Dispatch sorts the `T k` (token, expert) pairs by expert so that each expert run
 Three ways to run the experts over those slices (`moe_dispatch`), all giving the same values and gradients:
 
 - `grouped_mm`: `torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA, in bf16 and float32,
-  where it is one kernel);
+  where it is one kernel), on rows laid out by `static_layout` in sizes fixed by T, k and E: nothing in the forward
+  or backward waits for the GPU to say how many pairs each expert got, and each token's k results are gathered back
+  and summed in a fixed order;
 - `fused` (the default elsewhere): the pairs go through in windows of a few thousand rows; per window one matmul per
   expert slice into a window-sized buffer, with the gather, activation, routing weight and scatter-add on rows that
   are still in cache, and a hand-written backward (`SwiGLUExpertsFunction`) that writes each expert's weight gradient
@@ -57,20 +59,25 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
     `k` under perfectly uniform routing (`f_e = k/E`, `P_e = 1/E`) and grows to `E` when one expert takes every
     token with probability 1 (top-1).
     """
-    if mask is not None:
-        probs, experts = probs[mask], experts[mask]
+    # Masked sums rather than `probs[mask]`, and `scatter_add_` rather than `bincount`: both of those wait for the GPU
+    # (a boolean index's size, bincount's largest value), and the forward of a training step never has to.
     if probs.shape[0] == 0:
         return probs.new_zeros(())
-    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / probs.shape[0]  # (E,), no grad
-    return num_experts * (f * probs.mean(0)).sum()
+    T, k = experts.shape
+    real = torch.ones(T, dtype=probs.dtype, device=probs.device) if mask is None else mask.to(probs.dtype)  # (T,)
+    n = real.sum().clamp(min=1)
+    f = probs.new_zeros(num_experts).scatter_add_(0, experts.reshape(-1), real.repeat_interleave(k)) / n  # no grad
+    p = probs if mask is None else torch.where(mask[:, None], probs, 0)  # where: a padding row's NaN stays out
+    return num_experts * (f * p.sum(0) / n).sum()
 
 
 def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """ST-MoE router z-loss `mean(logsumexp(logits)^2)` over the (unmasked) tokens: keeps router logits small."""
     z = torch.logsumexp(logits, dim=-1) ** 2  # (T,)
-    if mask is not None:
-        z = z[mask]
-    return z.mean() if z.numel() else logits.new_zeros(())
+    if mask is None:
+        return z.mean() if z.numel() else logits.new_zeros(())
+    # A masked mean (no boolean index, which would wait for the GPU); where, so a padding row's NaN stays out
+    return torch.where(mask, z, 0).sum() / mask.sum().clamp(min=1)
 
 
 def group_router_losses(probs: torch.Tensor, experts: torch.Tensor, logits: torch.Tensor, num_experts: int,
@@ -99,6 +106,50 @@ def pad_slices(token: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, 
     total = int(padded.sum())  # a host sync, as the dispatch's own split sizes are
     return (token.new_zeros(total).index_copy(0, dest, token), weight.new_zeros(total).index_copy(0, dest, weight),
             padded)
+
+
+def static_layout(experts: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None, capacity: int | None,
+                  num_experts: int, rows: int = EXPERT_ROWS) -> tuple[torch.Tensor, ...]:
+    """The pairs laid out for `grouped_mm` in tensors whose sizes depend only on T, k and E, so that nothing in a
+    forward or backward waits for the GPU (the other dispatches need each expert's count on the host).
+
+    experts, weights (T, k): each token's choices; valid (T,) bool or None: real tokens; capacity: pairs an expert
+    takes at most (None: no limit). Returns
+      token (R,): the token of each row, R = ceil((T k + E (rows - 1)) / rows) rows;
+      offs (E,) int32: the end of each expert's rows, every slice padded to a multiple of `rows` (rows of token 0 that
+        no pair reads) and the last expert's running to R;
+      pair_row (k T,): the row of each pair, slot-major (every first choice, then every second choice, ...);
+      pair_weight (k T,): its routing weight, 0 for a pair dropped by capacity or of a padding token (whose row is
+        then the last, R - 1, which no kept pair uses when any pair is dropped or masked);
+      counts (E,): pairs routed to each expert, real tokens, before capacity; dropped (): pairs dropped by capacity.
+    Rows are ordered as in the other dispatches: by expert, first choices first, each in token order."""
+    T, k = experts.shape
+    E, P = num_experts, T * k
+    R = -(-(P + E * (rows - 1)) // rows) * rows
+    key = experts.t().reshape(-1)  # (P,), slot-major
+    if valid is not None:  # padding goes to a sentinel expert E, after every real one
+        key = torch.where(valid.repeat(k), key, E)
+    order = torch.sort(key, stable=True).indices  # (P,)
+    sorted_key = key[order]
+    all_counts = torch.zeros(E + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = all_counts[:E]
+    rank = torch.arange(P, device=key.device) - (all_counts.cumsum(0) - all_counts)[sorted_key]  # place in its slice
+    fits = sorted_key < E
+    kept, dropped = counts, counts.new_zeros(())
+    if capacity is not None:
+        fits = fits & (rank < capacity)
+        kept = counts.clamp(max=capacity)
+        dropped = (counts - kept).sum()
+    padded = (kept + rows - 1) // rows * rows  # (E,)
+    starts = padded.cumsum(0) - padded
+    dest = torch.where(fits, starts[sorted_key.clamp(max=E - 1)] + rank, R - 1)  # (P,) row of each sorted pair
+    token = torch.zeros(R, dtype=torch.long, device=key.device).scatter_(0, dest, torch.where(fits, order % T, 0))
+    pair_row = torch.empty_like(dest).scatter_(0, order, dest)
+    pair_fits = torch.empty_like(fits).scatter_(0, order, fits)
+    pair_weight = torch.where(pair_fits, weights.t().reshape(-1), 0)
+    offs = padded.cumsum(0)
+    offs[-1] = R
+    return token, offs.to(torch.int32), pair_row, pair_weight, counts, dropped
 
 
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
@@ -248,19 +299,39 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * d_ffn, d_model))  # (E, 2F, D)
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, d_ffn))  # (E, D, F)
 
-    def forward(self, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
+    def resolve(self, x: torch.Tensor) -> str:
+        """The dispatch this input runs: `auto` made concrete."""
+        if self.dispatch != "auto":
+            return self.dispatch
+        return "grouped_mm" if _grouped_mm_pays(x) else "fused"
+
+    def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if torch.is_autocast_enabled(x.device.type):  # grouped_mm and the 3-D weights are not autocast by torch
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        gate_up, down, weight = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype), weight.to(x.dtype)
+        return x, self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
+
+    def grouped(self, x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, pair_row: torch.Tensor,
+                pair_weight: torch.Tensor) -> torch.Tensor:
+        """The `grouped_mm` dispatch on `static_layout`'s rows: x (T, D) -> (T, D), no host sync. Each token's k
+        results are gathered back and summed in a fixed order (no atomic adds in the forward)."""
+        x, gate_up, down = self._operands(x)
+        T, D = x.shape
+        xs = x.index_select(0, token)  # (R, D), sorted by expert
+        gate, up = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (R, F) each
+        y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (R, D)
+        pairs = y.index_select(0, pair_row).view(-1, T, D) * pair_weight.to(x.dtype).view(-1, T, 1)  # (k, T, D)
+        return pairs.sum(0)
+
+    def forward(self, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
+        x, gate_up, down = self._operands(x)
+        weight = weight.to(x.dtype)
         if token.shape[0] == 0:  # no pair at all (all padding): the weights still join the graph, with zero gradient
             return x.new_zeros(x.shape) + 0 * (gate_up.sum() + down.sum())
-        dispatch = self.dispatch
-        if dispatch == "auto":
-            dispatch = "grouped_mm" if _grouped_mm_pays(x) else "fused"
+        dispatch = self.resolve(x)
         if dispatch == "fused":
             return SwiGLUExpertsFunction.apply(x, gate_up, down, token, weight, counts.tolist())  # one host sync
         xs = x.index_select(0, token)  # (P, D), sorted by expert
-        if dispatch == "grouped_mm":
+        if dispatch == "grouped_mm":  # pairs sorted by the caller (MoELayer itself lays them out by static_layout)
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's slice
             h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (P, 2F)
             gate, up = h.chunk(2, dim=-1)
@@ -324,28 +395,12 @@ class MoELayer(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
 
-        # Pairs in slot-major order (every first choice, then every second choice, ...), stably sorted by expert:
-        # within an expert's slice first choices come first, each in token order (the capacity priority).
-        pair_expert = experts.t().reshape(-1)  # (k T,)
-        pair_token = torch.arange(T, device=x.device).repeat(k)
-        pair_weight = weights.t().reshape(-1)
-        if valid is not None:  # padding is routed nowhere
-            keep = valid.repeat(k)
-            pair_expert, pair_token, pair_weight = pair_expert[keep], pair_token[keep], pair_weight[keep]
-        order = torch.sort(pair_expert, stable=True).indices
-        sorted_expert = pair_expert[order]
-        counts = torch.bincount(pair_expert, minlength=E)  # (E,)
-        dropped = counts.new_zeros(())
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * T * k / E)
-            starts = counts.cumsum(0) - counts
-            rank = torch.arange(order.numel(), device=x.device) - starts[sorted_expert]  # position in its slice
-            fits = rank < capacity
-            dropped = (~fits).sum()
-            order, sorted_expert = order[fits], sorted_expert[fits]
-        kept_counts = torch.bincount(sorted_expert, minlength=E)
-        token, weight, kept_counts = pad_slices(pair_token[order], pair_weight[order], sorted_expert, kept_counts)
-        out = self.experts(flat, token, weight, kept_counts)  # (T, D), autocast dtype if any
+        capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * T * k / E)
+        if self.experts.resolve(flat) == "grouped_mm":  # static shapes: no host sync in the forward or backward
+            token, offs, pair_row, pair_weight, counts, dropped = static_layout(experts, weights, valid, capacity, E)
+            out = self.experts.grouped(flat, token, offs, pair_row, pair_weight)
+        else:
+            out, counts, dropped = self._sorted_dispatch(flat, experts, weights, valid, capacity)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if parallel is None:
@@ -355,6 +410,32 @@ class MoELayer(nn.Module):
         aux = {"router_logits": logits, "balance_loss": balance, "z_loss": z, "expert_counts": counts,
                "dropped": dropped}
         return out.reshape(shape), aux
+
+    def _sorted_dispatch(self, flat, experts, weights, valid, capacity):
+        """The fused and loop dispatches: the pairs of real tokens, sorted by expert, padded slices; they need each
+        expert's count on the host (one sync), which CPUs do not mind."""
+        T, E, k = flat.shape[0], self.num_experts, self.top_k
+        # Pairs in slot-major order (every first choice, then every second choice, ...), stably sorted by expert:
+        # within an expert's slice first choices come first, each in token order (the capacity priority).
+        pair_expert = experts.t().reshape(-1)  # (k T,)
+        pair_token = torch.arange(T, device=flat.device).repeat(k)
+        pair_weight = weights.t().reshape(-1)
+        if valid is not None:  # padding is routed nowhere
+            keep = valid.repeat(k)
+            pair_expert, pair_token, pair_weight = pair_expert[keep], pair_token[keep], pair_weight[keep]
+        order = torch.sort(pair_expert, stable=True).indices
+        sorted_expert = pair_expert[order]
+        counts = torch.bincount(pair_expert, minlength=E)  # (E,)
+        dropped = counts.new_zeros(())
+        if capacity is not None:
+            starts = counts.cumsum(0) - counts
+            rank = torch.arange(order.numel(), device=flat.device) - starts[sorted_expert]  # position in its slice
+            fits = rank < capacity
+            dropped = (~fits).sum()
+            order, sorted_expert = order[fits], sorted_expert[fits]
+        kept_counts = torch.bincount(sorted_expert, minlength=E)
+        token, weight, kept_counts = pad_slices(pair_token[order], pair_weight[order], sorted_expert, kept_counts)
+        return self.experts(flat, token, weight, kept_counts), counts, dropped  # (T, D), autocast dtype if any
 
 
 ROUTER_LOSSES = ("aux_loss", "balance_loss", "z_loss")

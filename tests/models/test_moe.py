@@ -77,6 +77,47 @@ def test_every_dispatch_path_gives_the_same_outputs_and_gradients(capacity_facto
         assert torch.equal(a0["expert_counts"], a1["expert_counts"])
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_grouped_dispatch_with_padding_and_capacity_equals_the_loop(capacity_factor):
+    """The static row layout (padding routed to a sentinel, dropped pairs to a spare row of weight 0) against the
+    plain-autograd loop over the real tokens' sorted pairs: values, every gradient, the statistics."""
+    x0 = torch.randn(3, 10, 16)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[2, 7:] = 0
+    results = {}
+    for dispatch in ("loop", "grouped_mm"):
+        m = layer(capacity_factor=capacity_factor, num_shared_experts=1, moe_dispatch=dispatch)
+        x = x0.clone().requires_grad_()
+        y, aux = m(x, mask)
+        ((y * torch.linspace(-1, 1, 16)).sum() + aux["balance_loss"] + aux["z_loss"]).backward()
+        results[dispatch] = (y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}, aux)
+    (y0, gx0, gp0, a0), (y1, gx1, gp1, a1) = results["loop"], results["grouped_mm"]
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    for name in gp0:
+        torch.testing.assert_close(gp1[name], gp0[name], rtol=1e-5, atol=1e-6)
+    assert torch.equal(a0["expert_counts"], a1["expert_counts"]) and torch.equal(a0["dropped"], a1["dropped"])
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_grouped_dispatch_has_no_data_dependent_shape(capacity_factor):
+    """The GPU's dispatch never waits for the GPU inside a forward or backward: traced whole by torch.compile
+    (fullgraph), which refuses a host read (`.item()`, `.tolist()`, `int(tensor)`) and a shape that depends on values
+    (a boolean index, `bincount`); `torch.cuda.set_sync_debug_mode` checks the same on a GPU (bench/gpu_check.py)."""
+    m = layer(capacity_factor=capacity_factor, moe_dispatch="grouped_mm").to(torch.bfloat16)  # as the GPU runs it
+    x, mask = torch.randn(2, 12, 16, dtype=torch.bfloat16), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+
+    def step(x, mask):
+        y, aux = m(x, mask)
+        return y.sum() + aux["balance_loss"] + aux["z_loss"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, mask), step(x, mask))
+
+
 @pytest.mark.parametrize("chunk_rows", [1, 7, 2048])
 def test_fused_experts_backward_passes_gradcheck(chunk_rows, monkeypatch):
     """The hand-written backward against finite differences in float64: idle experts, experts split over windows."""
@@ -142,8 +183,9 @@ def test_load_balancing_loss_is_k_under_uniform_routing_and_grows_under_collapse
     assert load_balancing_loss(collapsed, torch.full((T, 1), 3), E) > load_balancing_loss(probs, experts[:, :1], E)
 
 
-def test_padding_is_not_routed_and_does_not_enter_the_losses():
-    m = layer()
+@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm"])
+def test_padding_is_not_routed_and_does_not_enter_the_losses(dispatch):
+    m = layer(moe_dispatch=dispatch)
     x = torch.randn(2, 6, 16)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     y, aux = m(x, mask)
@@ -160,8 +202,9 @@ def test_z_loss_is_the_mean_squared_logsumexp():
     torch.testing.assert_close(aux["z_loss"], (torch.logsumexp(logits, -1) ** 2).mean())
 
 
-def test_capacity_limits_each_expert_and_overflow_output_is_zero():
-    m = layer(num_experts=4, num_experts_per_tok=1, capacity_factor=1.0)
+@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm"])
+def test_capacity_limits_each_expert_and_overflow_output_is_zero(dispatch):
+    m = layer(num_experts=4, num_experts_per_tok=1, capacity_factor=1.0, moe_dispatch=dispatch)
     with torch.no_grad():  # route every token to expert 0
         m.router.weight.zero_()
         m.router.weight[0].fill_(1.0)
@@ -174,9 +217,10 @@ def test_capacity_limits_each_expert_and_overflow_output_is_zero():
     assert torch.equal(y[0, capacity:], torch.zeros(12 - capacity, 16))
 
 
-def test_capacity_serves_first_choices_before_second_choices():
+@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm"])
+def test_capacity_serves_first_choices_before_second_choices(dispatch):
     """Each expert keeps its first-choice tokens in token order, then second choices, up to capacity."""
-    m = layer(num_experts=2, num_experts_per_tok=2, capacity_factor=0.5, norm_topk_prob=False)
+    m = layer(num_experts=2, num_experts_per_tok=2, capacity_factor=0.5, norm_topk_prob=False, moe_dispatch=dispatch)
     x = torch.randn(8, 16)
     y, aux = m(x)
     capacity = math.ceil(0.5 * 8 * 2 / 2)
