@@ -45,13 +45,16 @@ def test_adamw_is_fused_where_the_device_has_the_kernel_unless_turned_off():
 
 
 @pytest.mark.slow
-def test_compiled_run_matches_eager_and_exports_plain_parameter_names(tmp_path, text):
-    """Accelerate's regional compilation names parameters `layers.0._orig_mod.norm.weight`; the export must not."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_run_matches_eager_and_exports_plain_parameter_names(tmp_path, text, mode):
+    """Accelerate's regional compilation names parameters `layers.0._orig_mod.norm.weight`, a whole-model compile
+    (the CUDA graph modes) `_orig_mod.s4.layers...`; the export must not. Without CUDA reduce-overhead captures
+    nothing and compiles the whole model."""
     from transformers import AutoModelForCausalLM
 
     eager = train_in_process(TINY, tiny(tmp_path / "eager", text, "model.overrides={dropout: 0.0}"))
     compiled = train_in_process(TINY, tiny(tmp_path / "compiled", text, "model.overrides={dropout: 0.0}",
-                                           "train.compile=true"))
+                                           "train.compile=true", f"train.compile_mode={mode}"))
     a, b = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
     assert a.keys() == b.keys() and not any("_orig_mod" in k for k in b)
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)

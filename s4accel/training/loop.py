@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
 from ..errors import RecipeError
-from . import context_parallel
+from . import context_parallel, graphs
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
 from .checkpoint import TrainState
 from .console import RUN_LOG, quiet_libraries
@@ -316,6 +316,8 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     if line := convolution_line(accelerator.unwrap_model(model), accelerator):
         accelerator.print(line)
     if line := layout.describe(accelerator, model, recipe):
+        accelerator.print(line)
+    if line := graphs.start_line(recipe, accelerator):
         accelerator.print(line)
     batches = None if streamed else len(train_dl)
     if batches is not None and recipe.train.grad_accum > batches:

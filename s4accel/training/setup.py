@@ -19,6 +19,7 @@ from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
 from ..config import Recipe
 from ..errors import RecipeError
 from .checkpoint import checkpoint_step
+from .graphs import wants_graphs
 from .lora import check_runtime
 from .plan import Plan, make_plan
 from .precision import apply_fsdp_precision
@@ -53,8 +54,10 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
                                  backoff_s=recipe.log.tracker_backoff_s) if trackers else None) or None,
         project_dir=str(recipe.run.dir),
         step_scheduler_with_optimizer=False,
-        # torch.compile in prepare(), after DDP wrapping; each distinct repeated block compiled once (regional).
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode, use_regional_compilation=True)
+        # torch.compile in prepare(), after DDP wrapping; each distinct repeated block compiled once (regional),
+        # or the whole model where CUDA graphs capture it (graphs.py: one graph for the embedding, blocks and head).
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode,
+                                        use_regional_compilation=not wants_graphs(cfg))
         if cfg.compile else None,  # None: from the accelerate config / launch flags
     )
     configure_deepspeed(accelerator, recipe)  # under DeepSpeed the engine steps: it takes the recipe's step settings

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import NonFiniteError
 from ..models.moe import ROUTER_LOSSES, router_outputs
 from .callbacks import local
+from .graphs import GraphReport, captures_graphs, keep
 from .checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, WindowStats, count_items
 
@@ -71,7 +72,7 @@ def _length(loader) -> int | None:
 
 
 def backward_window(accelerator, model, window: list[dict], task: Task | None = None, step: int = 0,
-                    abort=None) -> dict | None:
+                    abort=None, graphs: bool = False) -> dict | None:
     """Forward and backward over the micro-batches of one optimizer step (automatic optimisation); returns this rank's
     share of the window's training scalars (`loss`, and for mixture-of-experts models `aux_loss`, `expert_counts`,
     `dropped_counts`). Without a task, `model(**batch)` is the step. With `abort` (a stop signal's flag), every
@@ -87,6 +88,7 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
     ranks. One collective.
     An `aux_loss` (router losses, included in the model's `loss`) is its own micro-batch's mean, so it is taken out
     of that weighting: backward's 1/grad_accum and DDP's mean make it the mean over the window's micro-batches.
+    `graphs`: the model replays CUDA graphs, whose outputs the next micro-batch overwrites: what is kept is copied.
     """
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     assert len(window) == ga, f"a window holds grad_accum={ga} micro-batches, got {len(window)}"
@@ -114,6 +116,8 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
         for key, value in router.items():
             # losses: summed over the window and the processes they make the mean; counts: summed
             parts[key] = value.detach() / (ga * n_proc) if key in ROUTER_LOSSES else value
+        if graphs:
+            parts = {k: keep(v) for k, v in parts.items()}
         for k, v in parts.items():
             totals[k] = totals[k] + v if k in totals else v
     return totals
@@ -301,6 +305,7 @@ class Stepper:
         self.recipe, self.cfg, self.signals = recipe, recipe.train, signals
         self.params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
         self.clock = Clock(recipe.checkpoint.every_minutes)  # time-based checkpoints
+        self.graphs, self.graph_report = captures_graphs(accelerator), GraphReport(accelerator)
 
     def __call__(self, batches, state: TrainState, stop_requested: bool) -> StepOutcome:
         acc, task, cfg = self.accelerator, self.task, self.cfg
@@ -309,7 +314,8 @@ class Stepper:
         window = [self.split(next(batches)) for _ in range(cfg.grad_accum)]
         run_window = backward_window if task.automatic_optimization else manual_window
         scalars = run_window(acc, self.model, window, task, state.step,
-                             abort=self.signals.interrupted if rewind else None)
+                             abort=self.signals.interrupted if rewind else None,
+                             **({"graphs": True} if self.graphs and task.automatic_optimization else {}))
         if scalars is None:
             rewind(self.optimizers)
             return StepOutcome(Flags(signal=True), aborted=True)
@@ -334,4 +340,5 @@ class Stepper:
         state.consecutive_nonfinite = 0
         state.step += 1
         state.tokens_seen += sum(task.count_units(b) for b in window) * acc.num_processes
+        self.graph_report.after_step()
         return StepOutcome(flags, scalars)
