@@ -293,6 +293,106 @@ def model_plan(s) -> list:
     return eager, compiled, later
 
 
+# ---------------------------------------------------------------------------------------------------- MoE layer
+
+
+def moe_flops(tokens: int, k: int, D: int, Fh: int) -> float:
+    """The expert matmuls of a forward + backward: six per SwiGLU matrix pair, 3 D F multiply-adds per routed pair."""
+    return 6 * tokens * k * 3 * D * Fh
+
+
+def section_moe_layer(bench: Bench, s):
+    """One MoE layer (bench/moe.py's passes) at the issue's shape, bf16 autocast: this checkout's layer, the layer of
+    `--moe-baseline` (an earlier moe.py) on the same weights and input, the dense SwiGLU of width k F, the expert
+    matmuls alone and the routing alone."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import moe as moe_bench  # bench/moe.py
+
+    T, D, Fh = s["moe_tokens"], s["moe_d_model"], s["moe_d_ffn"]
+    args = SimpleNamespace(tokens=T, d_model=D, d_ffn=Fh, device=bench.device,
+                           dtype="bfloat16" if bench.device == "cuda" else "float32")
+    baseline = None
+    if bench.args.moe_baseline:
+        spec = importlib.util.spec_from_file_location("moe_baseline", bench.args.moe_baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
+    for E, k in s["moe_configs"]:
+        fns = moe_bench.build(args, E, k)
+        for name in ("moe", "dense", "matmuls_only", "routing_only", "harness"):
+            result = bench.run(f"moe_layer/{name}/E{E}k{k}", lambda: fns[name], need_s=10)
+            if result and "ms" in result and name in ("moe", "matmuls_only"):
+                result["tflops"] = round(moe_flops(T, k, D, Fh) / (result["ms"] / 1000) / 1e12, 1)
+        if baseline is not None:
+            result = bench.run(f"moe_layer/baseline/E{E}k{k}", lambda: baseline_pass(bench, baseline, args, E, k),
+                               need_s=10)
+            if result and "ms" in result:
+                result["tflops"] = round(moe_flops(T, k, D, Fh) / (result["ms"] / 1000) / 1e12, 1)
+        del fns
+        if bench.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def baseline_pass(bench: Bench, module, args, E: int, k: int):
+    """forward + backward of an earlier moe.py's MoELayer, with its losses, on bench/moe.py's weights and input."""
+    config = MoEConfig(d_model=args.d_model, d_ffn=args.d_ffn, num_experts=E, num_experts_per_tok=k, n_head=4)
+    torch.manual_seed(0)
+    layer = module.MoELayer(config, args.d_model)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.02)
+    layer.to(bench.device)
+    x = torch.randn(args.tokens, args.d_model, device=bench.device).requires_grad_()
+    g = torch.randn(args.tokens, args.d_model, device=bench.device)
+
+    def run():
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+        with torch.autocast(bench.device, dtype=torch.bfloat16, enabled=bench.device == "cuda"):
+            y, aux = layer(x)
+            y = y + 0 * (aux["balance_loss"] + aux["z_loss"])
+        (y.float() * g).sum().backward()
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------- small model
+
+
+def small_step(bench: Bench, batch: int, length: int, mode: str | None):
+    """A training step of the quick-start model (s4-small, byte vocabulary): forward, backward, fused AdamW, bf16
+    autocast; `mode` None: eager, else the whole model under `torch.compile(mode=...)` (reduce-overhead: CUDA
+    graphs, as `train.compile_mode: reduce-overhead`)."""
+    from s4accel.config.sizes import MODEL_SIZES
+
+    fields = {k: v for k, v in MODEL_SIZES["s4-small"].items() if k != "family"}
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=259, **fields)).to(bench.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=bench.device == "cuda")
+    ids = torch.randint(3, 259, (batch, length), device=bench.device)
+    if mode is not None:
+        torch._dynamo.reset()
+    forward = model if mode is None else torch.compile(model, mode=mode)
+
+    def run():
+        with torch.autocast(bench.device, dtype=torch.bfloat16):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
+def section_small(bench: Bench, s):
+    """Eager and CUDA graphs at every shape first, then mode default (no graphs) at the first: what the graphs add."""
+    plan = [(name, mode, shape) for shape in s["small_shapes"]
+            for name, mode in (("eager", None), ("graphs", "reduce-overhead"))]
+    plan += [("compiled", "default", s["small_shapes"][0])]
+    for name, mode, (batch, length) in plan:
+        bench.run(f"small/{name}/b{batch}x{length}", lambda: small_step(bench, batch, length, mode),
+                  need_s=10 if mode is None else 60, warmup=2 if mode is None else 4, seconds=1.0, most=50)
+
+
 def section_profile(bench: Bench, s):
     """The CUDA kernels of one pass, by total time: the chunked layer at the middle layer length, and an eager
     training step of the S4D language model at L 2,048 (where the time goes, for whoever speeds it up next)."""
@@ -421,6 +521,38 @@ def markdown(report: dict, s) -> str:
             best[family] = max(rates) if rates else None
         if best["s4d"] and best["dense"]:
             lines.append(f"- L {L:,}: {best['s4d'] / best['dense']:.2f}x")
+    moe_keys = [k for k in R if k.startswith("moe_layer/")]
+    if moe_keys:
+        lines += ["", f"## One MoE layer, forward + backward ({s['moe_tokens']:,} tokens, d_model {s['moe_d_model']}, "
+                  f"experts {s['moe_d_ffn']} wide, bf16 autocast, router losses included)", "",
+                  "ms (TFLOP/s of the expert matmuls). Baseline: the layer of the commit named in the command "
+                  "(`--moe-baseline`), on the same weights and input.", "",
+                  "| E, k | MoE layer | baseline layer | dense SwiGLU of k x F | MoE / dense | expert matmuls alone | "
+                  "routing alone |", "|---" * 7 + "|"]
+        for E, k in s["moe_configs"]:
+            cell = {n: R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe", "baseline", "dense", "matmuls_only",
+                                                                   "routing_only")}
+
+            def ms(r):
+                if r is None or "ms" not in r:
+                    return fmt_ms(r)
+                return f"{r['ms']:.2f}" + (f" ({r['tflops']:.0f})" if r.get("tflops") else "")
+            ratio = (f"{cell['moe']['ms'] / cell['dense']['ms']:.2f}" if all(
+                cell[n] and "ms" in cell[n] for n in ("moe", "dense")) else "-")
+            lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['baseline'])} | {ms(cell['dense'])} | {ratio} | "
+                         f"{ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
+    small_keys = [k for k in R if k.startswith("small/")]
+    if small_keys:
+        lines += ["", "## The quick-start model (s4-small), a training step (bf16 autocast, fused AdamW)", "",
+                  "ms a step: eager; the whole model under `torch.compile` (mode default); and with CUDA graphs "
+                  "(mode reduce-overhead, as `train.compile_mode: reduce-overhead`).", "",
+                  "| batch x length | eager | compiled | CUDA graphs | eager / CUDA graphs |", "|---" * 5 + "|"]
+        for batch, length in s["small_shapes"]:
+            cell = {n: R.get(f"small/{n}/b{batch}x{length}") for n in ("eager", "compiled", "graphs")}
+            ratio = (f"{cell['eager']['ms'] / cell['graphs']['ms']:.2f}x" if all(
+                cell[n] and "ms" in cell[n] for n in ("eager", "graphs")) else "-")
+            lines.append(f"| {batch} x {length} | {fmt_ms(cell['eager'])} | {fmt_ms(cell['compiled'])} | "
+                         f"{fmt_ms(cell['graphs'])} | {ratio} |")
     errors = {k: v["error"] for k, v in R.items() if "error" in v and k != "profile"}
     if errors:
         lines += ["", "## Errors", ""] + [f"- `{k}`: {v}" for k, v in errors.items()]
@@ -441,6 +573,8 @@ def portable_command(argv: list[str]) -> str:
     for arg in argv:
         if previous == "--reference-dir":  # a copy of state-spaces/s4's file, outside the repository
             arg = "REFERENCE-DIR"
+        elif previous == "--moe-baseline":  # an earlier commit's moe.py (git show COMMIT:s4accel/models/moe.py)
+            arg = Path(arg).name
         elif previous == "--out-dir" and Path(arg).is_absolute():
             path = Path(arg).resolve()
             arg = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "OUT-DIR"
@@ -472,9 +606,12 @@ def merge(paths: list[Path]) -> dict:
 def shapes(args) -> dict:
     if args.quick:
         return dict(layer_batch=2, d_model=64, d_state=16, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
-                    vocab=300, n_layer=2, d_ffn=128, tokens=512, model_lengths=(64, 128))
+                    vocab=300, n_layer=2, d_ffn=128, tokens=512, model_lengths=(64, 128), moe_tokens=256,
+                    moe_d_model=64, moe_d_ffn=32, moe_configs=((8, 2),), small_shapes=((2, 64),))
     return dict(layer_batch=64, d_model=768, d_state=64, heads=12, layer_lengths=LAYER_LENGTHS, chunks=CHUNKS,
-                vocab=32000, n_layer=12, d_ffn=2048, tokens=TOKENS, model_lengths=MODEL_LENGTHS)
+                vocab=32000, n_layer=12, d_ffn=2048, tokens=TOKENS, model_lengths=MODEL_LENGTHS,
+                moe_tokens=32768, moe_d_model=2048, moe_d_ffn=768, moe_configs=((8, 2), (128, 8)),
+                small_shapes=((16, 256), (64, 256), (256, 256)))
 
 
 def main(argv=None) -> int:
@@ -488,7 +625,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", nargs="+", default=["layer", "models", "layer_compiled", "fp32", "chunks", "profile",
                                                        "models_later"],
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
-                             "models_first", "s4d_compiled"])
+                             "models_first", "s4d_compiled", "moe_layer", "small", "moe_models"])
+    ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
     ap.add_argument("--note", help="with --merge: a paragraph the merged file carries (what a reader must know)")
@@ -528,10 +666,15 @@ def main(argv=None) -> int:
     if args.model_lengths:
         s["model_lengths"] = tuple(args.model_lengths)
     eager, compiled, later = model_plan(s)
-    sections = {"profile": lambda: section_profile(bench, s), "layer": lambda: section_layer(bench, s), "models": lambda: section_models(bench, s, eager + compiled),
+    sections = {"profile": lambda: section_profile(bench, s), "layer": lambda: section_layer(bench, s),
+                "models": lambda: section_models(bench, s, eager + compiled),
                 "chunks": lambda: section_chunks(bench, s), "layer_compiled": lambda: section_layer_compiled(bench, s),
                 "fp32": lambda: section_fp32(bench, s), "models_later": lambda: section_models(bench, s, later),
                 "s4d_compiled": lambda: section_models(bench, s, [("s4d", L, True) for L in s["model_lengths"]]),
+                "moe_layer": lambda: section_moe_layer(bench, s), "small": lambda: section_small(bench, s),
+                "moe_models": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
+                                                                for f in ("moe", "dense")] +
+                                                     [("moe", L, True) for L in s["model_lengths"]]),
                 "models_first": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
                                                                   for f in ("s4d", "dense")] +
                                                        [(f, s["model_lengths"][0], True) for f in ("s4d", "dense")])}

@@ -30,7 +30,7 @@ def test_without_a_gpu_it_says_so_and_fails():
 def test_its_sections_run_as_a_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "report.json"
     proc, reports = gpu_check("--device", "cpu", "--quick", "--only", "moe_dispatch", "s4d_layer", "documents",
-                              "--out", str(out))
+                              "no_sync", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert reports[-1] == {"ok": True, "failed": []} and report["ok"]
@@ -42,3 +42,5 @@ def test_its_sections_run_as_a_dry_run_on_the_cpu(tmp_path):
     for family in ("s4d", "moe"):
         assert report["documents"][family]["next_document_bit_identical"]
         assert report["documents"][family]["packed_vs_alone"] < 1e-4
+    assert {k: v["synchronises"] for k, v in report["no_sync"].items() if isinstance(v, dict)} == {
+        "moe": False, "s4_moe": False, "s4d": False, "s4_dplr": False}  # the set_sync_debug_mode check runs on CUDA

@@ -38,3 +38,15 @@ def test_a_dry_run_writes_the_table_and_a_merge_names_each_cells_commit(tmp_path
     text = (merged_dir / report_b.name).with_suffix(".md").read_text()
     assert "two runs" in text and "commit `aaaa`" in text and "commit `bbbb`" in text
     assert "| S4Layer, chunked (TF32 allowed: `train.tf32`) | " in text
+
+
+def test_the_moe_layer_rows_time_this_layer_beside_a_baseline_file(tmp_path):
+    baseline = REPO / "s4accel" / "models" / "moe.py"  # any moe.py with a MoELayer: here this checkout's own
+    gpu_speed("--device", "cpu", "--quick", "--out-dir", str(tmp_path), "--sections", "moe_layer", "--moe-baseline",
+              str(baseline))
+    (report,) = tmp_path.glob("*-gpu-speed-*.json")
+    results = json.loads(report.read_text())["results"]
+    for name in ("moe", "baseline", "dense", "matmuls_only", "routing_only", "harness"):
+        assert results[f"moe_layer/{name}/E8k2"]["ms"] > 0
+    assert json.loads(report.read_text())["command"].endswith("--moe-baseline moe.py")
+    assert "| 8, 2 | " in report.with_suffix(".md").read_text()
