@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -303,9 +304,9 @@ def section_documents(_text: Path, _tmp: Path) -> dict:
 
 
 def section_no_sync(_text: Path, _tmp: Path) -> dict:
-    """A training step's forward and backward (bf16 autocast) under `torch.cuda.set_sync_debug_mode("error")`: the
+    """A training step's forward and backward (bf16 autocast) under `torch.cuda.set_sync_debug_mode("warn")`: the
     MoE transformer and S4 with MoE blocks must never wait for the GPU inside them (their `grouped_mm` dispatch);
-    S4D and DPLR S4 are reported beside. A failure names the operation that synchronised."""
+    S4D and DPLR S4 are reported beside. Each synchronising call is listed with the s4accel lines that made it."""
     from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM
 
     B, L = (2, 64) if QUICK else (8, 512)
@@ -329,19 +330,54 @@ def section_no_sync(_text: Path, _tmp: Path) -> dict:
             loss.backward()
             return loss
         step()  # first calls: lazy initialisation (cuBLAS handles, Triton compilation) may synchronise once
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
+        where = []
+
+        def seen(message, category, filename, lineno, file=None, line=None):  # every synchronising call, with
+            where.append([f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"  # the s4accel frames that made it
+                          for f in traceback.extract_stack()[:-1] if "s4accel" in f.filename][-3:])
+        shown = warnings.showwarning
+        warnings.showwarning = seen
         try:
-            step()
-            out[name] = {"synchronises": False}
-        except RuntimeError as e:
-            frames = [line.strip() for line in traceback.format_exc().splitlines() if "s4accel" in line]
-            out[name] = {"synchronises": True, "error": str(e)[:300], "where": frames[-6:]}
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = seen
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("warn")
+                step()
         finally:
+            warnings.showwarning = shown
             if DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
+        unique = [list(w) for w in dict.fromkeys(tuple(w) for w in where)]
+        out[name] = {"synchronises": bool(where), "calls": len(where), "where": unique[:8]}
+        if [] in unique and DEVICE == "cuda":  # in the backward (no Python frames): anomaly mode names the node and
+            try:
+                out[name]["backward"] = backward_sync(step)  # the forward line that made it
+            except Exception as e:  # the check's own failure must not hide the finding above
+                out[name]["backward"] = [f"{type(e).__name__}: {e}"[:300]]
+
     return {"ok": not (out["moe"]["synchronises"] or out["s4_moe"]["synchronises"]), **out}
+
+
+def backward_sync(step) -> list[str]:
+    """The backward node that synchronised first, and the s4accel lines of its forward (autograd's anomaly mode)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=False):
+                step()
+        except RuntimeError:
+            pass
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        text = str(w.message)
+        if "Error detected in" in text:
+            lines = text.splitlines()
+            return [lines[0][:200]] + [line.strip() for line in lines if "s4accel" in line or "line" in line][-8:]
+    return [str(w.message)[:200] for w in caught][:3]
 
 
 def section_graphs(text: Path, tmp: Path) -> dict:
