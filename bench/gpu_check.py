@@ -333,8 +333,10 @@ def section_no_sync(_text: Path, _tmp: Path) -> dict:
         where = []
 
         def seen(message, category, filename, lineno, file=None, line=None):  # every synchronising call, with
-            where.append([f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"  # the s4accel frames that made it
-                          for f in traceback.extract_stack()[:-1] if "s4accel" in f.filename][-3:])
+            frames = traceback.extract_stack()[:-1]  # the s4accel frames that made it (else the innermost ones)
+            ours = [f for f in frames if "s4accel" in f.filename]
+            where.append((bool(ours), *[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                                        for f in ours or frames][-4:]))
         shown = warnings.showwarning
         warnings.showwarning = seen
         try:
@@ -349,11 +351,11 @@ def section_no_sync(_text: Path, _tmp: Path) -> dict:
             warnings.showwarning = shown
             if DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
-        unique = [list(w) for w in dict.fromkeys(tuple(w) for w in where)]
-        out[name] = {"synchronises": bool(where), "calls": len(where), "where": unique[:8]}
-        if [] in unique and DEVICE == "cuda":  # in the backward (no Python frames): anomaly mode names the node and
-            try:
-                out[name]["backward"] = backward_sync(step)  # the forward line that made it
+        unique = list(dict.fromkeys(where))
+        out[name] = {"synchronises": bool(where), "calls": len(where), "where": [list(w[1:]) for w in unique[:8]]}
+        if any(not w[0] for w in unique) and DEVICE == "cuda":  # not under the model's Python (its backward):
+            try:  # anomaly mode may name the node
+                out[name]["backward"] = backward_sync(step)
             except Exception as e:  # the check's own failure must not hide the finding above
                 out[name]["backward"] = [f"{type(e).__name__}: {e}"[:300]]
 

@@ -455,21 +455,9 @@ def fmt_lm(r):
     return f"{r['tokens_per_s'] / 1000:.0f}k{mfu}{mem}"
 
 
-def markdown(report: dict, s) -> str:
-    R = report["results"]
-    lines = [f"# GPU speed: {report['device']}, {report['date']}", "",
-             f"Commit `{report['commit']}`; torch {report['torch']} (CUDA {report['cuda']}, cuDNN {report['cudnn']}), "
-             f"transformers {report['transformers']}, accelerate {report['accelerate']}, triton "
-             f"{report['triton']}, Python {report['python']}.", "",
-             f"Command: `{report['command']}`. Medians of CUDA-event timings after warm-up passes; every sample is in "
-             "the JSON file of the same name.", ""]
-    if report.get("note"):
-        lines += [report["note"], ""]
-    if report.get("runs"):  # merged from several calls (a GPU lease is short): which cells each one measured
-        lines += ["Merged from these runs on the same machine type, each later one replacing the cells it measured:", ""]
-        lines += [f"{i}. commit `{run['commit']}`: `{run['command']}` ({len(run['keys'])} cells)"
-                  for i, run in enumerate(report["runs"], 1)]
-        lines.append("")
+def layer_tables(R: dict, s) -> list[str]:
+    """The one-layer tables: the paths against attention, the chunk sweep, float32."""
+    lines = []
     Ls = s["layer_lengths"]
     head = "| | " + " | ".join(f"L {L:,}" for L in Ls) + " |"
     sep = "|---" * (len(Ls) + 1) + "|"
@@ -498,8 +486,14 @@ def markdown(report: dict, s) -> str:
                       ("S4Layer, FFT path", "fp32/fft"),
                       ("state-spaces/s4 `s4d.py` (its Conv1d in TF32, cuDNN's default)", "fp32/reference")):
         lines.append(f"| {name} | " + " | ".join(fmt_ms(R.get(f"{key}/L{L}")) for L in Ls[:2]) + " |")
+    return lines
+
+
+def model_table(R: dict, s) -> list[str]:
+    """The language models by length, eager and compiled, and S4D against the dense model."""
+    lines = []
     Ms = s["model_lengths"]
-    lines += ["", f"## Language models, a training step of {s['tokens']:,} tokens (bf16 autocast, fused AdamW)", "",
+    lines += [f"## Language models, a training step of {s['tokens']:,} tokens (bf16 autocast, fused AdamW)", "",
               f"d_model {s['d_model']}, {s['n_layer']} blocks, vocabulary {s['vocab']:,}. S4D: N {s['d_state']}, "
               f"SwiGLU {s['d_ffn']} in each block. Dense: the MoE family with use_moe false, {s['heads']} heads. MoE: "
               f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.flops counts it, "
@@ -521,6 +515,28 @@ def markdown(report: dict, s) -> str:
             best[family] = max(rates) if rates else None
         if best["s4d"] and best["dense"]:
             lines.append(f"- L {L:,}: {best['s4d'] / best['dense']:.2f}x")
+    return lines
+
+
+def markdown(report: dict, s) -> str:
+    R = report["results"]
+    lines = [f"# GPU speed: {report['device']}, {report['date']}", "",
+             f"Commit `{report['commit']}`; torch {report['torch']} (CUDA {report['cuda']}, cuDNN {report['cudnn']}), "
+             f"transformers {report['transformers']}, accelerate {report['accelerate']}, triton "
+             f"{report['triton']}, Python {report['python']}.", "",
+             f"Command: `{report['command']}`. Medians of CUDA-event timings after warm-up passes; every sample is in "
+             "the JSON file of the same name.", ""]
+    if report.get("note"):
+        lines += [report["note"], ""]
+    if report.get("runs"):  # merged from several calls (a GPU lease is short): which cells each one measured
+        lines += ["Merged from these runs on the same machine type, each later one replacing the cells it measured:", ""]
+        lines += [f"{i}. commit `{run['commit']}`: `{run['command']}` ({len(run['keys'])} cells)"
+                  for i, run in enumerate(report["runs"], 1)]
+        lines.append("")
+    if any(k.startswith(("layer/", "chunks/", "fp32/")) for k in R):
+        lines += layer_tables(R, s)
+    if any(k.startswith("models/") for k in R):
+        lines += model_table(R, s)
     moe_keys = [k for k in R if k.startswith("moe_layer/")]
     if moe_keys:
         lines += ["", f"## One MoE layer, forward + backward ({s['moe_tokens']:,} tokens, d_model {s['moe_d_model']}, "
