@@ -125,14 +125,21 @@ def setup(recipe):
     return build_model(recipe, data), data
 
 
+def collate(recipe, data):
+    """The batches `s4accel train` makes of the recipe's data: with `data.packing: isolated` (the default for text)
+    each block's documents are marked by `position_ids`, and the model convolves each one alone. Every loop gets the
+    same batches, so that they all compute the same thing and what differs is the loop."""
+    from s4accel.data import collate_isolated, collate_lm
+
+    return collate_isolated(data.tokenizer.eos_token_id) if recipe.data.packing == "isolated" else collate_lm
+
+
 def train_loader(recipe, data):
     import torch
     from torch.utils.data import DataLoader
 
-    from s4accel.data import collate_lm
-
     return DataLoader(data.train, batch_size=recipe.data.batch_size, shuffle=True, drop_last=True,
-                      collate_fn=collate_lm, generator=torch.Generator().manual_seed(recipe.run.seed))
+                      collate_fn=collate(recipe, data), generator=torch.Generator().manual_seed(recipe.run.seed))
 
 
 def forever(loader):
@@ -190,7 +197,6 @@ def worker_accelerate(recipe):
 def worker_trainer(recipe):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from s4accel.data import collate_lm
     from s4accel.training.optim import build_optimizer, build_scheduler
 
     model, data = setup(recipe)
@@ -206,7 +212,7 @@ def worker_trainer(recipe):
                                  per_device_train_batch_size=recipe.data.batch_size, max_grad_norm=1.0,
                                  logging_steps=10, report_to="none", save_strategy="no", dataloader_drop_last=True,
                                  seed=recipe.run.seed, disable_tqdm=False)
-        Trainer(model=model, args=args, train_dataset=data.train, data_collator=collate_lm,
+        Trainer(model=model, args=args, train_dataset=data.train, data_collator=collate(recipe, data),
                 optimizers=(opt, sched), callbacks=[Gated()]).train()
 
 

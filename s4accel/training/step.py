@@ -110,7 +110,7 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
             loss, aux = (out, None) if isinstance(out, torch.Tensor) else (out["loss"], router.get("aux_loss"))
             mean = loss - aux if aux is not None else loss
             share = mean * (counts[i] / n_items) if n_items is not None else mean  # of the window's mean
-            objective = share * (ga * n_proc)
+            objective = share * (ga * n_proc) if n_items is not None else share  # (one micro-batch, one process: 1)
             accelerator.backward(objective + aux if aux is not None else objective)
         parts = {"loss": share.detach()}
         for key, value in router.items():
@@ -324,8 +324,11 @@ class Stepper:
             norm = clip_gradients(acc, self.params, cfg)
             if norm is not None:  # None when DeepSpeed was configured not to measure it
                 scalars["grad_norm"] = norm
-            objective = scalars["loss"] + scalars.get("aux_loss", 0)
-            nonfinite = ~torch.isfinite(objective + scalars.get("grad_norm", 0))
+            total = scalars["loss"]  # a NaN or inf in any of these makes the sum one
+            for key in ("aux_loss", "grad_norm"):
+                total = total + scalars[key] if key in scalars else total
+            # one process: read as a number (the host sync the check needs anyway, without two more tensor ops)
+            nonfinite = ~torch.isfinite(total) if acc.num_processes > 1 else not math.isfinite(total.item())
         else:  # the task stepped its optimizers itself, on the window's last micro-batch
             nonfinite = torch.tensor(task.context.window.nonfinite_steps > 0)
         # One check per step, the same decision on every process: a process that broke out of a collective alone
