@@ -529,7 +529,8 @@ def markdown(report: dict, s) -> str:
     if report.get("note"):
         lines += [report["note"], ""]
     if report.get("runs"):  # merged from several calls (a GPU lease is short): which cells each one measured
-        lines += ["Merged from these runs on the same machine type, each later one replacing the cells it measured:", ""]
+        lines += ["Merged from these runs on the same machine type, each later one replacing the cells it measured:",
+                  ""]
         lines += [f"{i}. commit `{run['commit']}`: `{run['command']}` ({len(run['keys'])} cells)"
                   for i, run in enumerate(report["runs"], 1)]
         lines.append("")

@@ -15,7 +15,10 @@ import typer
 from .errors import RecipeError, S4AccelError
 from .tools.launcher import continue_command, report_to_launcher
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode None: click's plain help, which rewraps each paragraph of a docstring (rich kept its line breaks,
+# so descriptions looked cut mid-sentence), shows no type beside a flag (rich showed `<bool>`) and reads brackets as
+# text (rich took the `[lm_eval]` of `pip install 's4accel[lm_eval]'` for markup and dropped it).
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Train S4 and mixture-of-experts sequence models with HuggingFace Accelerate.")
 
 RecipeArg = Annotated[Path, typer.Argument(
@@ -54,7 +57,10 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Resume even though trai
 
 @command()
 def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None, force: ForceOpt = False):
-    """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE."""
+    """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE.
+
+    Every recipe key, with its type, default and meaning: docs/reference/recipe.md (`s4accel show RECIPE` prints a
+    recipe with its defaults filled in)."""
     from .allocator import keep_freed_memory
     from .config import load_recipe
 
@@ -351,7 +357,33 @@ def models():
 
 
 def main(argv: list[str] | None = None):
-    app(args=bare_resume_to_latest(sys.argv[1:] if argv is None else argv), prog_name="s4accel")
+    command = readable_help(typer.main.get_command(app))
+    command(args=bare_resume_to_latest(sys.argv[1:] if argv is None else argv), prog_name="s4accel")
+
+
+def readable_help(group):
+    """The help as a user reads it: each command's whole first sentence in the command list (click cut it at 45
+    characters), and placeholders in capitals, as in `s4accel eval [OPTIONS] MODEL [RECIPE]` and `--data PATH`
+    (typer writes `{model}` and `<path>`)."""
+    for command in [group, *group.commands.values()]:
+        if command is not group and command.help and not command.short_help:
+            first = " ".join(command.help.split("\n\n")[0].split())
+            command.short_help = first.split(". ")[0].rstrip(".") + "."
+        usage = command.collect_usage_pieces  # typer braces a required argument: {MODEL}
+        command.collect_usage_pieces = lambda ctx, usage=usage: [p.replace("{", "").replace("}", "")
+                                                                 for p in usage(ctx)]
+        for param in command.params:
+            if param.metavar is not None or getattr(param, "is_flag", False) or not hasattr(param, "display_type"):
+                continue  # set by hand, a flag, or an older typer (click's own placeholders: PATH, INTEGER)
+            if param.param_type_name == "argument":
+                param.metavar = param.name.upper()
+                param.display_type_rich = lambda ctx: None  # its help says what it is: no `<path>` beside it
+                continue
+            shown = param.display_type(None).strip("<>")  # typer's label: int, int range, path, str, a|b, ...
+            if "|" not in shown:  # choices stay listed
+                param.metavar = {"int": "INTEGER", "int range": "INTEGER", "float range": "FLOAT",
+                                 "str": "TEXT"}.get(shown, shown.upper())
+    return group
 
 
 def bare_resume_to_latest(argv: list[str]) -> list[str]:

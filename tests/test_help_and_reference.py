@@ -1,0 +1,62 @@
+"""What a user reads before running anything: the command's help and the recipe reference generated from the
+schema (docs/reference/recipe.md, which must not drift from the code)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from s4accel.config import Recipe
+from s4accel.tools import recipe_reference
+
+PAGE = REPO / "docs" / "reference" / "recipe.md"
+
+
+def help_text(*args):
+    proc = subprocess.run([sys.executable, "-m", "s4accel", *args, "--help"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, env={"COLUMNS": "100", "PATH": "", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_the_command_list_gives_each_command_its_whole_first_sentence():
+    text = help_text()
+    listed = text.split("Commands:")[1]
+    assert "..." not in listed  # click cut each description at 45 characters
+    assert "Train the model a recipe describes." in listed
+    assert ("Write the model of a training checkpoint (one process, DDP or FSDP-sharded) as a from_pretrained "
+            "folder with its tokenizer, code and model card: any step of a run, also of one stopped before its "
+            "end.") in " ".join(listed.split())
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "export", "predict", "generate", "push"])
+def test_placeholders_are_readable_and_nothing_is_eaten_as_markup(command):
+    text = help_text(command)
+    assert "<bool>" not in text and "<str>" not in text and "<path>" not in text and "{" not in text
+    usage = text.splitlines()[0]
+    assert usage.startswith(f"Usage: s4accel {command} [OPTIONS]") and usage.split()[-1].strip("[]").isupper()
+    if command == "eval":
+        assert "pip install 's4accel[lm_eval]'" in " ".join(text.split())
+        assert "--data PATH" in text and "--limit INTEGER" in text and "--json " in text
+
+
+def test_train_help_says_where_the_recipe_keys_are_documented():
+    assert "docs/reference/recipe.md" in " ".join(help_text("train").split())
+
+
+def test_the_recipe_reference_is_generated_from_the_schema_as_it_is():
+    """Regenerate with `python -m s4accel.tools.recipe_reference > docs/reference/recipe.md`."""
+    assert PAGE.read_text() == recipe_reference.page()
+
+
+def test_the_recipe_reference_lists_every_key_with_its_docstring():
+    page = PAGE.read_text()
+    for section, field in Recipe.model_fields.items():
+        assert f"## `{section}`" in page
+    for cls, prefix in ((Recipe.model_fields["train"].annotation, "train"),
+                        (Recipe.model_fields["data"].annotation, "data")):
+        for name in cls.model_fields:
+            row = next(line for line in page.splitlines() if line.startswith(f"| `{prefix}.{name}` |"))
+            assert not row.endswith("|  |"), f"{prefix}.{name} has no docstring"
+    assert "| `train.compile_mode` | " in page and "`\"default\"`" in page
