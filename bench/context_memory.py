@@ -37,7 +37,7 @@ from s4accel.config.sizes import MODEL_SIZES  # noqa: E402
 from s4accel.models import S4Config  # noqa: E402
 from s4accel.models.context_parallel import ContextParallel  # noqa: E402
 from s4accel.models.modeling_s4 import S4ForCausalLM  # noqa: E402
-from s4accel.training.context_parallel import split_batch  # noqa: E402
+from s4accel.training.devices.context_parallel import split_batch  # noqa: E402
 
 BYTE_VOCAB = 384  # the byte tokenizer's vocabulary (256 bytes, special and extra ids), as the quick-start trains
 

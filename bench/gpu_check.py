@@ -10,7 +10,7 @@ Sections (each timed and isolated: one that fails reports its error and the othe
     moe_dispatch `grouped_mm` (the CUDA default in bf16) against `fused` and the `loop` reference: outputs and every
                  gradient, and the time of each, under bf16 autocast and in float32
     fsdp_vs_ddp  the quick-start model 50 steps under FSDP2 bf16 (one process: the float32 units of
-                 s4accel.training.precision) against the same run without FSDP in bf16: final losses, weights
+                 s4accel.training.devices.precision) against the same run without FSDP in bf16: final losses, weights
     throughput   the quick-start model (s4-small) forward + backward + AdamW at several batch sizes, bf16 autocast
                  and float32: tokens/s (median of 10 steps) and peak memory
     s4d_layer    one S4D layer (H=256, N=64, batch 8) forward + backward at L = 1K to 16K, bf16 autocast, on the path
@@ -219,7 +219,7 @@ def section_fsdp_vs_ddp(text: Path, tmp: Path) -> dict:
 def section_throughput(_text: Path, _tmp: Path) -> dict:
     from s4accel import S4Config, S4ForCausalLM
     from s4accel.config.sizes import MODEL_SIZES
-    from s4accel.training.flops import peak_tflops, step_flops
+    from s4accel.training.observe.flops import peak_tflops, step_flops
 
     fields = {k: v for k, v in MODEL_SIZES["s4-small"].items() if k != "family"}
     out = {}

@@ -20,7 +20,7 @@ models  a training step (forward, backward, fused AdamW, bf16 autocast, 32,768 t
         block; the dense transformer of the same shape (the MoE family with use_moe false, 12 heads, SDPA); and the
         MoE transformer (8 experts of width 1024, top-2: the dense MLP's active FLOPs). At L 1K to 16K (batch
         32,768 / L), eager and compiled (Accelerate's regional compilation of the blocks, as `train.compile` does).
-        Tokens/s, MFU as `s4accel.training.flops` counts it (against the GPU's published bf16 peak), peak memory.
+        Tokens/s, MFU as `s4accel.training.observe.flops` counts it (against the GPU's published bf16 peak), peak memory.
 
 Everything runs in priority order within `--budget-s` seconds (the lease of a GPU is short): what did not fit is
 listed in the file as not measured. The JSON holds every sample.
@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM  # noqa: E402
 from s4accel.models.modeling_s4 import S4Layer  # noqa: E402
-from s4accel.training.flops import peak_tflops, step_flops  # noqa: E402
+from s4accel.training.observe.flops import peak_tflops, step_flops  # noqa: E402
 from s4_layer import CausalSelfAttention  # noqa: E402  (the same attention layer as the CPU bench's)
 
 LAYER_LENGTHS = (1024, 4096, 16384)
@@ -496,7 +496,7 @@ def model_table(R: dict, s) -> list[str]:
     lines += [f"## Language models, a training step of {s['tokens']:,} tokens (bf16 autocast, fused AdamW)", "",
               f"d_model {s['d_model']}, {s['n_layer']} blocks, vocabulary {s['vocab']:,}. S4D: N {s['d_state']}, "
               f"SwiGLU {s['d_ffn']} in each block. Dense: the MoE family with use_moe false, {s['heads']} heads. MoE: "
-              f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.flops counts it, "
+              f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.observe.flops counts it, "
               "peak memory). Compiled: Accelerate's regional compilation, as `train.compile: true`.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
     for family, name in (("s4d", "S4D"), ("dense", "dense transformer"), ("moe", "MoE transformer")):

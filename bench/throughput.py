@@ -6,7 +6,7 @@ share of this machine's measured float32 matmul peak), printed as one JSON objec
 
 Each family is the quick-start's size (d_model 256, 4 layers for S4; `moe-small` for the transformers), trained by
 a plain forward + backward + AdamW loop (no data loading, logging or checkpoints: the model's own speed) for
-`--steps` steps after 3 warm-up steps; the step's FLOPs are `s4accel.training.flops.step_flops` (checked against
+`--steps` steps after 3 warm-up steps; the step's FLOPs are `s4accel.training.observe.flops.step_flops` (checked against
 torch's FlopCounterMode by tests/test_flops.py). The peak is measured in the same run, before and after the
 families (the median of the two), as the best float32 matmul of 1024 x 1024 matrices on `--threads` threads; on
 CUDA it is the GPU's published dense peak for float32 (fp32 runs here).
@@ -22,7 +22,7 @@ import time
 import torch
 
 from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM
-from s4accel.training.flops import measured_cpu_peak, peak_tflops, step_flops
+from s4accel.training.observe.flops import measured_cpu_peak, peak_tflops, step_flops
 
 V = 259  # the byte tokenizer's vocabulary
 FAMILIES = {

@@ -72,7 +72,7 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     result = run_training(resolved, resume=resume, force=force)
     if not result.is_main_process:
         return
-    from .training.console import append_to_log
+    from .training.observe.console import append_to_log
 
     if result.preempted:
         # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else;
@@ -127,7 +127,7 @@ def generate(
 ):
     """Continue a prompt with a trained language model (safetensors weights only, no remote code)."""
     from .tools.inference import generate_text
-    from .training.console import quiet_libraries
+    from .training.observe.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
@@ -157,7 +157,7 @@ def eval_(
 ):
     """Evaluate a saved or Hub model on a recipe's whole evaluation split (or --data) with its task's metrics, or a
     language model on lm-evaluation-harness tasks (--lm-eval)."""
-    from .training.console import quiet_libraries
+    from .training.observe.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
@@ -211,7 +211,7 @@ def predict(
     """Predict every example of DATA with a trained model: labels and probabilities, values, or per-document loss."""
     from .errors import DataError
     from .tools.predict import predict as run_predict
-    from .training.console import quiet_libraries
+    from .training.observe.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts; the command's own bar stays
 
@@ -259,7 +259,7 @@ def export(
     """Write the model of a training checkpoint (one process, DDP or FSDP-sharded) as a from_pretrained folder with
     its tokenizer, code and model card: any step of a run, also of one stopped before its end."""
     from .tools.export import export_checkpoint
-    from .training.console import quiet_libraries
+    from .training.observe.console import quiet_libraries
 
     quiet_libraries(progress_bars=False)  # the result is what counts
 

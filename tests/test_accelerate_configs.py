@@ -33,7 +33,7 @@ def test_config_parses_and_builds_its_plugin(path):
             plugin = DeepSpeedPlugin()
         stage = int(path.stem[-1])
         assert plugin.zero_stage == stage
-        # filled in from the recipe's train.clip_grad_norm and train.grad_accum (s4accel/training/zero.py)
+        # filled in from the recipe's train.clip_grad_norm and train.grad_accum (s4accel/training/devices/zero.py)
         assert plugin.deepspeed_config["gradient_clipping"] == "auto"
         assert plugin.deepspeed_config["gradient_accumulation_steps"] == "auto"
         zero = plugin.deepspeed_config["zero_optimization"]

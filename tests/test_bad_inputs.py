@@ -98,7 +98,7 @@ def test_tracker_kwargs_for_an_unused_tracker_or_an_unknown_argument_are_refused
     with pytest.raises(RecipeError, match=r"log.tracker_kwargs: 'tensorbord' is not a tracker of log.log_with "
                                           r"\(tensorboard, jsonl\) \(did you mean 'tensorboard'\?\)"):
         load_recipe(TINY, ["log.tracker_kwargs={tensorbord: {flush_secs: 5}}"])
-    from s4accel.training.tracking import check_tracker_kwargs
+    from s4accel.training.observe.tracking import check_tracker_kwargs
 
     recipe = load_recipe(TINY, ["log.tracker_kwargs={tensorboard: {flush_sec: 5}}"])
     with pytest.raises(RecipeError, match=r"log.tracker_kwargs.tensorboard: unknown argument 'flush_sec' "

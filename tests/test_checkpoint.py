@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from s4accel.training.checkpoint import (COMPLETE, checkpoint_problem, complete_checkpoints, locate_checkpoint,
+from s4accel.training.runs.checkpoint import (COMPLETE, checkpoint_problem, complete_checkpoints, locate_checkpoint,
                                 save_checkpoint)
 from s4accel.errors import CheckpointError, ResumeError
 
@@ -112,7 +112,7 @@ def test_disk_full_during_a_save_keeps_the_last_good_checkpoint_and_says_so(tmp_
 
 def test_recipe_diff_ignores_what_does_not_change_training():
     from s4accel.config import load_recipe
-    from s4accel.training.resume import recipe_diff
+    from s4accel.training.runs.resume import recipe_diff
 
     from helpers import TINY
 
@@ -124,7 +124,7 @@ def test_recipe_diff_ignores_what_does_not_change_training():
 
 
 def test_train_state_round_trips(tmp_path):
-    from s4accel.training.checkpoint import TrainState
+    from s4accel.training.runs.checkpoint import TrainState
 
     state = TrainState(step=7, epoch=1, batch_in_epoch=3, tokens_seen=99, best_metric=1.5)
     copy = TrainState()

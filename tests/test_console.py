@@ -92,7 +92,7 @@ def test_everything_the_run_prints_is_in_train_log_too(tmp_path):
 
 
 def test_train_log_prefixes_the_other_processes_stderr_with_their_rank(tmp_path):
-    from s4accel.training.console import RunLog
+    from s4accel.training.observe.console import RunLog
 
     log = RunLog()
     log.begin(is_main=False, rank=1)

@@ -35,7 +35,7 @@ def digits(out, *extra):
 
 
 def test_macro_f1_precision_recall_and_confusion_on_a_case_worked_by_hand():
-    from s4accel.training.class_scores import classification_scores
+    from s4accel.training.observe.class_scores import classification_scores
 
     labels = torch.tensor([0, 0, 0, 1, 1, 2])
     predictions = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -141,7 +141,7 @@ def test_what_a_recipe_metric_function_returns_is_checked_at_the_first_evaluatio
 def test_eval_scores_are_the_same_on_one_and_two_processes(run):
     """Every sample counted once on 2 processes: the last batch's padding duplicates are dropped before the
     confusion matrix, F1 and the recipe's functions see the predictions. One process: the run's last evaluation."""
-    from s4accel.training.class_scores import confusion_text
+    from s4accel.training.observe.class_scores import confusion_text
 
     out, overrides = run
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
@@ -211,7 +211,7 @@ def test_a_run_resumes_with_metric_functions_added_even_from_a_recipe_that_preda
     """Metrics change nothing a model computes: a checkpoint's recipe without `task.metrics` (written before the key
     existed) is the same run."""
     from s4accel.config import load_recipe
-    from s4accel.training.resume import recipe_diff
+    from s4accel.training.runs.resume import recipe_diff
 
     old = load_recipe(DIGITS).to_dict()
     del old["task"]["metrics"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from helpers import RECIPES, TINY, final_weights, run_cli, short_epochs, train_in_process
 from s4accel.errors import S4AccelError
 from s4accel.tools.export import export_checkpoint
-from s4accel.training.checkpoint_weights import read_model_weights
+from s4accel.training.runs.checkpoint_weights import read_model_weights
 
 
 @pytest.fixture(scope="module")

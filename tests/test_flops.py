@@ -1,4 +1,4 @@
-"""The analytic FLOP count of a training step (s4accel/training/flops.py) against what torch's own
+"""The analytic FLOP count of a training step (s4accel/training/observe/flops.py) against what torch's own
 `FlopCounterMode` counts on a real forward and backward, for every model family, and what a run reports with it
 (`train/tflops`, `train/mfu`, the line it ends with)."""
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM, S4ForSequenceClassification
-from s4accel.training.flops import step_flops
+from s4accel.training.observe.flops import step_flops
 
 aten = torch.ops.aten
 

@@ -8,7 +8,7 @@ import torch
 
 from helpers import TINY
 from s4accel.config import load_recipe
-from s4accel.training import graphs
+from s4accel.training.devices import graphs
 from s4accel.training.step import backward_window
 
 

@@ -14,7 +14,7 @@ import torch
 
 from helpers import (FREE_PORT, REPO, TINY, callback_override, final_weights, read_metrics, sets, short_epochs,
                      stepped, train_in_process)
-from s4accel.training.checkpoint import checkpoint_problem
+from s4accel.training.runs.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
 

@@ -128,3 +128,32 @@ def test_the_cli_turns_user_errors_into_one_line_in_one_place():
     commands = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.decorator_list]
     assert commands and all(ast.unparse(d.func) == "command" for n in commands for d in n.decorator_list), \
         [(n.name, [ast.unparse(d) for d in n.decorator_list]) for n in commands]
+
+
+TRAINING = PACKAGE / "training"
+CONCERNS = ("runs", "devices", "observe")  # the folders of training/, each a concern the loop uses
+
+
+def test_training_is_split_by_concern_and_each_folder_says_what_it_holds():
+    """training/ keeps the loop and its task at the top; a run's life on disk, devices and precision, and what a
+    run shows live in their folders, whose docstrings list exactly the files they hold."""
+    top = sorted(p.stem for p in TRAINING.glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 16, top
+    assert sorted(p.name for p in TRAINING.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(CONCERNS)
+    for concern in CONCERNS:
+        folder = TRAINING / concern
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        listed = {word.removesuffix(",") for line in doc.splitlines() for word in line.split()
+                  if word.removesuffix(",").endswith(".py")}
+        assert listed == {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}, concern
+    training_doc = ast.get_docstring(ast.parse((TRAINING / "__init__.py").read_text()))
+    assert all(f"{concern}/" in training_doc for concern in CONCERNS)
+
+
+def test_the_concerns_never_import_the_loop():
+    """The loop uses runs/, devices/ and observe/; they never reach back into the loop, its step, its setup or its
+    evaluation (they may use the task API and the callbacks the loop hands them)."""
+    loop = {f"s4accel.training.{m}" for m in ("loop", "step", "setup", "evaluate")}
+    wrong = [(m, t) for m, targets in imports().items() for t in targets
+             if any(m.startswith(f"s4accel.training.{c}") for c in CONCERNS) and t in loop]
+    assert not wrong, wrong

@@ -86,7 +86,7 @@ def own_generation(model, tok, context: str, until: list[str], max_new: int) -> 
 def test_lm_eval_scores_are_the_models_own_loglikelihoods_and_greedy_generations(models, name, long_generation,
                                                                                     at_repo):
     from s4accel.tools.harness import lm_eval_model
-    from s4accel.training.safe_load import load_model
+    from s4accel.training.runs.safe_load import load_model
 
     out = lm_eval_model(models[name], ["shakespeare_lines", "shakespeare_words", "words_long"],
                         include_path=[TASKS, long_generation], limit=8, batch_size=4, log_samples=True)

@@ -107,7 +107,7 @@ def test_a_skipped_fp16_step_does_not_advance_the_schedule(skipped):
     """On CPU Accelerate creates no GradScaler, so the skip path is pinned with a stand-in accelerator."""
     from types import SimpleNamespace
 
-    from s4accel.training.checkpoint import TrainState
+    from s4accel.training.runs.checkpoint import TrainState
     from s4accel.training.step import optimizer_step
 
     param = torch.nn.Parameter(torch.ones(2))
@@ -148,7 +148,7 @@ def test_evaluation_leaves_the_training_rng_untouched():
 
 
 def test_expert_load_logs_shares_and_warns_once_about_a_dead_expert():
-    from s4accel.training.metrics import ExpertLoad
+    from s4accel.training.observe.metrics import ExpertLoad
 
     load = ExpertLoad(warn_steps=20)
     busy = torch.tensor([[30, 10, 0, 20]])  # (n_moe = 1, E = 4); expert 2 gets nothing

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from s4accel.training.preemption import StopSignals
+from s4accel.training.runs.preemption import StopSignals
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -156,7 +156,7 @@ def test_a_checkpoint_whose_state_would_run_code_is_refused_unread(reference, te
     torch.save({"step": 3, "evil": _Payload(str(marker))}, target)
     import json
 
-    from s4accel.training.checkpoint import COMPLETE
+    from s4accel.training.runs.checkpoint import COMPLETE
 
     manifest = json.loads((ckpt / COMPLETE).read_text())  # keep it "complete": only its content is tampered with
     manifest["files"][target.name] = target.stat().st_size

@@ -127,7 +127,7 @@ def test_time_based_checkpoints(text, tmp_path, monkeypatch):
     assert not clock.due() and not step.Clock(None).due()
     monkeypatch.undo()
     # In a run: with no step interval, checkpoints still come, by time, rotated to keep_last, all complete.
-    from s4accel.training.checkpoint import complete_checkpoints
+    from s4accel.training.runs.checkpoint import complete_checkpoints
 
     train_in_process(TINY, base(text, tmp_path / "r", "checkpoint.every_minutes=0.0001", "checkpoint.keep_last=3"))
     saved = sorted((tmp_path / "r" / "checkpoints").iterdir())

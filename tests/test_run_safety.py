@@ -157,7 +157,7 @@ def forge(run, name, marker):
     ("step_99999999", "{not json"),
 ])
 def test_forged_checkpoints_are_skipped_with_a_warning_never_a_traceback(reference, text, tmp_path, name, marker):
-    from s4accel.training.checkpoint import checkpoint_problem
+    from s4accel.training.runs.checkpoint import checkpoint_problem
 
     run = copy_run(reference, tmp_path)
     forged = forge(run, name, marker)
@@ -168,7 +168,7 @@ def test_forged_checkpoints_are_skipped_with_a_warning_never_a_traceback(referen
 
 
 def test_a_marker_whose_step_was_edited_is_invalid_and_drops_no_metrics(reference, text, tmp_path):
-    from s4accel.training.checkpoint import checkpoint_problem
+    from s4accel.training.runs.checkpoint import checkpoint_problem
 
     run = copy_run(reference, tmp_path)
     shutil.rmtree(run / "final")

@@ -9,7 +9,7 @@ import pytest
 from helpers import TINY, read_metrics, run_cli, sets, train_in_process
 from s4accel.config import load_recipe
 from s4accel.errors import RecipeError
-from s4accel.training.tracking import GuardedTracker
+from s4accel.training.observe.tracking import GuardedTracker
 
 
 class Inner:
@@ -128,7 +128,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_in_one_line_before_any_co
 
 
 def test_a_tracker_class_that_does_not_import_is_refused_in_one_line(tmp_path):
-    from s4accel.training.tracking import check_tracker_packages
+    from s4accel.training.observe.tracking import check_tracker_packages
 
     recipe = load_recipe(TINY, ["log.log_with=[jsonl, 'no_such_package.trackers:Mine']"])
     with pytest.raises(RecipeError, match=r"^log.log_with: no_such_package.trackers:Mine cannot be imported "

@@ -3,7 +3,7 @@ trains every later step on exactly the examples of the run that never stopped (a
 micro-batch's rows), ending within floating-point rounding of its weights; so does a streamed run (one source, or a
 mixture), whose blocks are one sequence for any number of processes; a different global batch is refused in one
 line unless `--force` may recompute `train.grad_accum`; what cannot move (stateful training, an earlier version's
-per-process stream, DeepSpeed's partitions) is refused. s4accel/training/world.py says why the position is a count
+per-process stream, DeepSpeed's partitions) is refused. s4accel/training/runs/world.py says why the position is a count
 of examples."""
 
 import collections
@@ -211,7 +211,7 @@ def test_a_different_global_batch_is_refused_unless_force_recomputes_the_accumul
 def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, text, sets, refused):
     from s4accel import load_recipe
     from s4accel.errors import ResumeError
-    from s4accel.training.world import plan_world_change
+    from s4accel.training.runs.world import plan_world_change
 
     ckpt = tmp_path / "checkpoints" / "step_00000006"
     ckpt.mkdir(parents=True)
@@ -235,8 +235,8 @@ def test_what_cannot_be_dealt_out_again_is_refused_naming_the_reason(tmp_path, t
 
 def test_the_position_in_an_epoch_is_a_count_of_examples():
     from s4accel.errors import ResumeError
-    from s4accel.training.checkpoint import TrainState
-    from s4accel.training.world import World, derived_seed, move_to_world
+    from s4accel.training.runs.checkpoint import TrainState
+    from s4accel.training.runs.world import World, derived_seed, move_to_world
 
     state = TrainState(step=7, epoch=1, batch_in_epoch=6)  # 6 micro-batches x 4 examples x 2 processes = 48
     move_to_world(state, World(2, 4, 2), World(4, 2, 2), seed=0, rank=3)

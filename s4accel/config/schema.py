@@ -237,7 +237,7 @@ class TaskCfg(_Section):
     metrics: list[str] = Field(default_factory=list)
     """Metrics of your own, each a function `(predictions, labels) -> number | {name: number}` as
     `package.module:function` or `path/to/file.py:function`, given every evaluated sample's predicted and true class
-    (value, for regression) as 1-D tensors gathered from all processes (s4accel/training/recipe_metrics.py); logged
+    (value, for regression) as 1-D tensors gathered from all processes (s4accel/training/observe/recipe_metrics.py); logged
     beside the task's metrics, a number under the function's name. The classification task hands them over; a task of
     your own does when its `gathered` lists `prediction` and `label`."""
 

@@ -25,9 +25,9 @@ import torch
 from ..config import Recipe, load_recipe
 from ..data import build_data, build_tokenizer, data_spec, tokenizer_fields
 from ..errors import ExportError
-from ..training.checkpoint import (STEP_DIR, checkpoint_dir, checkpoint_problem, checkpoint_step, locate_checkpoint,
+from ..training.runs.checkpoint import (STEP_DIR, checkpoint_dir, checkpoint_problem, checkpoint_step, locate_checkpoint,
                                    step_dirs)
-from ..training.checkpoint_weights import checkpoint_weights_kind, read_ema_weights, read_model_weights
+from ..training.runs.checkpoint_weights import checkpoint_weights_kind, read_ema_weights, read_model_weights
 from ..training.lora import is_lora, merged, save_adapter
 from ..training.tasks_builtin import PREPROCESSING, build_model, preprocessing
 from .adapter_card import write_any_card

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..training.safe_load import load_model
+from ..training.runs.safe_load import load_model
 
 
 def lm_eval_model(ref: str | Path, tasks: list[str], include_path: str | Path | list[str | Path] | None = None,

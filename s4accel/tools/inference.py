@@ -1,5 +1,5 @@
 """Use a trained model: find it (a run directory, a model directory or a Hub repo id), generate text, evaluate it on
-a recipe's evaluation split. Loading goes through `s4accel.training.safe_load` (safetensors only, no remote code,
+a recipe's evaluation split. Loading goes through `s4accel.training.runs.safe_load` (safetensors only, no remote code,
 nothing unpickled)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..data import data_spec
 from ..errors import ModelError
 from ..training.ending import finish
 from ..training.evaluate import evaluate
-from ..training.safe_load import _resolve, load_model, weight_files
+from ..training.runs.safe_load import _resolve, load_model, weight_files
 from ..training.setup import build_model, build_run, make_accelerator
 from ..training.task import load_task
 

@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 from ..errors import DataError
-from ..training.checkpoint import is_write_error, write_error_text
-from ..training.run_dir import replace_dir
+from ..training.runs.checkpoint import is_write_error, write_error_text
+from ..training.runs.run_dir import replace_dir
 
 
 def check_output_file(path: Path, option: str) -> None:

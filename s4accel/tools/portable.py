@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 
 from ..config.paths import portable_recipe
-from ..training.tracking import tracker_config
+from ..training.observe.tracking import tracker_config
 
 
 def published_hparams(recipe: dict) -> dict[str, str]:

@@ -38,7 +38,7 @@ from ..data.sources import is_saved_dataset, load_dataset_source, load_files
 from ..data.tokenize import encode, token_byte_and_char_counts
 from ..errors import DataError, ModelError
 from ..training.ending import finish
-from ..training.safe_load import load_model
+from ..training.runs.safe_load import load_model
 from .outputs import WholeFile, check_output_file
 
 ID_COLUMNS = ("id", "idx", "uid", "example_id")

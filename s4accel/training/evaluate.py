@@ -11,9 +11,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .callbacks import CallbackList, RunContext, improved
-from .class_scores import confusion_text
-from .context_parallel import whole_sequences
-from .recipe_metrics import metric_functions, recipe_metrics
+from .observe.class_scores import confusion_text
+from .devices.context_parallel import whole_sequences
+from .observe.recipe_metrics import metric_functions, recipe_metrics
 from .step import agree
 from .task import Task
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ..errors import RecipeError
 from .imports import import_object
-from .safe_load import _resolve, read_config, weight_files
+from .runs.safe_load import _resolve, read_config, weight_files
 
 SAFE_OVERRIDES = ("dropout", "pooling", "router_jitter", "router_aux_loss_coef", "router_z_loss_coef",
                   "capacity_factor", "moe_dispatch", "use_cache", "max_position_embeddings")

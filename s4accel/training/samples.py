@@ -9,8 +9,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..config import Recipe
-from .checkpoint import own_class, write_atomic
-from .zero import partitioned
+from .runs.checkpoint import own_class, write_atomic
+from .devices.zero import partitioned
 
 
 def write_samples(accelerator, model, tokenizer, recipe: Recipe, run_dir: Path) -> list[str]:

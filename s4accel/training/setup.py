@@ -18,15 +18,15 @@ from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
 
 from ..config import Recipe
 from ..errors import RecipeError
-from .checkpoint import checkpoint_step
-from .graphs import wants_graphs
+from .runs.checkpoint import checkpoint_step
+from .devices.graphs import wants_graphs
 from .lora import check_runtime
 from .plan import Plan, make_plan
-from .precision import apply_fsdp_precision
+from .devices.precision import apply_fsdp_precision
 from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
-from .tracking import build_trackers
-from .zero import configure_deepspeed, model_build
+from .observe.tracking import build_trackers
+from .devices.zero import configure_deepspeed, model_build
 
 CPU = not torch.accelerator.is_available()
 """No accelerator: processes started by `accelerate launch --multi_gpu` (torchrun) must be told they are CPU

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import NonFiniteError
 from ..models.moe import ROUTER_LOSSES, router_outputs
 from .callbacks import local
-from .graphs import GraphReport, captures_graphs, keep
-from .checkpoint import TrainState, latest_complete, save_checkpoint
+from .devices.graphs import GraphReport, captures_graphs, keep
+from .runs.checkpoint import TrainState, latest_complete, save_checkpoint
 from .task import Task, TrainOptimizer, WindowStats, count_items
 
 

@@ -49,11 +49,11 @@ from torch.utils.data import default_collate
 
 from ..data import build_dataloaders
 from ..errors import RecipeError, did_you_mean
-from .checkpoint import export_pretrained
+from .runs.checkpoint import export_pretrained
 from .imports import import_object
 from .optim import build_optimizer, build_scheduler
 from .plan import Plan
-from .recipe_metrics import metric_functions
+from .observe.recipe_metrics import metric_functions
 
 
 @dataclass
@@ -356,7 +356,7 @@ def load_task(recipe, **extra) -> Task:
     check_metric_names(recipe, task, tuple(f.name for f in metric_functions(recipe, task)))
     if recipe.model.pretrained is not None and not type(task).__module__.startswith("s4accel."):
         raise RecipeError(f"model.pretrained: {cls.__name__} builds its own model; load pretrained weights in its "
-                          f"build_model (s4accel.training.safe_load.load_model reads them safely)")
+                          f"build_model (s4accel.training.runs.safe_load.load_model reads them safely)")
     if recipe.model.lora is not None and not type(task).__module__.startswith("s4accel."):
         raise RecipeError(f"model.lora: {cls.__name__} builds its own model; put the adapters on it in its "
                           f"build_model (peft.get_peft_model)")

@@ -21,7 +21,7 @@ from ..data import (build_array_data, build_data, build_labelled_text, collate_a
 from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
-from .class_scores import classification_scores
+from .observe.class_scores import classification_scores
 from .lora import apply_lora, require_peft
 from .pretrained import load_pretrained, locate, pretrained_config
 from .samples import write_samples

@@ -15,7 +15,7 @@ from s4accel.models import S4Config
 from s4accel.models.context_parallel import ContextParallel
 from s4accel.models.modeling_s4 import S4ForCausalLM
 from s4accel.models.moe import MoELayer
-from s4accel.training.context_parallel import split_batch
+from s4accel.training.devices.context_parallel import split_batch
 from s4accel.training.task import count_items
 
 

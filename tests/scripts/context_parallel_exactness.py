@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from s4accel.models import S4Config  # noqa: E402
 from s4accel.models.context_parallel import ContextParallel  # noqa: E402
 from s4accel.models.modeling_s4 import S4ForCausalLM, S4ForSequenceClassification  # noqa: E402
-from s4accel.training.context_parallel import split_batch  # noqa: E402
+from s4accel.training.devices.context_parallel import split_batch  # noqa: E402
 
 B, L, V = 2, 64, 40
 

@@ -13,7 +13,7 @@ import torch
 import fsdp_on_cpu  # noqa: F401  (lets Accelerate pick FSDP on CPU processes)
 from accelerate import Accelerator
 from s4accel import S4Config, S4ForCausalLM
-from s4accel.training.precision import apply_fsdp_precision
+from s4accel.training.devices.precision import apply_fsdp_precision
 
 acc = Accelerator(cpu=True)
 torch.manual_seed(0)

@@ -10,10 +10,10 @@ import warnings
 import psutil
 import torch
 
-from ..models.moe import ROUTER_COUNTS
-from .checkpoint import TrainState
+from ...models.moe import ROUTER_COUNTS
+from ..runs.checkpoint import TrainState
 from .flops import flops_per_token, peak_tflops
-from .task import TrainOptimizer
+from ..task import TrainOptimizer
 
 
 class Meter:

@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..errors import RunDirError
+from ...errors import RunDirError
 
 LOCK_NAME = ".lock"
 

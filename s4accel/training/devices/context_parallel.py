@@ -24,9 +24,9 @@ import torch
 from accelerate.utils import DistributedType
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..errors import RecipeError
-from ..models.context_parallel import ContextParallel
-from ..models.modeling_s4 import S4Model, S4PreTrainedModel
+from ...errors import RecipeError
+from ...models.context_parallel import ContextParallel
+from ...models.modeling_s4 import S4Model, S4PreTrainedModel
 
 
 @dataclass

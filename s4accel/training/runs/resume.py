@@ -11,10 +11,10 @@ from pathlib import Path
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..config import Recipe, flatten
-from ..errors import ResumeError
+from ...config import Recipe, flatten
+from ...errors import ResumeError
 from .checkpoint import TrainState, check_pickles, checkpoint_recipe, locate_checkpoint, move_aside
-from .task import TrainOptimizer
+from ..task import TrainOptimizer
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",

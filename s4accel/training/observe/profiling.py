@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from .callbacks import Callback
+from ..callbacks import Callback
 
 
 class Profile(Callback):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import ExportError
+from ...errors import ExportError
 
 FULL_WEIGHTS = "model.safetensors"
 SHARDED_WEIGHTS = "pytorch_model_fsdp_0"

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from ..errors import RunDirError
-from .console import RUN_LOG
+from ...errors import RunDirError
+from ..observe.console import RUN_LOG
 
 RUN_OUTPUTS = ("final", "final_ema", "best", "checkpoints", "metrics.jsonl", "tensorboard", "samples.txt", "tokenizer",
                "train.log", "profile")

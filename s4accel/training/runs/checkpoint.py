@@ -33,10 +33,10 @@ from accelerate.utils import DistributedType, load
 from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 
-from ..errors import CheckpointError, ResumeError
-from .lora import is_lora, save_adapter
+from ...errors import CheckpointError, ResumeError
+from ..lora import is_lora, save_adapter
 from .run_dir import replace_dir, write_atomic
-from .zero import safe_globals
+from ..devices.zero import safe_globals
 
 COMPLETE = "COMPLETE"
 

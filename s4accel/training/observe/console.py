@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 from transformers.utils import logging as hf_logging
 
-from ..errors import S4AccelError
+from ...errors import S4AccelError
 
 
 class _DropTiedWeightsNote(logging.Filter):

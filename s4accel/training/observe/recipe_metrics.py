@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import RecipeError
-from .imports import import_object
+from ...errors import RecipeError
+from ..imports import import_object
 
 GATHERED = ("prediction", "label")
 """The per-sample values a task must gather (`Task.gathered`) for the recipe's functions to score."""

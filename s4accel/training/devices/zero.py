@@ -24,7 +24,7 @@ import contextlib
 from accelerate.utils import DistributedType
 from transformers.integrations import unset_hf_deepspeed_config
 
-from ..errors import RecipeError
+from ...errors import RecipeError
 
 
 def configure_deepspeed(accelerator, recipe) -> None:

@@ -16,11 +16,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-from .._autoregister import register_auto_classes
-from ..data.tokenize import vocab_extent
-from ..errors import ModelError
-from ..models import MoEConfig, S4Config
-from .callbacks import KeepBest
+from ..._autoregister import register_auto_classes
+from ...data.tokenize import vocab_extent
+from ...errors import ModelError
+from ...models import MoEConfig, S4Config
+from ..callbacks import KeepBest
 
 # What a model directory holds besides the weights; a Hub download fetches only these (no pickles, no code). A
 # `.txt` file (a tokenizer vocabulary) is downloaded but never read as weights: only `.safetensors` files are.

@@ -28,8 +28,8 @@ from pathlib import Path
 from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, MLflowTracker, TensorBoardTracker,
                                  get_available_trackers, on_main_process)
 
-from ..config import flatten
-from ..errors import RecipeError
+from ...config import flatten
+from ...errors import RecipeError
 
 
 class JSONLTracker(GeneralTracker):

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from ..config import Recipe
-from ..data.streaming import per_process_refusal, saved_per_process
-from ..errors import ResumeError
+from ...config import Recipe
+from ...data.streaming import per_process_refusal, saved_per_process
+from ...errors import ResumeError
 from .checkpoint import TrainState, checkpoint_recipe
 
 

@@ -71,7 +71,7 @@ def apply_fsdp_precision(accelerator, model: torch.nn.Module) -> list[str]:
 def convolution_line(model: torch.nn.Module, accelerator) -> str | None:
     """The line a run prints about its S4 layers' convolution (the path, its operand dtype and chunk, as the model
     chooses them for this device and precision), or None for a model without S4 layers."""
-    from ..models.modeling_s4 import conv_plan
+    from ...models.modeling_s4 import conv_plan
 
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "s4accel-s4":
