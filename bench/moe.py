@@ -129,17 +129,10 @@ def dense_matmuls(dense: SwiGLUMLP, x: torch.Tensor, dtype: torch.dtype):
 
 class NoExperts(torch.nn.Module):
     """Stands in for `MoEExperts` in `routing_only`: no work, but the routing weights get a gradient; the layer lays
-    its pairs out as it would for the experts it replaces (`resolve`)."""
+    its pairs out as it does for the experts it replaces (sorted pairs, or `grouped_mm`'s static rows)."""
 
-    def __init__(self, experts):
-        super().__init__()
-        self.resolve = experts.resolve
-
-    def forward(self, x, token, weight, counts):
-        return weight.sum().expand_as(x)
-
-    def grouped(self, x, token, offs, pair_row, pair_weight):
-        return pair_weight.sum().expand_as(x)
+    def forward(self, x, token=None, weight=None, counts=None, rows=None):
+        return (weight if rows is None else rows[-1]).sum().expand_as(x)
 
 
 def build(args, E: int, k: int) -> dict:
@@ -182,7 +175,7 @@ def build(args, E: int, k: int) -> dict:
 
     grouped, loop = variants["grouped_mm"], variants["loop"]
     routing = copy.deepcopy(moe)
-    routing.experts = NoExperts(moe.experts)
+    routing.experts = NoExperts()
     return {"moe": pass_of(moe, moe_with_losses(moe)), "moe_grouped": pass_of(grouped, moe_with_losses(grouped)),
             "moe_loop": pass_of(loop, moe_with_losses(loop)), "dense": pass_of(dense, dense),
             "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),

@@ -327,3 +327,24 @@ def test_lora_with_freeze_or_dropout_on_parameters_is_a_recipe_error():
         load_recipe(TINY, ["model={name: s4-tiny, freeze: ['backbone.*'], lora: {target_modules: [output_linear]}}"])
     with pytest.raises(RecipeError, match=r"model\.lora\.dropout: PEFT applies no dropout to LoRA on parameters"):
         load_recipe(TINY, ["model={name: moe-tiny, lora: {dropout: 0.1, target_parameters: [experts.down_proj]}}"])
+
+
+def test_adapted_experts_give_the_same_output_on_the_gpus_dispatch_as_on_the_cpus(peft):
+    """PEFT patches the 3-D weights during the wrapped module's forward: grouped_mm's static rows go through that
+    forward too, so the adapters count on either dispatch (checked by sabotage: calling the experts' grouped path
+    past the wrapper gives the base model's output)."""
+    outputs = {}
+    for dispatch in ("fused", "grouped_mm"):
+        torch.manual_seed(0)
+        model, _ = build(peft, "moe-tiny", {"moe_dispatch": dispatch}, target_parameters=["experts.gate_up_proj",
+                                                                                           "experts.down_proj"])
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: an adapter that changes nothing would hide a bypass
+                torch.nn.init.normal_(p, std=0.5)
+        ids = torch.randint(3, 200, (2, 24))
+        with torch.no_grad():
+            outputs[dispatch] = model(input_ids=ids).logits
+            with model.disable_adapter():
+                outputs[dispatch, "base"] = model(input_ids=ids).logits
+    torch.testing.assert_close(outputs["grouped_mm"], outputs["fused"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(outputs["grouped_mm"], outputs["grouped_mm", "base"], atol=1e-3)

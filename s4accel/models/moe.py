@@ -187,6 +187,13 @@ class _SumPairs(torch.autograd.Function):
         return g.index_select(0, token), None, None, None
 
 
+def resolve_dispatch(dispatch: str, x: torch.Tensor) -> str:
+    """The dispatch an input runs: `auto` made concrete."""
+    if dispatch != "auto":
+        return dispatch
+    return "grouped_mm" if _grouped_mm_pays(x) else "fused"
+
+
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
     """Where `grouped_mm` is the fastest: CUDA (compute capability >= 8) in bf16 or float32. Measured on an H200 (one
     layer, 8,192 tokens, d_model 512, experts 1,024 wide, E = 8, k = 2, forward + backward): 3.4 ms against 10.2 ms
@@ -323,7 +330,9 @@ class MoEExperts(nn.Module):
 
     forward(x (T, D), token (P,), weight (P,), counts (E,)) -> (T, D): `out[t] = sum_p weight_p SwiGLU_{e_p}(x[t])`
     over the pairs `p` with `token_p = t`, where the P pairs are sorted by expert and `counts[e]` of them go to
-    expert `e`. Tokens without a pair get zero.
+    expert `e` (the `fused` and `loop` dispatches). Tokens without a pair get zero.
+    forward(x, rows=(token, offs, pair_row, row_weight)) -> (T, D): the same sum for `grouped_mm`, on
+    `static_layout`'s rows.
     """
 
     def __init__(self, num_experts: int, d_model: int, d_ffn: int, dispatch: str = "auto"):
@@ -334,19 +343,13 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * d_ffn, d_model))  # (E, 2F, D)
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, d_ffn))  # (E, D, F)
 
-    def resolve(self, x: torch.Tensor) -> str:
-        """The dispatch this input runs: `auto` made concrete."""
-        if self.dispatch != "auto":
-            return self.dispatch
-        return "grouped_mm" if _grouped_mm_pays(x) else "fused"
-
     def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if torch.is_autocast_enabled(x.device.type):  # grouped_mm and the 3-D weights are not autocast by torch
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return x, self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
 
-    def grouped(self, x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, pair_row: torch.Tensor,
-                row_weight: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, pair_row: torch.Tensor,
+                 row_weight: torch.Tensor) -> torch.Tensor:
         """The `grouped_mm` dispatch on `static_layout`'s rows: x (T, D) -> (T, D), no host sync. The routing weight
         scales each row's activation (F wide, before the down projection: fewer elements than its D-wide output);
         the rows are gathered from the tokens and summed back per token by gathers both ways, forward and backward,
@@ -359,28 +362,26 @@ class MoEExperts(nn.Module):
         y = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (R, D); rows of weight 0 are exact zeros
         return _SumPairs.apply(y, pair_row, token, x.shape[0])
 
-    def forward(self, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
+    def forward(self, x: torch.Tensor, token: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                counts: torch.Tensor | None = None, rows: tuple | None = None):
+        # One entry point for both layouts, so that a wrapper of this module (PEFT's LoRA on the 3-D weights, which
+        # patches them during the wrapped forward) sees every dispatch.
+        if rows is not None:
+            return self._grouped(x, *rows)
         x, gate_up, down = self._operands(x)
         weight = weight.to(x.dtype)
         if token.shape[0] == 0:  # no pair at all (all padding): the weights still join the graph, with zero gradient
             return x.new_zeros(x.shape) + 0 * (gate_up.sum() + down.sum())
-        dispatch = self.resolve(x)
-        if dispatch == "fused":
+        if resolve_dispatch(self.dispatch, x) == "fused":
             return SwiGLUExpertsFunction.apply(x, gate_up, down, token, weight, counts.tolist())  # one host sync
+        # the loop (grouped_mm runs on static_layout's rows, above)
         xs = x.index_select(0, token)  # (P, D), sorted by expert
-        if dispatch == "grouped_mm":  # pairs sorted by the caller (MoELayer itself lays them out by static_layout)
-            offs = counts.cumsum(0).to(torch.int32)  # end of each expert's slice
-            h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (P, 2F)
-            gate, up = h.chunk(2, dim=-1)
-            y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (P, D)
-        else:
-            out = []
-            # unbind, not gate_up[e]: the backward of E separate index ops would build E full-size (E, 2F, D) gradients
-            for xe, w1, w2 in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):  # one host sync
-                gate, up = F.linear(xe, w1).chunk(2, dim=-1)
-                out.append(F.linear(F.silu(gate) * up, w2))
-            y = torch.cat(out)
-        return x.new_zeros(x.shape).index_add_(0, token, y * weight[:, None])
+        out = []
+        # unbind, not gate_up[e]: the backward of E separate index ops would build E full-size (E, 2F, D) gradients
+        for xe, w1, w2 in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):  # one host sync
+            gate, up = F.linear(xe, w1).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, w2))
+        return x.new_zeros(x.shape).index_add_(0, token, torch.cat(out) * weight[:, None])
 
 
 class MoELayer(nn.Module):
@@ -401,6 +402,7 @@ class MoELayer(nn.Module):
         self.jitter = config.router_jitter
         self.capacity_factor = config.capacity_factor
         self.router = nn.Linear(d_model, self.num_experts, bias=False)
+        self.dispatch = config.moe_dispatch
         self.experts = MoEExperts(self.num_experts, d_model, config.d_ffn, config.moe_dispatch)
         n_shared = config.num_shared_experts
         self.shared_experts = SwiGLUMLP(d_model, n_shared * config.d_ffn) if n_shared else None
@@ -433,9 +435,9 @@ class MoELayer(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
 
         capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * T * k / E)
-        if self.experts.resolve(flat) == "grouped_mm":  # static shapes: no host sync in the forward or backward
-            token, offs, pair_row, row_weight, counts, dropped = static_layout(experts, weights, valid, capacity, E)
-            out = self.experts.grouped(flat, token, offs, pair_row, row_weight)
+        if resolve_dispatch(self.dispatch, flat) == "grouped_mm":  # static shapes: no host sync, forward or backward
+            *rows, counts, dropped = static_layout(experts, weights, valid, capacity, E)
+            out = self.experts(flat, rows=tuple(rows))
         else:
             out, counts, dropped = self._sorted_dispatch(flat, experts, weights, valid, capacity)
         if self.shared_experts is not None:

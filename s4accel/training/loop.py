@@ -23,25 +23,25 @@ from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
 from ..errors import RecipeError
-from .devices import context_parallel, graphs
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
-from .runs.checkpoint import TrainState
-from .observe.console import RUN_LOG, quiet_libraries
+from .devices import context_parallel, graphs
+from .devices.precision import convolution_line
+from .devices.zero import precision
 from .ending import finish
 from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
+from .observe.console import RUN_LOG, quiet_libraries
 from .observe.metrics import Meter
-from .devices.precision import convolution_line
-from .runs.preemption import StopSignals
 from .observe.profiling import Profile
+from .observe.tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
+from .runs.checkpoint import TrainState
+from .runs.preemption import StopSignals
 from .runs.resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .runs.run_dir import RunDir
 from .runs.run_lock import RunLock
+from .runs.world import World, move_to_world, plan_world_change
 from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Task, TrainOptimizer, load_task
-from .devices.zero import precision
-from .observe.tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
-from .runs.world import World, move_to_world, plan_world_change
 
 
 @dataclass(kw_only=True)

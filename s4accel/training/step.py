@@ -123,10 +123,12 @@ def backward_window(accelerator, model, window: list[dict], task: Task | None = 
     return totals
 
 
-def manual_window(accelerator, model, window: list[dict], task: Task, step: int, abort=None) -> dict | None:
+def manual_window(accelerator, model, window: list[dict], task: Task, step: int, abort=None,
+                  graphs: bool = False) -> dict | None:
     """Manual optimisation: the task's `training_step` runs on each micro-batch (its `step()` calls act on the last);
     returns this rank's share of the mean of the scalars it returned, and the gradient norms of its steps. `abort`:
-    as for `backward_window` (no optimizer has stepped before the window's last micro-batch)."""
+    as for `backward_window` (no optimizer has stepped before the window's last micro-batch). `graphs`: nothing to
+    copy, the totals are new tensors."""
     ga, n_proc = accelerator.gradient_accumulation_steps, accelerator.num_processes
     near = max(1, ga // 8)
     stats = task.context.window = WindowStats()  # what the task's step() calls record in this window
@@ -314,8 +316,7 @@ class Stepper:
         window = [self.split(next(batches)) for _ in range(cfg.grad_accum)]
         run_window = backward_window if task.automatic_optimization else manual_window
         scalars = run_window(acc, self.model, window, task, state.step,
-                             abort=self.signals.interrupted if rewind else None,
-                             **({"graphs": True} if self.graphs and task.automatic_optimization else {}))
+                             abort=self.signals.interrupted if rewind else None, graphs=self.graphs)
         if scalars is None:
             rewind(self.optimizers)
             return StepOutcome(Flags(signal=True), aborted=True)
