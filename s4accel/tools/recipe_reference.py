@@ -1,6 +1,6 @@
 """The recipe reference page, generated from the schema: every key with its type, default and docstring.
 
-    python -m s4accel.tools.recipe_reference > docs/reference/recipe.md
+    python docs/generate.py     # writes it to docs/reference/recipe.md, with the command reference
 
 The docstrings are the ones written under each field in `s4accel/config/` (read from the source, as pydantic keeps
 them only from 2.7 on); a test fails when the page and the schema drift apart.
@@ -22,7 +22,7 @@ from ..config import Recipe
 
 INTRO = """# Recipe reference
 
-Generated from the schema (`python -m s4accel.tools.recipe_reference`); do not edit by hand. A recipe is YAML with
+Generated from the schema (`python docs/generate.py`); do not edit by hand. A recipe is YAML with
 the sections below; any key can also be set on the command line with `--set section.key=value`. A key a recipe
 leaves out takes its default; `s4accel show RECIPE` prints a recipe with every default filled in. A mistake (an
 unknown key, a wrong type, a value out of range) is one line naming the key, before anything runs.
@@ -135,6 +135,3 @@ def page() -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    print(page(), end="")
