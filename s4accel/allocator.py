@@ -4,9 +4,9 @@ By default glibc serves every allocation above 128 KiB-32 MiB with its own `mmap
 trims the heap top past 128 KiB. A training step allocates and frees the same large activations every time, so each
 step page-faults them in again (zeroed pages): about 250k minor faults per forward + backward of one S4 layer at
 L=1024 here. Raising both thresholds keeps those blocks for the next step. Measured on 2 cores: the quick-start loop
-128 s -> 105 s with the same result and the same peak memory (README, "Measured"). The command line applies it to
-`s4accel train`; a program calling `s4accel.train()` decides for itself (or sets `MALLOC_MMAP_THRESHOLD_` and
-`MALLOC_TRIM_THRESHOLD_` in the environment). `S4ACCEL_KEEP_MALLOC=1` turns it off.
+128 s -> 105 s with the same result and the same peak memory (docs/explanation/measured.md). The command line
+applies it to `s4accel train`; a program calling `s4accel.train()` decides for itself (or sets
+`MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` in the environment). `S4ACCEL_KEEP_MALLOC=1` turns it off.
 """
 
 from __future__ import annotations

@@ -268,13 +268,13 @@ def test_cli_trainer_name_is_one_line_exit_2(tmp_path):
 
 
 def test_the_readme_table_of_trainer_names_is_the_one_the_errors_use():
-    """One table in the code (config/trainer_names.py); the README's lists exactly its names."""
+    """One table in the code (config/trainer_names.py); the documentation's lists exactly its names."""
     import itertools
     import re
 
     from s4accel.config.trainer_names import TRAINER_NAMES
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "reference" / "recipes.md").read_text()
     table = readme[readme.index("| transformers `TrainingArguments` |"):].splitlines()
     rows = list(itertools.takewhile(lambda line: line.startswith("|"), table))[2:]  # after the header and |---|
     names = {n for row in rows for cell in row.split("|")[1:3] for n in re.findall(r"`(\w+)`", cell)}

@@ -77,3 +77,14 @@ def test_the_recipe_reference_lists_every_key_with_its_docstring():
             row = next(line for line in page.splitlines() if line.startswith(f"| `{prefix}.{name}` |"))
             assert not row.endswith("|  |"), f"{prefix}.{name} has no docstring"
     assert "| `train.compile_mode` | " in page and "`\"default\"`" in page
+
+
+def test_the_readme_is_two_screens_opens_with_the_two_commands_and_its_links_resolve():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    first_block = readme.split("```")[1]
+    assert "make quickstart" in first_block and "make test" in first_block
+    links = re.findall(r"\]\(([^)#]+)\)", readme)
+    assert links and all((REPO / link).exists() for link in links if not link.startswith("http")), links

@@ -1,5 +1,5 @@
-"""The launchers README names, on two CPU processes (gloo): torchrun, torchrun restarting a group that lost a process,
-and what a run says under a launcher when it stops or is refused."""
+"""The launchers docs/how-to/launchers.md names, on two CPU processes (gloo): torchrun, torchrun restarting a group
+that lost a process, and what a run says under a launcher when it stops or is refused."""
 
 import os
 import re

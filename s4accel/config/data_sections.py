@@ -132,8 +132,8 @@ class DataCfg(_Where):
     padding-free collators do), so the model reads each on its own (S4: its own convolution from a zero state; the
     MoE transformer: attention within the document) and no target predicts a document's first token from the one
     before; `concat` reads a block as one text. `null` (the default): `isolated` for language-model text, because on
-    many short documents it trained a better model of each at 0.95x the speed or more (README, Data); `concat` for
-    labelled documents and sequences of numbers, which are one example each already."""
+    many short documents it trained a better model of each at 0.95x the speed or more (docs/how-to/data.md);
+    `concat` for labelled documents and sequences of numbers, which are one example each already."""
     streaming: bool = False
     """Read the source as a stream (`datasets` iterable dataset): tokenised and packed on the fly into one sequence
     of blocks that the processes take in turn (block i to process i mod P, so a run resumes on another number of

@@ -1,7 +1,7 @@
 """The names transformers.Trainer (`TrainingArguments`) and Lightning (`Trainer`, `LightningModule`) give to what a
 recipe sets, with the recipe's name for each: a user who writes `learning_rate` or `accumulate_grad_batches` in a
 recipe (or a `--set`) is told where it goes instead of getting a did-you-mean for a look-alike key (`eval_steps` is
-not `max_steps`). The README's table is this one."""
+not `max_steps`). The table in docs/reference/recipes.md is this one."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""bench/data.py runs and reports what README quotes: MB/s per method, the fast path's blocks equal to the old
-way's, the cache's bytes per token."""
+"""bench/data.py runs and reports what docs/how-to/data.md quotes: MB/s per method, the fast path's blocks equal to
+the old way's, the cache's bytes per token."""
 
 import json
 import subprocess
