@@ -88,3 +88,11 @@ def test_the_readme_is_two_screens_opens_with_the_two_commands_and_its_links_res
     assert "make quickstart" in first_block and "make test" in first_block
     links = re.findall(r"\]\(([^)#]+)\)", readme)
     assert links and all((REPO / link).exists() for link in links if not link.startswith("http")), links
+
+
+def test_the_pages_name_no_path_of_one_machine():
+    import re
+
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+    found = [(p.name, m) for p in pages for m in re.findall(r"(?:/tmp/|/home/|/root/|/work/|/Users/)\S*", p.read_text())]
+    assert not found, found

@@ -1,0 +1,82 @@
+"""Every command a tutorial shows (docs/tutorials/*.md) runs as shown, in the order shown, on this CPU: its exit
+status is 0. A command that cannot run here in seconds to a minute is listed below with the reason, and the test
+fails on a new command that is neither run nor listed."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+
+TUTORIALS = sorted((REPO / "docs" / "tutorials").glob("*.md"))
+
+NOT_RUN = {  # the start of a command (or of a Python block) -> why it is not run here
+    "s4accel train recipes/quickstart.yaml": "two minutes or more: make quickstart runs it",
+    "s4accel find-batch-size": "minutes on a CPU (it tries batch sizes up to 1,024); tests/test_finders.py runs it "
+                               "small",
+    "accelerate launch --config_file accelerate_configs/multi_gpu.yaml": "needs GPUs",
+    "s4accel train lora.yaml": "adapts the quick-start's model (two minutes to train); tests/test_lora.py runs the "
+                               "same on a smaller base",
+    "s4accel export runs/quickstart-lora": "follows the LoRA run above; tests/test_lora.py",
+    "s4accel generate merged": "follows the LoRA run above; tests/test_lora.py",
+    "s4accel push": "needs a Hub; tests/test_hub.py runs pushes against a local Hub server",
+    "python: recipes/quickstart.yaml": "trains the quick-start; tests/test_cli.py runs s4accel.train from Python",
+    "python: runs/quickstart/final": "needs the quick-start's model; tests/test_cli.py loads a trained model so",
+    "python: runs/quickstart-lora": "needs the LoRA run above; tests/test_lora.py",
+}
+
+
+def steps(page: Path) -> list[tuple[str, str]]:
+    """(kind, text) in page order: ("bash", one command), ("python", a block), ("file NAME", a recipe to write:
+    a YAML block the paragraph before it asks to save as NAME)."""
+    out, text = [], page.read_text()
+    for match in re.finditer(r"(?ms)^```(\w+)\n(.*?)^```", text):
+        kind, body = match.groups()
+        before = text[:match.start()].rstrip().split("\n\n")[-1]
+        if kind == "bash":
+            out += [("bash", line.split("  #")[0].strip()) for line in body.splitlines() if line.strip()]
+        elif kind == "python":
+            out.append(("python", body))
+        elif kind == "yaml" and (saved := re.search(r"Save this as `([^`]+)`", before)):
+            out.append((f"file {saved.group(1)}", body))
+    return out
+
+
+def excused(kind: str, text: str) -> str | None:
+    key = text if kind == "bash" else "python: " + " ".join(re.findall(r'"([^"]+)"', text))
+    return next((why for start, why in NOT_RUN.items() if key.startswith(start) or
+                 (start.startswith("python: ") and kind == "python" and start[8:] in text)), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", TUTORIALS, ids=lambda p: p.stem)
+def test_every_command_of_the_tutorial_runs_as_shown(page, tmp_path):
+    for folder in ("recipes", "accelerate_configs", "docs"):  # the repository as the tutorial's reader has it
+        (tmp_path / folder).symlink_to(REPO / folder)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    ran = 0
+    for kind, text in steps(page):
+        if kind.startswith("file "):
+            (tmp_path / kind[5:]).write_text(text)
+            continue
+        if excused(kind, text):
+            continue
+        command = ["bash", "-c", text] if kind == "bash" else [sys.executable, "-c", text]
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{text}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
+        ran += 1
+    assert ran or all(excused(k, t) for k, t in steps(page) if not k.startswith("file ")), page.name
+
+
+def test_every_tutorial_command_is_run_or_listed_with_its_reason():
+    listed = [(page.name, text) for page in TUTORIALS for kind, text in steps(page)
+              if not kind.startswith("file ") and excused(kind, text)]
+    used = {start for start in NOT_RUN for _, text in listed
+            if text.startswith(start) or (start.startswith("python: ") and start[8:] in text)}
+    assert used == set(NOT_RUN), set(NOT_RUN) - used  # no excuse outlives its command
+    assert any(page.stem == "own-text" for page in TUTORIALS) and len(TUTORIALS) >= 5
