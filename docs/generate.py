@@ -1,7 +1,7 @@
-"""Writes the reference pages that come from the code: every recipe key (from the pydantic schema) and every command
-and option (from the Typer app, as `--help` prints them).
+"""Writes the reference pages that come from the code: every recipe key (from the pydantic schema), every command
+and option (from the Typer app, as `--help` prints them) and the Python API (from the package's docstrings).
 
-    python docs/generate.py            # rewrite docs/reference/recipe.md and docs/reference/cli.md
+    python docs/generate.py            # rewrite docs/reference/recipe.md, cli.md and python.md
     python docs/generate.py --check    # exit 1 when a page differs from the code (make docs; a test does the same)
 """
 
@@ -34,6 +34,54 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
+def python_page() -> str:
+    """The public names of `import s4accel`: each one's signature and docstring, and the methods of the classes a
+    user subclasses (Task, Callback)."""
+    import inspect
+
+    import s4accel
+
+    lines = ["# Python API", "",
+             "Generated from the package (`python docs/generate.py`); do not edit by hand. Every name below is an "
+             "attribute of `s4accel` (`import s4accel`), imported when first used.", ""]
+    for name in s4accel.__all__:
+        if name == "__version__":
+            continue
+        obj = getattr(s4accel, name)
+        lines += [f"## `s4accel.{name}`", ""]
+        if callable(obj):
+            lines += ["```python", f"{name}{signature(obj)}", "```", ""]
+        doc = inspect.getdoc(obj) if inspect.isclass(obj) or callable(obj) else None
+        inherited = inspect.isclass(obj) and doc == inspect.getdoc(obj.__mro__[1])
+        if doc and not inherited and not doc.startswith(f"{name}("):  # not a dataclass's generated one
+            lines += [doc, ""]
+        if name == "MODEL_SIZES":
+            lines += ["| name | family | fields |", "|---|---|---|"]
+            lines += [f"| `{size}` | {fields['family']} | " + ", ".join(f"{k} {v}" for k, v in fields.items()
+                                                                  if k != "family") + " |"
+                      for size, fields in obj.items()]
+            lines.append("")
+        if name in ("Task", "Callback"):
+            for method, member in vars(obj).items():
+                if method.startswith("_") or not callable(member):
+                    continue
+                lines += [f"### `{name}.{method}`", "", "```python", f"{method}{signature(member)}", "```", ""]
+                if member.__doc__:
+                    lines += [inspect.cleandoc(member.__doc__), ""]
+    return "\n".join(lines)
+
+
+def signature(obj) -> str:
+    import inspect
+    import re
+
+    try:
+        text = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return "(...)"
+    return re.sub(r" at 0x[0-9a-f]+", "", text)  # a default's address changes from run to run
+
+
 def context(command, name, parent):
     ctx_class = type(command).context_class
     return ctx_class(command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH)
@@ -42,7 +90,8 @@ def context(command, name, parent):
 def pages() -> dict[Path, str]:
     from s4accel.tools.recipe_reference import page
 
-    return {DOCS / "reference" / "recipe.md": page(), DOCS / "reference" / "cli.md": cli_page()}
+    return {DOCS / "reference" / "recipe.md": page(), DOCS / "reference" / "cli.md": cli_page(),
+            DOCS / "reference" / "python.md": python_page()}
 
 
 def main(argv=None) -> int:

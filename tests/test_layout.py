@@ -157,3 +157,12 @@ def test_the_concerns_never_import_the_loop():
     wrong = [(m, t) for m, targets in imports().items() for t in targets
              if any(m.startswith(f"s4accel.training.{c}") for c in CONCERNS) and t in loop]
     assert not wrong, wrong
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/explanation/architecture.md is the map a newcomer reads: a module it does not name is one they cannot
+    find from it."""
+    page = (REPO / "docs" / "explanation" / "architecture.md").read_text()
+    missing = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" and p.name not in page]
+    assert not missing, missing
+    assert all(f"s4accel/training/{concern}/" in page for concern in CONCERNS)
