@@ -52,7 +52,8 @@ def start_line(recipe, accelerator) -> str | None:
 
 
 def skipped_parts() -> int:
-    """How many compiled graphs torch has run without CUDA graphs in this process so far."""
+    """How many compiled graphs torch has run without CUDA graphs in this process so far (inductor's own counter:
+    torch has no public way to ask, and its reason goes to a log artifact that is off by default)."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["cudagraph_skips"]
