@@ -67,3 +67,12 @@ def test_the_floor_lane_tries_exactly_the_floors_pyproject_claims():
     makefile_torch = re.search(r"^TORCH\s*\?=\s*torch==(\S+)", (repo / "Makefile").read_text(), re.M).group(1)
     assert Version(claimed.pop("torch")) <= Version(makefile_torch)  # torch's floor: the build every lane installs
     assert {k: Version(v) for k, v in pinned.items()} == {k: Version(v) for k, v in claimed.items()}
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "export", "predict", "generate", "push", "show", "lr-find"])
+def test_every_commands_help_prints_in_this_environment(command):
+    """typer before 0.16 failed every `--help` of a command with an argument on click 8.2 and newer (which pip
+    installs with it): the floor lane caught it once its typer and click met."""
+    proc = subprocess.run([sys.executable, "-m", "s4accel", command, "--help"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "100"})
+    assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: s4accel {command} [OPTIONS]"), proc.stderr[-2000:]
