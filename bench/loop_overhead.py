@@ -129,9 +129,9 @@ def collate(recipe, data):
     """The batches `s4accel train` makes of the recipe's data: with `data.packing: isolated` (the default for text)
     each block's documents are marked by `position_ids`, and the model convolves each one alone. Every loop gets the
     same batches, so that they all compute the same thing and what differs is the loop."""
-    from s4accel.data import collate_isolated, collate_lm
+    from s4accel.data import lm_collate
 
-    return collate_isolated(data.tokenizer.eos_token_id) if recipe.data.packing == "isolated" else collate_lm
+    return lm_collate(recipe.data, data.tokenizer.eos_token_id)
 
 
 def train_loader(recipe, data):

@@ -49,6 +49,12 @@ def collate_isolated(eos: int):
     return collate
 
 
+def lm_collate(cfg: DataCfg, eos: int):
+    """A language model's batches as `data.packing` says: `isolated` marks where each document starts
+    (`collate_isolated`), `concat` reads a block as one text (`collate_lm`)."""
+    return collate_isolated(eos) if cfg.packing == "isolated" else collate_lm
+
+
 def collate_fn(cfg: DataCfg):
     """Examples -> a batch: packed text blocks (`collate_lm`) or labelled sequences of numbers (`collate_arrays`).
     Labelled documents are padded per batch: their collation comes with their data (`collate_labelled_text`)."""

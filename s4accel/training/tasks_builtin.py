@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from ..config import ModelCfg
 from ..config.sizes import MODEL_SIZES
 from ..data import (build_array_data, build_data, build_labelled_text, collate_arrays, collate_labelled_text,
-                    collate_isolated, collate_lm, data_spec, stream_loader,
+                    data_spec, lm_collate, stream_loader,
                     token_byte_and_char_counts)
 from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
@@ -93,9 +93,8 @@ class CausalLMTask(BuiltinTask):
             self.stream.accelerator = acc  # an earlier version's per-process state is gathered into checkpoints
         if self.recipe.train.state.mode != "none":  # the rows' recurrent state, carried from chunk to chunk
             self.carried = CarriedState(self.recipe.train.state, acc)
-        self.collate = collate_lm
-        if self.recipe.data.packing == "isolated":  # where each document starts, for the model to read it alone
-            self.collate = collate_isolated(self.data.tokenizer.eos_token_id)
+        # where each document starts, for the model to read it alone (data.packing: isolated)
+        self.collate = lm_collate(self.recipe.data, self.data.tokenizer.eos_token_id)
         return TaskData(self.data.train, self.data.val, self.collate, self.data.tokenizer, "tokens",
                         self.data.n_train_tokens, self.data.n_val_tokens)
 
