@@ -114,7 +114,7 @@ def test_lm_eval_scores_are_the_models_own_loglikelihoods_and_greedy_generations
 
 @pytest.mark.slow
 def test_the_lm_eval_command_and_s4accel_eval_give_the_same_scores(models, tmp_path, at_repo):
-    """The `lm_eval` command of docs/how-to/use-and-share.md (the model's own saved code, no s4accel import) and
+    """The `lm_eval` command of docs/how-to/lm-eval.md (the model's own saved code, no s4accel import) and
     `s4accel eval --lm-eval`."""
     from s4accel.tools.harness import lm_eval_model
 
