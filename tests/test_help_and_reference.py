@@ -97,3 +97,22 @@ def test_the_pages_name_no_path_of_one_machine():
     roots = "|".join(f"/{name}/" for name in ("tmp", "home", "root", "work", "Users"))  # where one machine's files are
     found = [(p.name, m) for p in pages for m in re.findall(rf"(?:{roots})\S*", p.read_text())]
     assert not found, found
+
+
+@pytest.mark.parametrize("mistake", ["a page left out of the navigation", "a link to a heading that does not exist"])
+def test_the_site_build_fails_on_a_page_nobody_can_reach_or_a_broken_anchor(tmp_path, mistake):
+    """What a newcomer would hit as a dead end fails `make docs` (mkdocs reports both as info unless told)."""
+    import shutil
+
+    pytest.importorskip("mkdocs")
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    if mistake.startswith("a page"):
+        (tmp_path / "docs" / "how-to" / "orphan.md").write_text("# Nobody links here\n")
+    else:
+        page = tmp_path / "docs" / "how-to" / "packing.md"
+        page.write_text(page.read_text() + "\nSee [nothing](../explanation/measured.md#no-such-heading).\n")
+    env = {"NO_MKDOCS_2_WARNING": "1", "PATH": str(Path(sys.executable).parent)}
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode != 0 and ("orphan.md" in proc.stderr or "no-such-heading" in proc.stderr), proc.stderr
