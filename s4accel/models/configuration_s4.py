@@ -197,10 +197,6 @@ class S4Config(PreTrainedConfig):
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min}, dt_max={self.dt_max}")
 
-    def validate_attentions(self):
-        if self.output_attentions:
-            raise ValueError("S4 models have no attention weights: output_attentions is not supported")
-
     def validate_dropout(self):
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")

@@ -161,6 +161,10 @@ class MoEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
 
+    def __init__(self, config: MoEConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        self._keep_in_fp32_modules_strict = ["router"] if config.use_moe else []  # the dense baseline has none
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -249,13 +249,16 @@ class _SSMKernel(nn.Module):
     def __init__(self, config: S4Config):
         super().__init__()
         self.config = config
+        # Every parameter is made float32 here, whatever the default dtype: transformers (5.24 and newer) builds a
+        # model under the dtype it is loaded in and keeps `_keep_in_fp32_modules_strict` float32 only where
+        # `__init__` made it so.
         H, N2 = config.d_model, config.d_state // 2
         S = config.n_ssm or H
         self.copies = H // S  # channels per SSM copy
-        self.log_dt = nn.Parameter(torch.empty(H))
-        self.log_A_real = nn.Parameter(torch.empty(S, N2))
-        self.A_imag = nn.Parameter(torch.empty(S, N2))
-        self.C = nn.Parameter(torch.empty(2 if config.bidirectional else 1, H, N2, 2))
+        self.log_dt = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.log_A_real = nn.Parameter(torch.empty(S, N2, dtype=torch.float32))
+        self.A_imag = nn.Parameter(torch.empty(S, N2, dtype=torch.float32))
+        self.C = nn.Parameter(torch.empty(2 if config.bidirectional else 1, H, N2, 2, dtype=torch.float32))
 
     def _per_channel(self, t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(self.copies, dim=0) if self.copies > 1 else t  # (S, ...) -> (H, ...)
@@ -440,8 +443,8 @@ class S4Kernel(_SSMKernel):
     def __init__(self, config: S4Config):
         super().__init__(config)
         S, N2 = self.A_imag.shape
-        self.P = nn.Parameter(torch.empty(S, N2, 2))
-        self.B = nn.Parameter(torch.empty(S, N2, 2))
+        self.P = nn.Parameter(torch.empty(S, N2, 2, dtype=torch.float32))
+        self.B = nn.Parameter(torch.empty(S, N2, 2, dtype=torch.float32))
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -940,11 +943,16 @@ class S4PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["S4Block"]
     # Float32 whatever the dtype a user loads the model in, and their own float32 FSDP unit under mixed precision:
     # the SSM parameters (Im A ~100, where bfloat16 steps by 0.5) and the MoE router (its softmax decides routing).
+    # Set per model in __init__ to what its config builds (transformers checks that every name is a module).
     _keep_in_fp32_modules_strict = ["kernel", "router"]
     supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
     # As Mamba: the state cannot be rolled back to an earlier position, so generate() refuses assisted and
     # prompt-lookup decoding (which must discard rejected candidate tokens) with its own message.
     _is_stateful = True
+
+    def __init__(self, config: S4Config, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        self._keep_in_fp32_modules_strict = ["kernel"] + (["router"] if config.ffn == "moe" else [])
 
     def set_context_parallel(self, parallel: ContextParallel | None) -> None:
         """Read every sequence given to `forward` as this process's chunk of a longer one split across the
@@ -1024,7 +1032,8 @@ class S4Model(S4PreTrainedModel):
         use_cache (`bool`, *optional*): Return the states after the last position in `cache` (updated in place when
             one was given). Default: `config.use_cache` when continuing from `cache`, else False (the state after a
             convolution costs a second pass over the sequence).
-        output_attentions (`bool`, *optional*): Refused: an S4 model has no attention weights.
+        output_attentions (`bool`, *optional*): Refused when True: an S4 model has no attention weights (the
+            config's `output_attentions` is accepted and returns none).
         cache_params (`S4Cache`, *optional*): The name of `cache` before transformers 5.24, still accepted.
         position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Documents packed into
             a row, as transformers' padding-free collators mark them: a position whose id is 0 starts a document,
@@ -1033,7 +1042,7 @@ class S4Model(S4PreTrainedModel):
             Only where the ids are 0 is read.
         """
         cache = one_cache(cache, cache_params=cache_params)
-        if output_attentions or (output_attentions is None and self.config.output_attentions):
+        if output_attentions:  # asked by this call; `config.output_attentions` alone returns none, as Mamba does
             raise ValueError("S4 models have no attention weights: output_attentions is not supported")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states

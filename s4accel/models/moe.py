@@ -401,7 +401,7 @@ class MoELayer(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.jitter = config.router_jitter
         self.capacity_factor = config.capacity_factor
-        self.router = nn.Linear(d_model, self.num_experts, bias=False)
+        self.router = nn.Linear(d_model, self.num_experts, bias=False, dtype=torch.float32)  # float32 always
         self.dispatch = config.moe_dispatch
         self.experts = MoEExperts(self.num_experts, d_model, config.d_ffn, config.moe_dispatch)
         n_shared = config.num_shared_experts

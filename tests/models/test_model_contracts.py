@@ -204,16 +204,71 @@ def test_moe_transformer_generate_returns_the_attention_weights_of_every_step():
     assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=3, **GREEDY))
 
 
-def test_s4_models_refuse_output_attentions_with_one_clear_message(s4_tester):
+def test_s4_configs_accept_output_attentions_and_the_models_return_none_unless_a_call_asks(s4_tester, tmp_path):
+    """Every transformers config takes its common attributes, so code that sets `output_attentions` on any model
+    (a pipeline, an evaluation harness, `from_pretrained(..., output_attentions=True)`) must not fail at configuration
+    time: an S4 model, which has no attention, returns none, as Mamba does. A call that asks for them itself is
+    refused at forward time, in one clear message."""
+    from transformers import AutoModelForCausalLM
+
     ids = s4_tester.ids()
     for cls in s4_tester.classes():
+        model = s4_tester.model(cls, output_attentions=True)
+        out = model(ids)
+        assert getattr(out, "attentions", None) is None
+        torch.testing.assert_close(out[0], s4_tester.model(cls)(ids)[0], rtol=0, atol=0)
         with pytest.raises(ValueError, match="S4 models have no attention weights"):
-            s4_tester.model(cls)(ids, output_attentions=True)
-    with pytest.raises(StrictDataclassError, match="S4 models have no attention weights"):
-        s4_tester.config(output_attentions=True)
+            model(ids, output_attentions=True)
+    s4_tester.model().save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, output_attentions=True)
+    assert loaded.config.output_attentions and loaded.generate(ids, max_new_tokens=2, **GREEDY).shape[1] == 11
     with pytest.raises(ValueError, match="S4 models have no attention weights"):
         s4_tester.model().generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True,
                                    **GREEDY)
+
+
+# ---------------------------------------------------------------------------------------------------- precision
+
+
+def fp32_module_names(model):
+    """The modules whose parameters transformers keeps float32 (`_keep_in_fp32_modules_strict`, matched as it
+    matches them: a name is a component of the module's dotted path)."""
+    names = model._keep_in_fp32_modules_strict
+    return {n for n, _ in model.named_modules() if names & set(n.split("."))}
+
+
+def test_every_name_kept_in_float32_is_a_module_the_model_has(tester):
+    """transformers' own check: a name in `_keep_in_fp32_modules_strict` that matches no module (`router` on an S4
+    model without experts) is a contract error, so the list is made per config."""
+    for cls in tester.classes():
+        model = tester.model(cls)
+        for name in model._keep_in_fp32_modules_strict:
+            assert any(name in n.split(".") for n, _ in model.named_modules()), (cls.__name__, name)
+        assert fp32_module_names(model)  # an S4 kernel or a router in every variant
+
+
+@pytest.mark.parametrize("how", ["built under a bfloat16 default dtype", "from_pretrained(dtype=torch.bfloat16)"])
+def test_the_modules_kept_in_float32_are_float32_however_the_model_is_made(tester, how, tmp_path):
+    """Their float32 dtype is written in `__init__`: transformers 5.24 builds a model under the requested dtype and
+    keeps only what `__init__` made float32 (before, the SSM parameters and the router came out bfloat16 there)."""
+    for cls in tester.classes():
+        if how.startswith("built"):
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = tester.model(cls)
+            finally:
+                torch.set_default_dtype(default)
+        else:
+            tester.model(cls).save_pretrained(tmp_path / cls.__name__)
+            model = cls.from_pretrained(tmp_path / cls.__name__, dtype=torch.bfloat16)
+        kept = fp32_module_names(model)
+        for name, p in model.named_parameters():
+            inside = any(name.startswith(m + ".") for m in kept)
+            assert p.dtype == (torch.float32 if inside else torch.bfloat16), (cls.__name__, name, p.dtype)
+        ids = tester.ids()
+        with torch.no_grad():
+            assert torch.isfinite(model(ids)[0].float()).all()
 
 
 # ---------------------------------------------------------------------------------------------------- loss
