@@ -37,6 +37,22 @@ def test_yaml_1_1_exponent_without_dot_still_parses_as_float(tmp_path):
     assert load_recipe(write(tmp_path, "optim: {lr: 1e-3}\n")).optim.lr == 1e-3
 
 
+@pytest.mark.parametrize("value", ["no", "off", "false"])
+def test_no_and_off_mean_no_mixed_precision_in_a_file_and_in_set(tmp_path, value):
+    """YAML 1.1 reads `no` and `off` as false; the documented `mixed_precision: no` must not be refused for it."""
+    assert load_recipe(write(tmp_path, f"train: {{mixed_precision: {value}}}\n")).train.mixed_precision == "no"
+    assert load_recipe(TINY, [f"train.mixed_precision={value}"]).train.mixed_precision == "no"
+
+
+def test_yes_no_on_off_are_words_where_text_is_expected_and_booleans_where_a_flag_is(tmp_path):
+    """Recipes follow YAML 1.2: only true and false are booleans, so `run.name: no` is the name "no"; a flag still
+    takes yes/no/on/off."""
+    recipe = write(tmp_path, "run: {name: no, overwrite: yes}\nlog: {progress_bar: off}\n")
+    r = load_recipe(recipe, ["sample.prompts=[on, yes]"])
+    assert r.run.name == "no" and r.run.overwrite is True and r.log.progress_bar is False
+    assert r.sample.prompts == ["on", "yes"]
+
+
 def test_set_overrides_take_precedence_and_are_yaml_parsed(tmp_path):
     path = write(tmp_path, "optim: {lr: 1.0e-2}\n")
     r = load_recipe(path, ["optim.lr=5e-4", "train.mixed_precision=bf16", "log.log_with=[jsonl]",

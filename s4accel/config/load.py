@@ -4,6 +4,7 @@ did-you-mean for a near miss)."""
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,15 @@ class _RecipeLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# YAML 1.2's booleans: true and false only. PyYAML follows YAML 1.1, where yes/no/on/off are booleans too, so the
+# documented `mixed_precision: no` arrived as False and a run named `no` as a flag. A flag still takes those words:
+# pydantic reads "yes"/"no"/"on"/"off" as booleans where a field is one.
+_BOOL = "tag:yaml.org,2002:bool"
+_RecipeLoader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+                                         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_RecipeLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def _count_values(tree, limit: int) -> int:
@@ -119,7 +129,7 @@ def _apply_override(raw: dict, item: str) -> None:
     if not sep or not all(parts):
         raise RecipeError(f"--set {_short(item)}: expected section.key=value, e.g. optim.lr=1e-3")
     try:
-        parsed = yaml.safe_load(value)
+        parsed = yaml.load(value, Loader=_RecipeLoader)
     except yaml.YAMLError:
         parsed = value  # not YAML: keep the raw string, validation will say if a string does not fit
     node = raw

@@ -72,6 +72,11 @@ class TrainCfg(_Section):
     """Micro-batches per optimizer step; the loss is normalised by the real token count of the whole window."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
     """Autocast dtype; `null` takes it from the accelerate config / `accelerate launch --mixed_precision`."""
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _off_is_no(cls, value):
+        return "no" if value is False or value == "off" else value  # `mixed_precision: off` / `false`: none
     clip_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value (the norm is logged either way)."""
     clip_grad_value: float | None = Field(None, gt=0)
