@@ -188,3 +188,53 @@ def test_mlflow_whose_store_goes_away_mid_run_is_retried_then_dropped_and_the_ru
     assert dropped == [f"tracker 'mlflow': log failed (Exception: '{store}' does not exist.); disabled, training goes "
                        f"on without it"]  # after its retries, one line
     assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, 7))
+    import mlflow
+
+    assert mlflow.active_run() is None  # closed when dropped: a next run in this process (a notebook) can start one
+
+
+def wandb_projects(run_dir) -> list[tuple[str, str]]:
+    """(project, run name) of each W&B offline run file of a run directory."""
+    return [(record.run.project, record.run.display_name)
+            for f in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+            for record in wandb_records(f) if record.WhichOneof("record_type") == "run"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["log.project", "tracker_kwargs", "environment"])
+def test_runs_of_one_project_are_grouped_and_keep_their_own_names_and_local_logs(stores, text, how, monkeypatch,
+                                                                                  tmp_path):
+    """Two runs of one project: one W&B project, one MLflow experiment, one trackio project, each run under its own
+    name; said with `log.project`, with the trackers' own keywords in `log.tracker_kwargs` (which used to pass the
+    check and then fail at start with "multiple values for keyword argument 'project'"), or with the environment
+    variables the trackers honour. Naming only remote trackers still writes metrics.jsonl (the card's curve)."""
+    if not BACKENDS:
+        pytest.skip("no tracker package installed (pip install 's4accel[trackers]')")
+    project = f"group-{how.replace('.', '-')}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # stores of its own: another test
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))                # removes the module's MLflow store
+    extra = {"log.project": [f"log.project={project}"], "environment": [],
+             "tracker_kwargs": [f"log.tracker_kwargs={{wandb: {{project: {project}}}, mlflow: {{experiment_name: "
+                                f"{project}}}, trackio: {{project: {project}}}}}"]}[how]
+    if how == "environment":
+        for variable in ("WANDB_PROJECT", "MLFLOW_EXPERIMENT_NAME"):  # trackio reads none
+            monkeypatch.setenv(variable, project)
+    for name in ("first", "second"):
+        out = tmp_path / name
+        result = train_in_process("recipes/s4_tiny_debug.yaml", [
+            *recipe(text, out), f"run.name={name}", "train.max_steps=2", "train.eval_every=0",
+            f"log.log_with=[{', '.join(BACKENDS)}]", *extra])
+        assert result.steps == 2
+        assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2]
+        if "wandb" in BACKENDS:
+            assert wandb_projects(out) == [(project, name)]
+    if "mlflow" in BACKENDS:
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+        runs = client.search_runs([client.get_experiment_by_name(project).experiment_id])
+        assert sorted(r.info.run_name for r in runs) == ["first", "second"]
+    if "trackio" in BACKENDS and how != "environment":
+        from trackio.sqlite_storage import SQLiteStorage
+
+        assert len(SQLiteStorage.get_runs(project)) == 2

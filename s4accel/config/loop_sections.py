@@ -192,7 +192,12 @@ class LogCfg(_Section):
     log_with: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
     """Trackers: `tensorboard` (event files under `<run_dir>/tensorboard`), `jsonl` (`<run_dir>/metrics.jsonl`), any
     of Accelerate's by name (`wandb`, `mlflow`, `aim`, `comet_ml`, `clearml`, `dvclive`, `swanlab`, `trackio`; their
-    package installed), or your own `GeneralTracker` as `module:Class`. A tracker that fails never stops training."""
+    package installed), or your own `GeneralTracker` as `module:Class`. `metrics.jsonl` is written whatever the list
+    (the model card's curve and `s4accel push` read it). A tracker that fails never stops training."""
+    project: str | None = None
+    """The project (W&B, trackio, Comet, SwanLab, ClearML) or experiment (MLflow) that groups this run with others;
+    each run keeps `run.name` as its own name there. `null`: the tracker's environment variable (`WANDB_PROJECT`,
+    `MLFLOW_EXPERIMENT_NAME`, `COMET_PROJECT_NAME`, `CLEARML_PROJECT`) where it is set, else `run.name`."""
     tracker_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Extra constructor arguments per tracker name, e.g. `{wandb: {entity: me}}`."""
     tracker_retries: int = Field(3, ge=1)

@@ -103,6 +103,11 @@ class ResumedMLflowTracker(MLflowTracker):
     resumed run's recipe differs from the first start's at least in a callback or an override, which made every
     resume drop MLflow. It logs the parameters its MLflow run does not have yet; recipe.yaml has the rest."""
 
+    def __init__(self, experiment_name: str | None = None, *args, **kwargs):
+        super().__init__(experiment_name, *args, **kwargs)
+        if experiment_name:  # Accelerate lets MLFLOW_EXPERIMENT_NAME replace a name given here: the recipe's wins
+            self.experiment_name = experiment_name
+
     @on_main_process
     def store_init_configuration(self, values: dict):
         import mlflow
@@ -150,6 +155,11 @@ class GuardedTracker(GeneralTracker):
                 if attempt + 1 < self.retries:
                     self.sleep(self.backoff_s * 2**attempt)
         self.disabled = True
+        if what != "finish" and self.inner is not None:
+            try:  # close what it opened: an MLflow run left active refuses the next run started in this process
+                self.inner.finish()
+            except Exception:
+                pass
         detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
         warnings.warn(f"tracker {self.name!r}: {what} failed ({type(error).__name__}: {detail}); disabled, "
                       "training goes on without it", stacklevel=2)
@@ -235,26 +245,44 @@ def check_tracker_kwargs(log_cfg) -> None:
                                   f"{name} takes {', '.join(allowed) or 'no arguments'}")
 
 
+PROJECT = {"wandb": ("project", "WANDB_PROJECT"), "trackio": ("project", None), "swanlab": ("project", None),
+           "comet_ml": ("project_name", "COMET_PROJECT_NAME"), "clearml": ("project_name", "CLEARML_PROJECT"),
+           "mlflow": ("experiment_name", "MLFLOW_EXPERIMENT_NAME")}
+"""Trackers that group runs: the keyword of their own API that names the group, and the environment variable they
+read it from. Accelerate passes its first argument as the group (its `project_name`), so without this every run was a
+project of its own and `WANDB_PROJECT` went unread; the same keyword in `log.tracker_kwargs` collided with it."""
+
+RUN_NAME = {"wandb": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
+"""The keyword under which those trackers take the run's own name (`run.name`)."""
+
+
 def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: int | None = None,
-                   kwargs: dict[str, dict] | None = None, retries: int = 3,
-                   backoff_s: float = 0.5) -> list[GeneralTracker]:
-    """The trackers a recipe names, each guarded; `resume_step` when resuming from a checkpoint of that step;
-    `kwargs[name]`: extra constructor arguments (e.g. `{"wandb": {"entity": "me"}}`)."""
+                   kwargs: dict[str, dict] | None = None, retries: int = 3, backoff_s: float = 0.5,
+                   project: str | None = None) -> list[GeneralTracker]:
+    """The trackers a recipe names, each guarded, and JSON Lines always (the card's curve reads it); `resume_step`
+    when resuming from a checkpoint of that step; `kwargs[name]`: extra constructor arguments (e.g.
+    `{"wandb": {"entity": "me"}}`); `project`: the group of runs (`log.project`)."""
     kwargs = kwargs or {}
+    names = [*names, *(["jsonl"] if "jsonl" not in names else [])]
 
     def maker(name: str) -> Callable[[str | None], GeneralTracker]:
-        extra = kwargs.get(name, {})
+        extra = dict(kwargs.get(name, {}))
         if name == "tensorboard":
             return lambda run_id: FastTensorBoardTracker("tensorboard", run_dir, resume_step=resume_step, **extra)
         if name == "jsonl":
             return lambda run_id: JSONLTracker(run_name, run_dir, resume_step=resume_step)
+        keyword, variable = PROJECT.get(name, (None, None))
+        group = extra.pop(keyword, None) or project or (variable and os.environ.get(variable)) or run_name
+        if name in RUN_NAME:
+            extra.setdefault(RUN_NAME[name], run_name)
 
         def make(run_id: str | None):  # Accelerate's own convention: (project name[, logging dir], **kwargs)
             cls = ResumedMLflowTracker if name == "mlflow" else tracker_class(name)
             own = {**same_run(name, run_id, run_name, run_dir), **extra}
+            first = group if keyword else run_name
             if getattr(cls, "requires_logging_directory", False):
-                return cls(run_name, str(run_dir), **own)
-            return cls(run_name, **own)
+                return cls(first, str(run_dir), **own)
+            return cls(first, **own)
 
         return make
 
