@@ -90,6 +90,10 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
                  if "tflops" in rate else "")
         line = (f"done: {result.steps} steps in {result.loop_seconds:.1f}s{speed}{why}; {metrics}; model in "
                 f"{result.final_dir}")
+        if result.best is not None:  # where the best model is, when final/ does not say it already
+            path, step, metric, value = result.best
+            said = f"step {step}, {metric} {value:.4f}"
+            line += f" (the best: {said})" if result.final_is_best else f"; best model ({said}) in {path}"
     typer.echo(line)
     append_to_log(result.run_dir, line)
 

@@ -265,7 +265,7 @@ def test_a_trainer_or_lightning_name_is_answered_with_the_recipes_name_for_it(tm
 @pytest.mark.parametrize("item, name, place", [
     ("fp16=true", "fp16", "train.mixed_precision: fp16"), ("train.bf16=true", "bf16", "train.mixed_precision: bf16"),
     ("report_to=[wandb]", "report_to", "log.log_with"), ("log.report_to=[wandb]", "report_to", "log.log_with"),
-    ("train.load_best_model_at_end=true", "load_best_model_at_end", "checkpoint.keep_best"),
+    ("train.load_best_model_at_end=true", "load_best_model_at_end", "checkpoint.best_at_end"),
     ("data.per_device_train_batch_size=8", "per_device_train_batch_size", "data.batch_size"),
     ("num_train_epochs=3", "num_train_epochs", "train.max_epochs"),
     ("train.learning_rate=1e-3", "learning_rate", "optim.lr"),

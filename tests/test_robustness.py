@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import (TINY, callback_override, final_weights, read_metrics, run_cli,
+from helpers import (TINY, callback_override, final_weights, read_metrics, run_cli, sets,
                       train_in_process)
 from s4accel.errors import NonFiniteError, RecipeError, RunDirError
 
@@ -150,3 +150,32 @@ def test_endurance_many_checkpoints_bounded_disk_flat_memory(text, tmp_path):
     assert not list(out.rglob(".*tmp*"))
     rss = {r["step"]: r["train/rss_mb"] for r in read_metrics(out) if "train/rss_mb" in r}
     assert rss[150] - rss[30] < 30, rss  # 60 checkpoints and 12 evaluations later, memory has not grown
+
+
+def test_best_at_end_makes_final_the_best_model_and_the_last_line_says_where_the_best_is(text, tmp_path):
+    """What Trainer users know as `load_best_model_at_end`: with `checkpoint.best_at_end`, final/ (what push, eval
+    and from_pretrained read) holds the best model's weights, not the last ones. Without it, the last line still says
+    where the best model is when final/ is not it."""
+    from safetensors.torch import load_file
+
+    steps = ("train.eval_every=2", "train.max_steps=6", "checkpoint.keep_best=1", "checkpoint.best_metric=loss",
+             "checkpoint.best_mode=max")  # the highest loss ranks first: the untrained step 2, never the last step
+    proc = run_cli("train", TINY, *sets(*base(text, tmp_path / "last", *steps)))
+    assert proc.returncode == 0, proc.stderr
+    evals = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path / "last") if "eval/loss" in r}
+    best = max(evals, key=evals.get)
+    assert best != 6
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.endswith(f"; best model (step {best}, loss {evals[best]:.4f}) in "
+                         f"{tmp_path / 'last' / 'best' / f'step_{best:08d}'}"), line
+    proc = run_cli("train", TINY, *sets(*base(text, tmp_path / "best", *steps, "checkpoint.best_at_end=true")))
+    assert proc.returncode == 0, proc.stderr
+    final, kept = tmp_path / "best" / "final", tmp_path / "best" / "best" / f"step_{best:08d}"
+    a, b = load_file(final / "model.safetensors"), load_file(kept / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.endswith(f"model in {final} (the best: step {best}, loss {evals[best]:.4f})"), line
+    from s4accel.config import load_recipe
+
+    with pytest.raises(RecipeError, match="checkpoint.best_at_end: needs checkpoint.keep_best"):
+        load_recipe(TINY, ["checkpoint.best_at_end=true", "checkpoint.keep_best=0"])

@@ -168,6 +168,16 @@ class CheckpointCfg(_Section):
     """Eval metric ranking the best models (see EVAL_METRICS)."""
     best_mode: Literal["min", "max"] = "min"
     """Whether a lower (`min`) or a higher (`max`) `best_metric` is better."""
+    best_at_end: bool = False
+    """At the end, `final/` (what `push`, `eval` and `from_pretrained` read) holds the best model kept by
+    `keep_best` instead of the last weights: transformers.Trainer's `load_best_model_at_end`."""
+
+    @model_validator(mode="after")
+    def _best_needs_keeping(self):
+        if self.best_at_end and not self.keep_best:
+            raise ValueError("checkpoint.best_at_end: needs checkpoint.keep_best >= 1 (the best model is one of "
+                             "those kept)")
+        return self
 
 
 class CallbackCfg(_Section):

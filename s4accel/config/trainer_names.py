@@ -57,7 +57,7 @@ TRAINER_NAMES: dict[str, tuple[str, str]] = {
     "save_strategy": (HF, "checkpoint.every_steps (in optimizer steps)"),
     "save_total_limit": (HF, "checkpoint.keep_last"),
     "enable_checkpointing": (PL, "checkpoint.every_steps (0: none)"),
-    "load_best_model_at_end": (HF, "checkpoint.keep_best (best/ holds the best models; push --best uploads one)"),
+    "load_best_model_at_end": (HF, "checkpoint.best_at_end: true, with checkpoint.keep_best: 1"),
     "metric_for_best_model": (HF, "checkpoint.best_metric"),
     "greater_is_better": (HF, "checkpoint.best_mode: max"),
     "logging_steps": (HF, "log.log_every"),

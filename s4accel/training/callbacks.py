@@ -311,3 +311,28 @@ class KeepBest(Callback):
             for _, old in self.ranked(run.run_dir)[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
         run.accelerator.wait_for_everyone()
+
+
+def best_model(run: RunContext, ck) -> tuple[tuple[Path, int, str, float] | None, bool]:
+    """At the end of a run: the best model `checkpoint.keep_best` kept (its directory, step, metric and value; `ck`
+    is the recipe's `checkpoint` section), and whether `final/` is it: copied over the last weights with
+    `checkpoint.best_at_end` (by the main process, staged beside it and swapped in by renames, so a crash never
+    leaves a half-copied `final/`), or the last weights being the best (not EMA weights ranked by an `ema_*`)."""
+    ranked = KeepBest(ck.keep_best, ck.best_metric, ck.best_mode).ranked(run.run_dir) if ck.keep_best else []
+    if not ranked:
+        return None, False
+    value, path = ranked[0]
+    best = (path, json.loads((path / "metrics.json").read_text())["step"], ck.best_metric, value)
+    if ck.best_at_end:
+        if run.accelerator.is_main_process:
+            final = run.run_dir / "final"
+            staged, old = final.with_name(".final.best"), final.with_name(".final.last")
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.copytree(path, staged)
+            (staged / "metrics.json").unlink(missing_ok=True)  # the ranking's record: best/ keeps it
+            final.rename(old)
+            staged.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        run.accelerator.wait_for_everyone()
+        return best, True
+    return best, best[1] == run.state.step and not ck.best_metric.startswith("ema_")

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
 from ..errors import RecipeError
-from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, load_callback
+from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, best_model, load_callback
 from .devices import context_parallel, graphs
 from .devices.precision import convolution_line
 from .devices.zero import precision
@@ -65,6 +65,10 @@ class TrainResult:
     """The last checkpoint written."""
     preempted: bool = False
     """Stopped by SIGTERM/SIGINT: a checkpoint was saved and `--resume` continues the run."""
+    best: tuple[Path, int, str, float] | None = None
+    """With `checkpoint.keep_best`: the best model's directory, step, ranking metric and its value."""
+    final_is_best: bool = False
+    """`final/` holds the best model (`checkpoint.best_at_end`), or the last weights were the best."""
 
 
 def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (), resume: str | None = None,
@@ -161,6 +165,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
     if not preempted:
         result.final_dir, result.samples = export_final(run, callbacks)
+        result.best, result.final_is_best = best_model(run, recipe.checkpoint)
     # 5. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
     # all are still here, then the group is destroyed. Freed after one process had exited, it waited forever for it.
     del model, run, step, batches
