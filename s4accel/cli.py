@@ -69,7 +69,18 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     resolved = load_recipe(recipe, overrides or [])
     from .tools.run import train as run_training
 
-    result = run_training(resolved, resume=resume, force=force)
+    try:
+        result = run_training(resolved, resume=resume, force=force)
+    except KeyboardInterrupt:  # a second Ctrl-C, or a SIGTERM well after the first: stopped where it was
+        if os.environ.get("RANK", "0") == "0":
+            from .training.runs.checkpoint import latest_complete
+
+            kept = latest_complete(resolved.run.dir) if resolved.run.dir.is_dir() else None
+            command, on = continue_command(resolved.run.dir)
+            where = f"last complete checkpoint {kept}; continue with{on}: {command}" if kept else \
+                "no checkpoint had been written"
+            typer.echo(f"second signal: stopped at once without saving; {where}", err=True)
+        raise typer.Exit(130) from None
     if not result.is_main_process:
         return
     from .training.observe.console import append_to_log

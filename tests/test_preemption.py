@@ -73,8 +73,11 @@ def test_a_run_stuck_where_the_loop_never_checks_stops_at_a_second_sigterm(tmp_p
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode != 0 and "Traceback" not in err, err[-2000:]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+    assert err.strip().splitlines()[-1] == (  # one line, last: what happened and how to go on
+        f"second signal: stopped at once without saving; last complete checkpoint {out / 'checkpoints'}/"
+        f"step_00000002; continue with: s4accel train {out} --resume")
 
 
 @pytest.mark.slow
