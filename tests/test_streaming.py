@@ -110,6 +110,22 @@ def test_a_sorted_stream_is_shuffled_by_the_seed_and_read_in_file_order_without_
     assert {f for block in in_order for f in block} == {0, 1}, in_order
 
 
+def test_a_stream_of_one_file_says_in_one_line_that_only_the_buffer_shuffles_it(corpus, tmp_path, hf_cache):
+    """One sorted file streams nearly in order (4.51 bits per byte at step 100 against 3.50 map-style, reported): the
+    run says so at its start, and what to do; a corpus of several files does not get the line."""
+    from helpers import run_cli, sets
+
+    one = corpus / "docs_0.jsonl"
+    for files, expected in (([str(one)], 1), ([str(corpus)], 0)):
+        proc = run_cli("train", TINY, *sets(*streamed(corpus, tmp_path / f"r{expected}", f"data.files=[{files[0]}]",
+                                                      "train.max_steps=1", "checkpoint.every_steps=0")))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        notes = [line for line in proc.stdout.splitlines() if "one shard" in line]
+        assert notes == ([f"note: data.files streams as one shard ({one.name}): data.shuffle_buffer=1024 mixes its "
+                          f"blocks only with the next 1,024 or so; split it into several files to have its parts "
+                          f"read in a random order"] if expected else []), proc.stdout
+
+
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", str(TINY)]
 

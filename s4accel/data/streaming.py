@@ -51,6 +51,7 @@ on as many processes, reading the same shares as they did, with `data.shuffle_bu
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -214,7 +215,13 @@ def build_stream_data(cfg: DataCfg, tokenizer_dir, seed: int, rank: int, world_s
         stream.peek()
     train = TokenStream(mine, [s.weight for s in sources], seed, [s.label for s in sources], cfg.shuffle_buffer,
                         rank, world_size, per_process)
-    return TextData(train, val, tokenizer, None, len(val) * cfg.seq_len)
+    # One shard is read in its own order every pass: a sorted file then trains nearly in order (reported: 4.51 bits
+    # per byte at step 100 against 3.50 map-style), which the user can mend by splitting it.
+    notes = [f"{_key(src)} streams as one shard ({Path(src.label).name if src.source == 'files' else src.label}): "
+             f"data.shuffle_buffer={cfg.shuffle_buffer} mixes its blocks only with the next {cfg.shuffle_buffer:,} "
+             f"or so; split it into several files to have its parts read in a random order"
+             for src, stream in zip(sources, streams) if cfg.shuffle_buffer and stream.num_shards == 1]
+    return TextData(train, val, tokenizer, None, len(val) * cfg.seq_len, notes=notes)
 
 
 def _key(src) -> str:

@@ -41,6 +41,8 @@ class TextData:
     n_val_tokens: int
     source_tokens: dict[str, int] = field(default_factory=dict)
     """Training tokens per source of a mixture (map-style), for the run's summary."""
+    notes: list[str] = field(default_factory=list)
+    """What the run should say about its data at the start, one line each."""
 
 
 def validation_documents(cfg: DataCfg, streaming: bool = False):

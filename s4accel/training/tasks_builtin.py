@@ -84,6 +84,8 @@ class CausalLMTask(BuiltinTask):
         if counts is None:
             acc.print(f"note: {self.recipe.data.tokenizer} is not a byte-level tokenizer: bits per byte and per "
                       f"character cannot be computed from its tokens; evaluation reports loss and perplexity")
+        for note in self.data.notes:
+            acc.print(f"note: {note}")
         if self.data.source_tokens:  # a mixture: how much of each source one pass over the training blocks holds
             total = sum(self.data.source_tokens.values())
             acc.print("data mixture: " + ", ".join(f"{k} {v:,} tokens ({v / total:.1%})"
