@@ -58,6 +58,18 @@ def run(tmp_path_factory):
     return out, digits(out, metrics)
 
 
+def test_a_count_a_metric_function_returns_is_printed_as_a_count():
+    """`errors: 74` read `errors 74.0000` on the console."""
+    from s4accel.training.evaluate import headline
+    from s4accel.training.observe.recipe_metrics import MetricFunction, recipe_metrics
+
+    import testing_metrics
+
+    values = {"prediction": torch.tensor([0, 1, 2, 2]), "label": torch.tensor([0, 1, 1, 0])}
+    found = recipe_metrics([MetricFunction("testing_metrics:errors", "errors", testing_metrics.errors)], values, {})
+    assert headline({"loss": 0.123456, **found}) == "loss 0.1235, errors 2, scored 4"
+
+
 def test_a_classifier_logs_f1_per_class_scores_and_the_confusion_matrix_with_the_recipes_metrics(run):
     out, _ = run
     evals = [r for r in read_metrics(out) if "eval/loss" in r]

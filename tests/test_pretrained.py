@@ -323,3 +323,17 @@ def test_predict_gives_one_row_for_every_example_blank_and_null_ones_too(trained
     proc = run_cli("predict", trained_classifier, data, "--out", out, "--batch-size", "1")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert [r["id"] for r in read_rows(out)] == ["a", "b", "c"]
+
+
+def test_predict_writes_the_examples_id_column_once_when_it_is_kept_too(trained_classifier, tmp_path):
+    """A `uid` column is the examples' id (written as `id`); `--keep uid` wrote the same values again as `uid`."""
+    data = tmp_path / "uid.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"u{i}", "text": "To be, or not to be", "act": i}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "p.csv"
+    proc = run_cli("predict", trained_classifier, data, "--out", out, "--keep", "uid,act")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_rows(out)
+    assert list(rows[0])[:3] == ["id", "act", "prediction"] and "uid" not in rows[0]
+    assert [r["id"] for r in rows] == ["u0", "u1", "u2"] and [r["act"] for r in rows] == ["0", "1", "2"]
+

@@ -122,6 +122,7 @@ def examples(data: str | Path, prep: dict, tokenizer, keep: tuple[str, ...] = ()
     if missing:
         raise DataError(f"--keep: no column {missing[0]!r} in {path} (columns: {', '.join(raw.column_names)})")
     column = next((c for c in ID_COLUMNS if c in raw.column_names), None)
+    keep = tuple(k for k in keep if k != column)  # written as the id already (a `uid` kept too was written twice)
     read = {prep["text_field"]: "text", **({column: "id"} if column not in (None, prep["text_field"]) else {})}
     table = raw.select_columns(list(read))
     renamed = {old: new for old, new in read.items() if old != new}

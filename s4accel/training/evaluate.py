@@ -109,7 +109,8 @@ def loggable(metrics: dict) -> dict:
 def headline(metrics: dict) -> str:
     """The metrics a console line shows: the numbers, without per-class ones (`precision/<class>`) or matrices,
     which go to the trackers and `s4accel eval --json`."""
-    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)) and "/" not in k)
+    return ", ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and "/" not in k)
 
 
 def evaluation_schedule(every: int | str, plan, state) -> Callable[[], bool]:

@@ -59,7 +59,7 @@ def metric_functions(recipe, task) -> list[MetricFunction]:
     return functions
 
 
-def recipe_metrics(functions: list[MetricFunction], values: dict, reported: dict) -> dict[str, float]:
+def recipe_metrics(functions: list[MetricFunction], values: dict, reported: dict) -> dict[str, float | int]:
     """The functions' metrics on the gathered `values["prediction"]` and `values["label"]`; `reported`: the task's
     own metrics, whose names a function may not take."""
     out = {}
@@ -76,5 +76,5 @@ def recipe_metrics(functions: list[MetricFunction], values: dict, reported: dict
             if key in reported or key in out:
                 raise RecipeError(f"task.metrics: {f.target} reports {key!r}, which is reported already; give it "
                                   f"another name")
-            out[key] = float(value)
+            out[key] = value if isinstance(value, numbers.Integral) else float(value)  # a count stays a count
     return out
