@@ -297,6 +297,20 @@ def test_the_readme_table_of_trainer_names_is_the_one_the_errors_use():
     assert len(rows) > 10 and names == set(TRAINER_NAMES)
 
 
+def test_a_published_recipe_lists_only_the_data_keys_that_apply_to_its_data():
+    """A language model's published recipe listed `data.task: classification` and `normalize`, which only number
+    sequences read; a number-sequence recipe keeps them, and the recipe without them loads as it was."""
+    from s4accel.config.paths import portable_recipe
+
+    text = load_recipe(TINY).to_dict()
+    published = portable_recipe(text)[0]["data"]
+    assert not {"task", "normalize", "ucr_name"} & set(published)
+    assert load_recipe(REPO / "recipes" / "s4_tiny_debug.yaml").data == Recipe.model_validate(
+        {**text, "data": published}).data
+    arrays = portable_recipe(load_recipe(REPO / "recipes" / "ucr_gunpoint.yaml").to_dict())[0]["data"]
+    assert {"task", "normalize", "ucr_name"} <= set(arrays)
+
+
 def test_a_published_recipe_names_files_by_name_and_reads_them_next_to_itself(tmp_path):
     """What `s4accel push` and `export` publish beside a model: no path of the training machine, and a recipe that
     finds a user's own files placed under those names beside it."""

@@ -15,8 +15,12 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Callable, NamedTuple
 
+from .data_sections import TEXT_SOURCES
+
 FILE_KEYS = ("files", "val_files", "data_files", "path")
 """Keys of `data` (and of each `data.mixture` item) naming files, globs or a folder."""
+ARRAY_ONLY = ("task", "normalize", "ucr_name")
+"""Keys of `data` that only number sequences read (classification or regression, standardising, a UCR set)."""
 IMPORT_KEYS = (("task", "target"), ("task", "metrics"), ("model", "state_hook"), ("scheduler", "kwargs", "target"))
 """`path/file.py:attr` values (or lists of them) outside `data` (callbacks' targets too)."""
 
@@ -137,6 +141,10 @@ def portable_recipe(raw: dict) -> tuple[dict, list[Renamed]]:
             if os.path.isabs(os.path.expanduser(file)):
                 found[key] = (os.path.expanduser(file), attr)
 
+    data = out.get("data")
+    if isinstance(data, dict) and data.get("source", "shakespeare") in TEXT_SOURCES:
+        for key in ARRAY_ONLY:  # a reader would look for what they change in a text model: they change nothing
+            data.pop(key, None)
     walk(out, ())
     names = _short_names({path for path, _ in found.values()})
     renamed = []
