@@ -3,6 +3,7 @@
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -77,8 +78,39 @@ def test_rerun_into_a_finished_run_is_refused_unless_overwrite(finished_run):
     assert proc.stderr.strip().splitlines() == [
         f"error: {run_dir} already holds a run (final, checkpoints, metrics.jsonl, tensorboard, samples.txt, "
         f"train.log); "
-        "resume it with --resume, choose another run.out_dir, or set run.overwrite=true to replace it"]
+        "resume it with --resume, choose another run.name or run.out_dir, set run.version=number to give each "
+        "new run a folder of its own, or set run.overwrite=true to replace it"]
     assert (run_dir / "final" / "model.safetensors").exists()  # untouched
+
+
+@pytest.mark.parametrize("how", ["number", "time"])
+def test_the_same_command_again_trains_into_a_new_folder_with_run_version_and_resume_continues_the_newest(
+        tmp_path, text, how):
+    """The habit of running a command again: `run.version` gives each new run its own folder under runs/ (`name`,
+    `name-1`, ... or `name-<time>`), while a bare rerun without it is still refused (above)."""
+    import re
+    import time
+
+    command = ["train", TINY, *sets("run.name=exp", f"run.version={how}", "data.source=files", f"data.files=[{text}]",
+                                    "train.max_steps=2", "train.eval_every=0", "checkpoint.every_steps=1",
+                                    "sample.prompts=[]", "log.progress_bar=false")]
+    made = []
+    for _ in range(2):
+        proc = run_cli(*command, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        made.append(proc.stdout.strip().splitlines()[-1].rsplit(" in ", 1)[1])
+        time.sleep(1.1)  # a new second: `time` names folders by it
+    runs = tmp_path / "runs"
+    if how == "number":
+        assert made == [str(Path("runs") / "exp" / "final"), str(Path("runs") / "exp-1" / "final")]
+    else:
+        assert all(re.fullmatch(r"runs/exp-\d{8}-\d{6}/final", m) for m in made) and made[0] != made[1]
+    newest = runs / Path(made[1]).parent.name
+    proc = run_cli(*command, "--resume", *sets("train.max_steps=3"), "--force", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("done: 3 steps")
+    assert sorted(p.name for p in runs.iterdir()) == sorted(Path(m).parent.name for m in made)  # no third folder
+    assert (newest / "checkpoints" / "step_00000003").is_dir()
 
 
 def test_missing_data_file_is_one_line_before_training(tmp_path):

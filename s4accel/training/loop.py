@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from accelerate import PartialState
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
@@ -36,7 +36,7 @@ from .observe.tracking import check_tracker_kwargs, check_tracker_packages, trac
 from .runs.checkpoint import TrainState
 from .runs.preemption import StopSignals
 from .runs.resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
-from .runs.run_dir import RunDir
+from .runs.run_dir import RunDir, versioned_dir
 from .runs.run_lock import RunLock
 from .runs.world import World, move_to_world, plan_world_change
 from .setup import CPU, build_run, make_accelerator
@@ -191,6 +191,7 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
     run (`--force` may recompute `train.grad_accum` to keep the checkpoint's global batch on another number of
     processes), the Accelerator, the `RunDir`, the `Resuming` and the `Layout`."""
     resume, asked_by = requested_resume(recipe, resume)
+    recipe = with_version(recipe, resuming=resume is not None)
     ckpt, notes = choose_checkpoint(recipe.run.dir, resume)
     resuming = Resuming()
     if ckpt is not None:
@@ -213,6 +214,17 @@ def build_in_place(recipe: Recipe, accelerator, run_files: RunDir, task: Task):
     run_files.commit(recipe.to_yaml())
     warn(accelerator, built.plan.warmup_note)
     return built
+
+
+def with_version(recipe: Recipe, resuming: bool) -> Recipe:
+    """The recipe with `run.out_dir` set to the folder `run.version` picks (by the main process, the same for all),
+    which the run's own recipe.yaml then names: resuming it from the run directory finds the same folder."""
+    if recipe.run.version == "none" or recipe.run.out_dir is not None:
+        return recipe
+    PartialState()  # the processes' group, for the broadcast
+    choice = [str(versioned_dir(Path("runs"), recipe.run.name, recipe.run.version, resuming))]
+    broadcast_object_list(choice)  # from the main process: the clock or the folders may differ elsewhere
+    return recipe.model_copy(update={"run": recipe.run.model_copy(update={"out_dir": choice[0]})})
 
 
 def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, str | None]:

@@ -12,7 +12,9 @@ model, which it refuses to replace without `run.overwrite`.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -71,7 +73,8 @@ class RunDir:
             return None
         if not self.resume_requested:
             raise RunDirError(f"{self.path} already holds a run ({', '.join(self.earlier)}); resume it with --resume, "
-                              f"choose another run.out_dir, or set run.overwrite=true to replace it")
+                              f"choose another run.name or run.out_dir, set run.version=number to give each new run "
+                              f"a folder of its own, or set run.overwrite=true to replace it")
         if "final" in self.earlier:
             raise RunDirError(f"{self.path} holds a finished model (final/) but no usable checkpoint to resume from; "
                               f"set run.overwrite=true to train it again, or choose another run.out_dir")
@@ -134,3 +137,20 @@ class RunDir:
         if self.is_main and self.replaced is not None:
             shutil.rmtree(self.replaced, ignore_errors=True)
             self.replaced = None
+
+
+def versioned_dir(root: Path, name: str, how: str, resuming: bool) -> Path:
+    """`run.version`: the folder under `root` for a run named `name`. A new run gets the one after the newest that
+    holds a run (`number`: `name`, `name-1`, ...; `time`: `name-YYYYmmdd-HHMMSS`); a resumed one, the newest."""
+    pattern = re.compile(re.escape(name) + (r"(?:-(\d+))?" if how == "number" else r"-(\d{8}-\d{6})"))
+    found = []
+    for path in root.glob(f"{glob.escape(name)}*"):
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and any((path / out).exists() for out in RUN_OUTPUTS):
+            found.append((int(match.group(1) or 0) if how == "number" else match.group(1), path))
+    if resuming and found:
+        return max(found)[1]
+    if how == "time":
+        return root / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    number = max(found)[0] + 1 if found else 0
+    return root / (f"{name}-{number}" if number else name)
