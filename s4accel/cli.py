@@ -282,7 +282,10 @@ def export(
     for warning in done.warnings:
         typer.echo(f"warning: {warning}", err=True)
     what = f"{'EMA' if ema else 'model'}{' merged with its LoRA adapter' if merge else ''}"
-    typer.echo(f"exported the {what} of step {done.step} ({done.kind} checkpoint {done.checkpoint}) to {done.out}")
+    if done.kind == "final":  # a LoRA run without step checkpoints: its final/ adapter, merged
+        typer.echo(f"exported the {what} of final/ to {done.out}")
+    else:
+        typer.echo(f"exported the {what} of step {done.step} ({done.kind} checkpoint {done.checkpoint}) to {done.out}")
 
 
 @command("lr-find")

@@ -348,3 +348,30 @@ def test_adapted_experts_give_the_same_output_on_the_gpus_dispatch_as_on_the_cpu
                 outputs[dispatch, "base"] = model(input_ids=ids).logits
     torch.testing.assert_close(outputs["grouped_mm"], outputs["fused"], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(outputs["grouped_mm"], outputs["grouped_mm", "base"], atol=1e-3)
+
+
+def test_a_finished_adapter_run_without_checkpoints_merges_exports_and_is_used_as_a_model(lora_run, base, tmp_path,
+                                                                                        peft):
+    """A run whose step checkpoints were pruned (or never written) still has its adapter in final/: `export --merge`
+    merges that (it said "no checkpoint to export ... final/ is a from_pretrained folder already", and final/ is an
+    adapter), and `generate`, `eval` and `predict` load base + adapter themselves, as PEFT does."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    expected = logits(peft.PeftModel.from_pretrained(loaded(base / "final"), run / "final").eval())
+    proc = run_cli("export", run, tmp_path / "merged", "--merge")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"exported the model merged with its LoRA adapter of final/ to {tmp_path / 'merged'}"
+    torch.testing.assert_close(logits(loaded(tmp_path / "merged")), expected)
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+
+    from s4accel.training.runs.safe_load import load_model
+
+    model, tokenizer, _ = load_model(run)
+    torch.testing.assert_close(logits(model), expected)
+    assert tokenizer is not None
+    proc = run_cli("generate", run, "--prompt", "To be", "--max-new-tokens", "4", "--temperature", "0")
+    assert proc.returncode == 0 and proc.stdout.startswith("To be"), proc.stderr[-3000:]
+    proc = run_cli("eval", run, run / "recipe.yaml", "--json")
+    assert proc.returncode == 0 and "loss" in json.loads(proc.stdout), proc.stderr[-3000:]

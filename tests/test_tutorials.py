@@ -23,6 +23,7 @@ NOT_RUN = {  # the start of a command (or of a Python block) -> why it is not ru
                                "same on a smaller base",
     "s4accel export runs/quickstart-lora": "follows the LoRA run above; tests/test_lora.py",
     "s4accel generate merged": "follows the LoRA run above; tests/test_lora.py",
+    "s4accel generate runs/quickstart-lora": "follows the LoRA run above; tests/test_lora.py",
     "s4accel push": "needs a Hub; tests/test_hub.py runs pushes against a local Hub server",
     "python: recipes/quickstart.yaml": "trains the quick-start; tests/test_cli.py runs s4accel.train from Python",
     "python: runs/quickstart/final": "needs the quick-start's model; tests/test_cli.py loads a trained model so",

@@ -29,6 +29,7 @@ from ..training.runs.checkpoint import (STEP_DIR, checkpoint_dir, checkpoint_pro
                                    step_dirs)
 from ..training.runs.checkpoint_weights import checkpoint_weights_kind, read_ema_weights, read_model_weights
 from ..training.lora import is_lora, merged, save_adapter
+from ..training.runs.safe_load import is_adapter, load_model
 from ..training.tasks_builtin import PREPROCESSING, build_model, preprocessing
 from .adapter_card import write_any_card
 from .model_card import eval_metrics
@@ -52,6 +53,9 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     `overwrite`); of a LoRA run its adapter, or with `merge` the base with the adapter merged into it. Whatever the
     user can get wrong is one `ExportError` (or `DataError`) before anything is written."""
     run_dir, out = Path(run_dir), Path(out)
+    if merge and step is None and not ema and run_dir.is_dir() and not step_dirs(run_dir) and \
+            is_adapter(run_dir / "final"):
+        return merge_final(run_dir, out, overwrite)
     ckpt, warnings = find_checkpoint(run_dir, step)
     kind = checkpoint_weights_kind(ckpt)
     recipe = load_recipe(ckpt / "recipe.yaml")
@@ -86,6 +90,23 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
         write_any_card(tmp, out.name, (ckpt / "recipe.yaml").read_text(), records, eval_metrics(records, ema, n),
                        which)
     return Exported(out, ckpt, n, kind, warnings)
+
+
+def merge_final(run_dir: Path, out: Path, overwrite: bool) -> Exported:
+    """`--merge` on a LoRA run without step checkpoints (pruned, or never written): its final/ adapter merged into
+    its base, as `load_model` merges it, with the tokenizer, preprocessing record and card of final/."""
+    check_out(out, run_dir, overwrite)
+    model, tokenizer, final = load_model(run_dir)
+    records = read_records(run_dir)
+    with WholeFolder(out, "OUT") as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if (final / PREPROCESSING).is_file():
+            (tmp / PREPROCESSING).write_text((final / PREPROCESSING).read_text())
+        write_any_card(tmp, out.name, (run_dir / "recipe.yaml").read_text(), records, eval_metrics(records, False),
+                       "final, merged with its LoRA adapter")
+    return Exported(out, final, records[-1]["step"] if records else 0, "final", [])
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, list[str]]:

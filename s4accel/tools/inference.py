@@ -50,7 +50,7 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     loads the folder's `model.safetensors` into it."""
 
     recipe = _scoring(recipe, data)
-    model_dir = _resolve(ref, which)[0]
+    model_dir = _resolve(ref, which, adapters=True)[0]
     builtin = recipe.task.builtin
     if builtin and recipe.data.is_text and recipe.data.tokenizer == "bpe" and \
             not (model_dir / "tokenizer.json").is_file():

@@ -6,6 +6,7 @@ Hub snapshot), their headers checked against the config, never remote code, noth
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,17 +38,20 @@ def resolve_model_dir(ref: str | Path, which: str = "final") -> Path:
     return _resolve(ref, which)[0]
 
 
-def _resolve(ref: str | Path, which: str, revision: str | None = None) -> tuple[Path, Path]:
+def _resolve(ref: str | Path, which: str, revision: str | None = None, adapters: bool = False) -> tuple[Path, Path]:
     """(model directory, the folder its files may live in): the directory itself, or for a Hub snapshot the repo's
-    cache folder (a snapshot's files are links into its `blobs/`)."""
+    cache folder (a snapshot's files are links into its `blobs/`). `adapters`: a LoRA adapter's folder is an answer
+    too (`load_model` merges it into its base); otherwise it is refused."""
     path = Path(ref)
     if path.exists():
         if (path / "config.json").is_file():
             return path, _repo_folder(path)
         if (path / "recipe.yaml").is_file() or (path / "final").is_dir():
-            model_dir = run_model_dir(path, which)
+            model_dir = run_model_dir(path, which, adapters)
             return model_dir, model_dir
         if (path / "adapter_config.json").is_file():
+            if adapters:
+                return path, path
             raise ModelError(f"{ref}: {ADAPTER}")
         raise ModelError(f"{ref}: neither a model directory (no config.json) nor a run directory")
     if str(ref).count("/") != 1 or str(ref).startswith((".", "/")):
@@ -61,7 +65,7 @@ def _resolve(ref: str | Path, which: str, revision: str | None = None) -> tuple[
     return snapshot, _repo_folder(snapshot)
 
 
-def run_model_dir(run_dir: Path, which: str) -> Path:
+def run_model_dir(run_dir: Path, which: str, adapters: bool = False) -> Path:
     """The `which` model of a run directory: `final/`, `final_ema/`, or the best kept by `checkpoint.keep_best`
     (ranked by the run's own `best_metric`)."""
     if which == "best":
@@ -73,7 +77,9 @@ def run_model_dir(run_dir: Path, which: str) -> Path:
             raise ModelError(f"{run_dir}: no best model (train with checkpoint.keep_best >= 1)")
         return ranked[0][1]
     folder = run_dir / {"final": "final", "ema": "final_ema"}[which]
-    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+    if is_adapter(folder):
+        if adapters:
+            return folder
         raise ModelError(f"{folder}: {ADAPTER}")
     if not (folder / "config.json").is_file() and not (folder / "model.safetensors").is_file():
         hint = " (train with train.ema set)" if which == "ema" else " (has training finished?)"
@@ -204,7 +210,9 @@ def load_model(ref: str | Path, which: str = "final"):
 
     register_auto_classes()  # our model types, for the Auto classes (idempotent)
 
-    model_dir, root = _resolve(ref, which)
+    model_dir, root = _resolve(ref, which, adapters=True)
+    if is_adapter(model_dir):
+        return merged_adapter(model_dir)
     config = read_config(model_dir)
     files = weight_files(model_dir, root)
     arch = (config.architectures or [""])[0]
@@ -220,3 +228,32 @@ def load_model(ref: str | Path, which: str = "final"):
         raise ModelError(f"{model_dir}: its tokenizer has ids up to {extent - 1} but the model has "
                          f"vocab_size={config.vocab_size}: not the tokenizer this model was trained with")
     return model, tokenizer, model_dir
+
+
+def is_adapter(folder: Path) -> bool:
+    """A LoRA adapter as PEFT saves it (a run's final/ with `model.lora`), not a whole model."""
+    return (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
+
+
+def merged_adapter(folder: Path):
+    """(model, tokenizer, folder) for an adapter: its base, loaded as any model is here (the fresh base a run keeps in
+    `base/` beside it, or the pretrained folder or Hub id its config names), with the adapter merged in by PEFT, as
+    `PeftModel.from_pretrained(base, folder).merge_and_unload()` gives it. Only `adapter_model.safetensors` is read."""
+    try:
+        import peft
+    except ImportError:
+        raise ModelError(f"{folder}: a LoRA adapter, which needs peft to load: pip install 's4accel[lora]'") from None
+    if not (folder / "adapter_model.safetensors").is_file() or any(folder.glob("*.bin")):
+        raise ModelError(f"{folder}: a LoRA adapter without adapter_model.safetensors (s4accel reads adapters only "
+                         f"from safetensors)")
+    try:
+        named = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelError(f"{folder / 'adapter_config.json'}: not a PEFT adapter config (no "
+                         f"base_model_name_or_path)") from None
+    base_ref = folder / "base" if named == "base" else named  # `lora.FRESH_BASE`: the model it was trained on
+    base, base_tokenizer, _ = load_model(base_ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's notes on the base's name and its own version: nothing to act on
+        model = peft.PeftModel.from_pretrained(base, str(folder)).merge_and_unload().eval()
+    return model, load_tokenizer(folder) or base_tokenizer, folder
