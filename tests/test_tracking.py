@@ -102,6 +102,50 @@ def test_training_survives_a_tracker_that_cannot_start_and_one_that_dies_mid_run
     assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # the others went on
 
 
+@pytest.mark.slow
+def test_a_tracker_whose_log_never_returns_is_dropped_after_its_time_and_the_run_ends(tmp_path, text):
+    """A tracker's `log` that blocks forever (a hung network call) used to hang the run, SIGTERM included."""
+    from testing_callbacks import FlakyTracker
+
+    out = tmp_path / "run"
+    FlakyTracker.LOGGED.clear()
+    with pytest.warns(UserWarning) as caught:
+        result = train_in_process("recipes/s4_tiny_debug.yaml", [
+            f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]", "data.seq_len=32",
+            "train.max_steps=6", "train.eval_every=0", "log.log_every=1", "log.progress_bar=false",
+            "sample.prompts=[]", "log.log_with=[jsonl, 'testing_callbacks:BlockingTracker']",
+            "log.tracker_timeout_s=1"])
+    assert result.steps == 6 and (out / "final" / "model.safetensors").exists()
+    assert [str(w.message) for w in caught if "BlockingTracker" in str(w.message)] == [
+        "tracker 'testing_callbacks:BlockingTracker': log did not return within 1s; disabled, training goes on "
+        "without it"]
+    assert FlakyTracker.LOGGED == [1, 2]
+    assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("case", ["mlflow file store not allowed", "mlflow folder unwritable",
+                                  "trackio folder unwritable"])
+def test_a_tracker_that_cannot_write_its_store_is_refused_in_one_line_before_any_compute(tmp_path, text, case):
+    """It used to print a Python warning with a source line and train to the end tracking nothing."""
+    name = case.split()[0]
+    pytest.importorskip(name)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"mlflow file store not allowed": {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
+                                             "MLFLOW_ALLOW_FILE_STORE": None},
+           "mlflow folder unwritable": {"MLFLOW_TRACKING_URI": (blocker / "mlruns").as_uri(),
+                                        "MLFLOW_ALLOW_FILE_STORE": "true"},
+           "trackio folder unwritable": {"TRACKIO_DIR": str(blocker / "trackio")}}[case]
+    out = tmp_path / "run"
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]",
+                                        f"log.log_with=[jsonl, {name}]"), env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: log.log_with: {name} "), lines
+    assert ("MLFLOW_ALLOW_FILE_STORE" in lines[0]) == (case == "mlflow file store not allowed"), lines
+    assert not out.exists()
+
+
 def not_installed_tracker() -> str:
     """One of Accelerate's trackers whose package this machine lacks."""
     from accelerate.tracking import get_available_trackers

@@ -176,6 +176,24 @@ class UnreachableTracker(FlakyTracker):
         raise ConnectionError("tracker server unreachable")
 
 
+class BlockingTracker(FlakyTracker):
+    """A tracker whose `log` never returns from its `block_from`-th call on (a hung network call)."""
+
+    name = "blocking"
+
+    def __init__(self, run_name, block_from: int = 3):
+        super().__init__(run_name)
+        self.block_from = block_from
+
+    def log(self, values, step=None, **kwargs):
+        import threading
+
+        self.calls += 1
+        if self.calls >= self.block_from:
+            threading.Event().wait()  # forever
+        FlakyTracker.LOGGED.append(step)
+
+
 class SameWeightsOnAllRanks(Callback):
     """At the end of training, gathers every process's parameter checksum and writes them to `path` (main process):
     a loop that forgot to average some gradients leaves the ranks' weights apart."""

@@ -214,6 +214,9 @@ class LogCfg(_Section):
     """Tries per tracker call before the tracker is disabled (with a warning)."""
     tracker_backoff_s: float = Field(0.5, ge=0)
     """Seconds before the second try; doubled for each further one."""
+    tracker_timeout_s: float = Field(120.0, gt=0)
+    """Seconds a tracker call may take; one that has not returned by then (a hung network call) disables that
+    tracker, and training goes on."""
 
     @field_validator("log_with")
     @classmethod

@@ -32,7 +32,7 @@ from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
 from .observe.console import RUN_LOG, quiet_libraries
 from .observe.metrics import Meter
 from .observe.profiling import Profile
-from .observe.tracking import check_tracker_kwargs, check_tracker_packages, tracker_config
+from .observe.tracking import check_tracker_kwargs, check_tracker_packages, check_tracker_stores, tracker_config
 from .runs.checkpoint import TrainState
 from .runs.preemption import StopSignals
 from .runs.resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
@@ -89,6 +89,7 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
     task = load_task(recipe)
     check_tracker_packages(recipe.log)
     check_tracker_kwargs(recipe.log)
+    check_tracker_stores(recipe.log)
     processes = PartialState(cpu=CPU)  # the process group first, so that one process decides which checkpoint for all
     # One run per directory (no other overwrites or resumes it now), and what the run prints goes to its train.log.
     main = processes.is_main_process

@@ -51,7 +51,8 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
         log_with=(build_trackers(recipe.log.log_with, recipe.run.name, recipe.run.dir,
                                  resume_step=checkpoint_step(ckpt) if ckpt else None,
                                  kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
-                                 backoff_s=recipe.log.tracker_backoff_s, project=recipe.log.project)
+                                 backoff_s=recipe.log.tracker_backoff_s, project=recipe.log.project,
+                                 timeout_s=recipe.log.tracker_timeout_s)
                   if trackers else None) or None,
         project_dir=str(recipe.run.dir),
         step_scheduler_with_optimizer=False,

@@ -20,7 +20,11 @@ import importlib
 import inspect
 import json
 import os
+import queue
+import threading
 import time
+import urllib.parse
+import urllib.request
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -116,24 +120,55 @@ class ResumedMLflowTracker(MLflowTracker):
         super().store_init_configuration({k: v for k, v in values.items() if k not in logged})
 
 
+class _Worker:
+    """One thread that makes every call of one tracker, in order, so that a call can be waited for with a time limit
+    (a hung network call must not hang the run). The same thread each time: trackers keep state per thread (MLflow's
+    active run). A daemon: a call that never returns does not keep the process from exiting."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=f"tracker {name}", daemon=True).start()
+
+    def _serve(self):
+        while True:
+            call, box, done = self.jobs.get()
+            try:
+                box.append((True, call()))
+            except BaseException as e:  # handed back to the caller, which decides
+                box.append((False, e))
+            done.set()
+
+    def run(self, call: Callable[[], object], timeout: float):
+        box, done = [], threading.Event()
+        self.jobs.put((call, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
 class GuardedTracker(GeneralTracker):
     """Runs another tracker so that it cannot stop training. Accelerate calls `start`, then
     `store_init_configuration(config)`: the inner tracker is built (`make(config["run_id"])`) and started at the
     second, since the run's id is read from the checkpoint after the trackers were made. Every call (starting,
     `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with `backoff_s * 2^attempt` seconds
     between tries (a missing package is not retried), after which the tracker is disabled with a warning and later
-    calls do nothing."""
+    calls do nothing. A call that does not return within `timeout_s` disables it at once."""
 
     main_process_only = True
     requires_logging_directory = False
 
     def __init__(self, name: str, make: Callable[[str | None], GeneralTracker], retries: int = 3,
-                 backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep):
+                 backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep, timeout_s: float = 120.0):
         self.name = name
         super().__init__()
         self.make, self.retries, self.backoff_s, self.sleep = make, retries, backoff_s, sleep
+        self.timeout_s = timeout_s
         self.inner: GeneralTracker | None = None
         self.disabled = False
+        self.worker: _Worker | None = None
 
     @property
     def tracker(self):
@@ -142,10 +177,17 @@ class GuardedTracker(GeneralTracker):
     def _guarded(self, what: str, call: Callable[[], None]) -> None:
         if self.disabled:
             return
+        if self.worker is None:
+            self.worker = _Worker(self.name)
         error = None
         for attempt in range(self.retries):
             try:
-                call()
+                self.worker.run(call, self.timeout_s)
+                return
+            except TimeoutError:  # still running in its thread: nothing more is asked of this tracker
+                self.disabled = True
+                warnings.warn(f"tracker {self.name!r}: {what} did not return within {self.timeout_s:g}s; disabled, "
+                              "training goes on without it", stacklevel=2)
                 return
             except ImportError as e:  # the tracker's package is not installed: retrying cannot help
                 error = e
@@ -156,8 +198,8 @@ class GuardedTracker(GeneralTracker):
                     self.sleep(self.backoff_s * 2**attempt)
         self.disabled = True
         if what != "finish" and self.inner is not None:
-            try:  # close what it opened: an MLflow run left active refuses the next run started in this process
-                self.inner.finish()
+            try:  # close what it opened (an MLflow run), briefly: it failed already
+                self.worker.run(self.inner.finish, min(self.timeout_s, 10.0))
             except Exception:
                 pass
         detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -222,6 +264,40 @@ def check_tracker_packages(log_cfg) -> None:
             raise RecipeError(f"log.log_with: {name} cannot be imported ({type(e).__name__}: {detail})") from None
 
 
+def check_tracker_stores(log_cfg) -> None:
+    """Where MLflow and trackio will write, checked before any compute: a store they cannot use would otherwise only
+    disable them (with a warning) once the run is under way, and the run would track nothing there."""
+    if "mlflow" in log_cfg.log_with:
+        import mlflow
+        from mlflow import environment_variables as mlflow_env
+
+        uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, or MLflow's default; reading it creates nothing
+        scheme = urllib.parse.urlparse(uri).scheme
+        if scheme in ("", "file"):
+            if hasattr(mlflow_env, "MLFLOW_ALLOW_FILE_STORE") and not mlflow_env.MLFLOW_ALLOW_FILE_STORE.get():
+                raise RecipeError(f"log.log_with: mlflow refuses its file store {uri} unless MLFLOW_ALLOW_FILE_STORE="
+                                  f"true is set (MLflow 3); set it, or point MLFLOW_TRACKING_URI at a database "
+                                  f"(sqlite:///mlflow.db) or a tracking server")
+            _writable("mlflow", urllib.request.url2pathname(urllib.parse.urlparse(uri).path) if scheme else uri,
+                      "MLFLOW_TRACKING_URI")
+        elif scheme == "sqlite":
+            _writable("mlflow", os.path.dirname(uri.removeprefix("sqlite:///")) or ".", "MLFLOW_TRACKING_URI")
+    if "trackio" in log_cfg.log_with:
+        from trackio import utils as trackio_utils
+
+        _writable("trackio", str(trackio_utils.TRACKIO_DIR), "TRACKIO_DIR")
+
+
+def _writable(name: str, folder: str, variable: str) -> None:
+    """`folder` exists and can be written, or can be made: its nearest existing parent is a folder one can write."""
+    path = Path(folder).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"log.log_with: {name} cannot write its store {path} ({existing} is "
+                          f"{'not a folder' if not existing.is_dir() else 'not writable'}); set {variable} to a "
+                          f"folder it can write")
+
+
 def check_tracker_kwargs(log_cfg) -> None:
     """`log.tracker_kwargs` checked against each tracker's constructor before training starts: a misspelt argument
     would otherwise only disable the tracker (with a warning) once the run is under way. Trackers that pass their
@@ -258,7 +334,7 @@ RUN_NAME = {"wandb": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
 
 def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: int | None = None,
                    kwargs: dict[str, dict] | None = None, retries: int = 3, backoff_s: float = 0.5,
-                   project: str | None = None) -> list[GeneralTracker]:
+                   project: str | None = None, timeout_s: float = 120.0) -> list[GeneralTracker]:
     """The trackers a recipe names, each guarded, and JSON Lines always (the card's curve reads it); `resume_step`
     when resuming from a checkpoint of that step; `kwargs[name]`: extra constructor arguments (e.g.
     `{"wandb": {"entity": "me"}}`); `project`: the group of runs (`log.project`)."""
@@ -286,7 +362,7 @@ def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: 
 
         return make
 
-    return [GuardedTracker(name, maker(name), retries, backoff_s) for name in names]
+    return [GuardedTracker(name, maker(name), retries, backoff_s, timeout_s=timeout_s) for name in names]
 
 
 RUN_ID_TAG = "s4accel.run_id"
