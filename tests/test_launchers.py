@@ -137,3 +137,17 @@ def test_a_refused_resume_under_a_launcher_ends_the_launchers_report_with_its_er
         assert ours.count(error) == 1, proc.stderr  # said once, not once per process
         assert "[rank" not in ours and "gloo" not in ours, proc.stderr
         assert error in report[report.index("Root Cause"):], proc.stderr[-3000:]
+
+
+def test_a_launch_that_asked_for_more_processes_than_the_run_got_says_so(text, tmp_path):
+    """`accelerate launch --num_processes 2` without a config file runs one process on a machine without GPUs
+    (Accelerate's plain launcher); only the run's header showed it."""
+    out = tmp_path / "run"
+    proc = run(sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--num_processes", "2", "-m", "s4accel",
+               "train", TINY, *sets(f"run.out_dir={out}", "data.source=files", f"data.files=[{text}]",
+                                    "train.max_steps=1", "train.eval_every=0", "sample.prompts=[]"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stdout.splitlines() if "--num_processes 2" in line]
+    assert warnings == ["warning: accelerate launch was asked for 2 processes (--num_processes 2) but this run has 1: "
+                        "without a config file it starts one process where there is no GPU; use --config_file "
+                        "accelerate_configs/cpu_2proc.yaml for CPU processes"], proc.stdout

@@ -38,7 +38,7 @@ from .runs.preemption import StopSignals
 from .runs.resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
 from .runs.run_dir import RunDir, versioned_dir
 from .runs.run_lock import RunLock
-from .runs.world import World, move_to_world, plan_world_change
+from .runs.world import World, launch_asked_for, move_to_world, plan_world_change
 from .setup import CPU, build_run, make_accelerator
 from .step import Stepper, agree, batch_stream, save_checked
 from .task import Task, TrainOptimizer, load_task
@@ -307,6 +307,11 @@ def setup_warnings(accelerator) -> list[str]:
         if os.environ.get(f"ACCELERATE_USE_{kind}", "").lower() == "true" and accelerator.distributed_type != kind:
             out.append(f"the accelerate config asks for {kind}, but Accelerate runs "
                        f"{accelerator.distributed_type.value} here (it uses {kind} only on GPUs)")
+    asked = launch_asked_for()
+    if asked is not None and asked > accelerator.num_processes:
+        out.append(f"accelerate launch was asked for {asked} processes (--num_processes {asked}) but this run has "
+                   f"{accelerator.num_processes}: without a config file it starts one process where there is no GPU; "
+                   f"use --config_file accelerate_configs/cpu_2proc.yaml for CPU processes")
     on_machine = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if accelerator.device.type == "cpu" and on_machine > cores:

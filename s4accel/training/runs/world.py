@@ -24,6 +24,7 @@ per process, which DeepSpeed loads only on as many processes).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,3 +130,22 @@ def move_to_world(state: TrainState, old: World, new: World, seed: int, rank: in
 def derived_seed(seed: int, step: int, rank: int) -> int:
     """A seed of its own for each (run seed, step, process), within the 32 bits NumPy takes."""
     return (seed * 1_000_003 + step * 7_919 + rank) % 2**32
+
+
+def launch_asked_for() -> int | None:
+    """The processes `accelerate launch --num_processes N` asked for, read from the launcher's command line (the
+    parent process; /proc), or None. Without a config file Accelerate's plain launcher starts one process where
+    there is no GPU whatever N says, and the run would otherwise only show it in its header."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not any(arg == "launch" or arg.endswith("accelerate.commands.launch") for arg in argv):
+        return None  # not `accelerate launch` (or `python -m accelerate.commands.launch`)
+    for i, arg in enumerate(argv):
+        for flag in ("--num_processes", "--num-processes"):
+            if arg == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+                return int(argv[i + 1])
+            if arg.startswith(flag + "=") and arg.split("=", 1)[1].isdigit():
+                return int(arg.split("=", 1)[1])
+    return None
