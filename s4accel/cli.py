@@ -165,7 +165,8 @@ def eval_(
         help="Score a language model on lm-evaluation-harness tasks instead (pip install 's4accel[lm_eval]').")] \
         = None,
     include_path: Annotated[Path | None, typer.Option(
-        "--include-path", help="A folder of lm-eval task YAMLs (with --lm-eval).", show_default=False)] = None,
+        "--include-path", help="A folder of lm-eval task YAMLs (with --lm-eval). A task folder is code: its YAMLs can "
+        "name Python functions (!function), which run.", show_default=False)] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many documents per lm-eval task.",
                                               show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="lm-eval's batch size.")] = 8,

@@ -148,3 +148,30 @@ def test_eval_needs_a_recipe_or_lm_eval_tasks_and_names_an_unknown_task(models):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: --lm-eval: no task 'shakespeare_line' among lm-eval's " \
                                                    f"tasks nor under {TASKS}"
+
+
+def test_a_tasks_data_is_found_from_any_folder_and_a_missing_or_empty_file_is_one_line(models, tmp_path):
+    """A task's relative `data_files` were read from the current folder only: from another folder, an 89-line
+    FileNotFoundError; an empty data file, a StopIteration traceback. lm-eval's own chatter (`fatal: not a git
+    repository`, its warning about an already-loaded model) stays off the console."""
+    proc = run_cli("eval", models["byte-s4"], "--lm-eval", "shakespeare_lines", "--include-path", TASKS, "--limit",
+                   "4", "--json", cwd=tmp_path)  # not the repository: the example names its data from there
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "acc" in json.loads(proc.stdout)["shakespeare_lines"]
+    assert "fatal:" not in proc.stderr and "not of type" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    spec = (TASKS / "shakespeare_words.yaml").read_text()
+    (tasks / "gone.yaml").write_text(spec.replace("task: shakespeare_words", "task: gone").replace(
+        "examples/lm_eval/shakespeare_words.jsonl", "nowhere/words.jsonl"))
+    (tasks / "empty.jsonl").write_text("")
+    (tasks / "empty.yaml").write_text(spec.replace("task: shakespeare_words", "task: empty").replace(
+        "examples/lm_eval/shakespeare_words.jsonl", "empty.jsonl"))
+    for task, problem in (("gone", "no file nowhere/words.jsonl (looked in"), ("empty", "is empty")):
+        proc = run_cli("eval", models["byte-s4"], "--lm-eval", task, "--include-path", tasks, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --lm-eval: task {task} ({tasks / f'{task}.yaml'}): "
+                                                       f"data_files: "), lines
+        assert problem in lines[0], lines

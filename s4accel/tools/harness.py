@@ -13,6 +13,9 @@ families honour.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import subprocess
 from pathlib import Path
 
 import torch
@@ -45,6 +48,74 @@ def lm_eval_model(ref: str | Path, tasks: list[str], include_path: str | Path | 
     if unknown:
         where = f" nor under {', '.join(map(str, folders))}" if folders else " (--include-path: a folder of YAMLs)"
         raise ModelError(f"--lm-eval: no task {', '.join(map(repr, unknown))} among lm-eval's tasks{where}")
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", add_bos_token=False, batch_size=batch_size)
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                   num_fewshot=num_fewshot, log_samples=log_samples)
+    specs = [task_spec(manager, task) for task in tasks]
+    # HFLM warns that a model passed in loaded (`pretrained` not a str) ignores its loading options: s4accel loaded
+    # it on purpose. The git call lm-eval makes for its report prints "fatal: not a git repository" outside one.
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    with _quiet_git(lm_eval):
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", add_bos_token=False, batch_size=batch_size)
+        return lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit,
+                                       num_fewshot=num_fewshot, log_samples=log_samples)
+
+
+def task_spec(manager, task: str) -> str | dict:
+    """The task as lm-eval is handed it: its name, or, where its YAML names local data files by relative paths, its
+    whole config with those paths found. lm-eval reads them from the current folder only; here a path is looked for
+    there, then beside the task's YAML and in the folders above it (the example tasks name theirs from the
+    repository root). A file found nowhere, or empty, is one line naming the task's YAML."""
+    entry = manager.task_index.get(task)
+    path = Path(entry.yaml_path) if entry is not None and getattr(entry, "yaml_path", None) else None
+    if path is None:
+        return task
+    try:
+        from lm_eval.tasks._yaml_loader import load_yaml  # not public: without it, the name as before
+    except ImportError:
+        return task
+    config = load_yaml(path, resolve_func=True)
+    kwargs = config.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files")
+    if not files or config.get("dataset_path") not in ("json", "csv", "parquet", "text", "arrow"):
+        return task
+
+    def found(name: str) -> str:
+        if "://" in name:
+            return name
+        places = [Path.cwd(), path.parent, *path.parent.parents]
+        hit = next((p / name for p in places if (p / name).is_file()), None)
+        if hit is None:
+            raise ModelError(f"--lm-eval: task {task} ({path}): data_files: no file {name} (looked in the current "
+                             f"folder, beside the task's YAML and in the folders above it)")
+        if hit.stat().st_size == 0:
+            raise ModelError(f"--lm-eval: task {task} ({path}): data_files: {hit} is empty")
+        return str(hit.resolve())
+
+    def each(value):
+        if isinstance(value, dict):
+            return {k: each(v) for k, v in value.items()}
+        return [found(v) for v in value] if isinstance(value, list) else found(value)
+
+    return {**config, "dataset_kwargs": {**kwargs, "data_files": each(files)}}
+
+
+@contextlib.contextmanager
+def _quiet_git(lm_eval):
+    """lm-eval's report asks git for the current folder's commit; outside a repository git prints "fatal: not a git
+    repository" on the console. The same question, with git's complaints left out (lm-eval keeps None then)."""
+    from lm_eval import evaluator
+
+    def commit():
+        try:
+            out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() or None if out.returncode == 0 else None
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:
+        yield
+        return
+    evaluator.get_git_commit_hash = commit
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
