@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -164,10 +165,12 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
             raise DataError(f"{data}: {width} feature(s) per step, but the model was trained on "
                             f"{model.config.d_input}")
     rows = Rows(prep, model, tokenizer, inputs)
-    loader = torch.utils.data.DataLoader(range(count), batch_size=batch_size, collate_fn=rows.batch)
+    loader = torch.utils.data.DataLoader(range(count), batch_sampler=LengthBatches(rows, count, batch_size),
+                                         collate_fn=rows.batch)
     model, loader = accelerator.prepare(model, loader)
     model.eval()
     writer = RecordWriter(out) if accelerator.is_main_process else None
+    order = InOrder()
     bar = tqdm(total=count, desc="predict", disable=not (progress and accelerator.is_main_process))
     try:
         with torch.no_grad():
@@ -175,14 +178,11 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
                 values = rows.predict(model, batch)
                 gathered = accelerator.gather_for_metrics(values)  # drops the padded duplicates of the last batch
                 bar.update(len(gathered))
-                if writer is not None:
-                    # One step gathers consecutive batches of the unshuffled examples, one per process, so
-                    # ordering within the step restores the examples' order.
-                    table = gathered.cpu().numpy()
-                    table = table[np.argsort(table[:, 0], kind="stable")]
-                    index = [int(i) for i in table[:, 0]]
+                if writer is not None:  # the examples in their own order, as soon as each is next
+                    ready = order.add(gathered.cpu().numpy())
+                    index = [int(i) for i in ready[:, 0]]
                     writer.write([{"id": i, **kept, **rows.record(r[1:])}
-                                  for i, kept, r in zip(rows.ids(index), rows.kept(index), table)])
+                                  for i, kept, r in zip(rows.ids(index), rows.kept(index), ready)])
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -194,6 +194,50 @@ def predict(ref: str | Path, data: str | Path, out: str | Path, batch_size: int 
         return None
     writer.close()
     return out
+
+
+class LengthBatches:
+    """Batches of examples of about the same length, so that a batch is not padded to one long document: each window
+    of about `WINDOW` consecutive examples (whole batches) is sorted by length (of the text, in bytes) and cut into
+    full batches (only the very last batch of all may be short, as `gather_for_metrics` expects). Text only; other
+    inputs keep their order. `InOrder` puts the results back in the examples' order, holding at most a window."""
+
+    WINDOW = 2048
+
+    def __init__(self, rows: "Rows", count: int, batch_size: int):
+        self.rows, self.count, self.batch_size = rows, count, batch_size
+
+    def __len__(self) -> int:
+        return -(-self.count // self.batch_size)
+
+    def __iter__(self):
+        span = self.batch_size * max(1, self.WINDOW // self.batch_size)
+        for start in range(0, self.count, span):
+            indices = np.arange(start, min(start + span, self.count))
+            lengths = self.rows.lengths(start, len(indices))
+            if lengths is not None:
+                indices = indices[np.argsort(-lengths, kind="stable")]  # longest first: a slow batch shows early
+            for i in range(0, len(indices), self.batch_size):
+                yield indices[i: i + self.batch_size].tolist()
+
+
+class InOrder:
+    """Rows (the example's index first) arriving in any order -> the rows whose turn has come, in index order. An
+    index seen before (a duplicate padding the last round of processes) is dropped."""
+
+    def __init__(self):
+        self.next, self.waiting = 0, {}
+
+    def add(self, table: np.ndarray) -> np.ndarray:
+        for row in table:
+            i = int(row[0])
+            if i >= self.next:
+                self.waiting.setdefault(i, row.copy())  # not a view holding the whole gathered table
+        ready = []
+        while self.next in self.waiting:
+            ready.append(self.waiting.pop(self.next))
+            self.next += 1
+        return np.stack(ready) if ready else table[:0]
 
 
 class RecordWriter:
@@ -283,6 +327,14 @@ class Rows:
                          None if lm else self.seq_len)
         offsets, values = encoded.offsets.to_numpy(), encoded.values.to_numpy().copy()  # Arrow's is read-only
         return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+    def lengths(self, start: int, n: int) -> np.ndarray | None:
+        """The UTF-8 lengths of examples start..start+n (a missing text: 0), or None where they are not text."""
+        table = self.inputs.get("table")
+        if table is None or "text" not in table.column_names:
+            return None
+        column = table.with_format("arrow").select_columns(["text"])[start: start + n]["text"]
+        return pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
 
     def batch(self, indices: list[int]) -> dict:
         index = torch.tensor(indices, dtype=torch.long)
