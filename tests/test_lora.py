@@ -375,3 +375,20 @@ def test_a_finished_adapter_run_without_checkpoints_merges_exports_and_is_used_a
     assert proc.returncode == 0 and proc.stdout.startswith("To be"), proc.stderr[-3000:]
     proc = run_cli("eval", run, run / "recipe.yaml", "--json")
     assert proc.returncode == 0 and "loss" in json.loads(proc.stdout), proc.stderr[-3000:]
+
+
+def test_an_adapter_on_a_local_base_is_carded_with_the_bases_run_name_and_no_local_dataset_id(lora_run, base,
+                                                                                              tmp_path):
+    """The card's metadata said `datasets: [local-files]` (no Hub dataset has that id) and named the base `final`
+    (the folder inside its run), where the published recipe names it by its run's folder."""
+    from huggingface_hub import ModelCard
+
+    from s4accel.tools.hub import stage
+
+    out = tmp_path / "staged"
+    out.mkdir()
+    stage(lora_run, "alice/s4-lora", "final", out)
+    card = ModelCard((out / "README.md").read_text())
+    assert card.data.datasets is None  # local files: named in the card's text, on no Hub page
+    assert f"the model in `{base.name}`" in card.text and "`final`" not in card.text
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base.name

@@ -10,7 +10,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCardData
 
 from ..training.lora import FRESH_BASE
-from .model_card import METRIC_NAMES, count_params, dataset_of, write_card
+from .model_card import METRIC_NAMES, count_params, dataset_of, hub_datasets, write_card
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -38,8 +38,19 @@ def publish_base_name(folder: Path) -> None:
     config = json.loads(config_file.read_text())
     base = config.get("base_model_name_or_path")
     if base and Path(base).is_absolute():
-        config["base_model_name_or_path"] = Path(base).name
+        config["base_model_name_or_path"] = base_folder_name(base)
         config_file.write_text(json.dumps(config, indent=2))
+
+
+def base_folder_name(base: str) -> str:
+    """The name a local base goes by: its run's folder for a run's model (`runs/x/final`, `runs/x/best/step_N`: `x`,
+    as the published recipe's `model.pretrained` names it), else the folder's own."""
+    path = Path(base)
+    if path.name in ("final", "final_ema"):
+        return path.parent.name
+    if path.parent.name == "best":
+        return path.parent.parent.name
+    return path.name
 
 
 def adapter_card(out: Path, repo_id: str, recipe: dict, recipe_yaml: str, metrics: dict, which: str,
@@ -60,7 +71,7 @@ def adapter_card(out: Path, repo_id: str, recipe: dict, recipe_yaml: str, metric
                           metric_value=round(float(v), 6)) for k, v in numbers.items()]
     data = ModelCardData(library_name="peft", pipeline_tag=task[0], model_name=repo_id.split("/")[-1],
                          base_model=base if on_hub else None, tags=["s4accel", "lora", "peft"],
-                         eval_results=results or None, datasets=[dataset_type])
+                         eval_results=results or None, datasets=hub_datasets(recipe) or None)
     if base == FRESH_BASE:
         named = ("the freshly initialised model in `base/` of this repository, the one it was trained on (on any "
                  "other initialisation it means nothing)")
@@ -69,9 +80,9 @@ def adapter_card(out: Path, repo_id: str, recipe: dict, recipe_yaml: str, metric
         named = f"[{base}](https://huggingface.co/{base})"
         load = f'base = {{auto}}.from_pretrained("{base}", trust_remote_code=True)'
     else:
-        named = f"the model in `{Path(base).name}`, a local folder where it was trained (push that model too, and " \
-                f"load it from there)"
-        load = f'base = {{auto}}.from_pretrained("{Path(base).name}", trust_remote_code=True)'
+        named = f"the model in `{base_folder_name(base)}`, a local folder where it was trained (push that model too, " \
+                f"and load it from there)"
+        load = f'base = {{auto}}.from_pretrained("{base_folder_name(base)}", trust_remote_code=True)'
     auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
     targets = [*(adapter.get("target_modules") or []), *(adapter.get("target_parameters") or [])]
     n_params = count_params(out / "adapter_model.safetensors")
