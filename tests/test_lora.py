@@ -202,8 +202,8 @@ def test_push_uploads_the_adapter_and_its_fresh_base_with_a_card_that_says_so(mo
     staged.mkdir()
     out = stage(lora_run, "alice/s4-lora", "final", staged)
     card = ModelCard((out / "README.md").read_text())
-    assert "Its base model is the model in `final`" in card.text and card.data.base_model is None
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "final"
+    assert f"Its base model is the model in `{base.name}`" in card.text and card.data.base_model is None
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base.name
     for f in out.rglob("*"):  # the base's folder is named, never its path on this machine
         assert not f.is_file() or str(base).encode() not in f.read_bytes(), f
 
