@@ -204,3 +204,25 @@ def test_length_batches_pad_far_less_than_batches_in_file_order():
 
     in_order = [list(range(i, min(i + 16, 1000))) for i in range(0, 1000, 16)]
     assert padded(batches) < 0.05 * padded(in_order)
+
+
+@pytest.mark.parametrize("seq_len", ["1", "true"])
+def test_a_language_models_record_of_a_window_too_short_to_predict_is_one_line_not_rows_of_zeros(run, tmp_path,
+                                                                                                  seq_len):
+    """`"seq_len": 1` (or `true`) made predict write `tokens 0, loss 0.0` for every document, exit 0: a window of one
+    token holds no target."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(run[0] / "final", model)
+    record = json.loads((model / "preprocessing.json").read_text())
+    (model / "preprocessing.json").write_text(json.dumps(record).replace(f'"seq_len": {record["seq_len"]}',
+                                                                         f'"seq_len": {seq_len}'))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "To be, or not to be"}) + "\n")
+    proc = run_cli("predict", model, data, "--out", tmp_path / "p.csv")
+    assert proc.returncode == 2 and not (tmp_path / "p.csv").exists(), proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {model / 'preprocessing.json'}: "), lines
+    assert "seq_len" in lines[0], lines
+

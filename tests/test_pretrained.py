@@ -300,7 +300,12 @@ def test_a_model_exported_before_the_preprocessing_record_still_predicts_with_a_
     ('{"kind": "labelled_text", "text_field": ', "Invalid JSON"),
     ('{"kind": "text", "text_field": "text", "label_field": null, "seq_len": 64, "task": "causal_lm"}',
      "records 'text' data, but the model beside it reads 'labelled_text' data"),
-], ids=["negative seq_len", "zero seq_len", "no seq_len", "bad JSON", "another kind of model"])
+    ('{"kind": "labelled_text", "text_field": "text", "label_field": null, "seq_len": true, "task": "classification"}',
+     "seq_len: Input should be a valid integer"),
+    ('{"kind": "labelled_text", "text_field": "text", "label_field": 7, "seq_len": 64, "task": "classification"}',
+     "label_field: Input should be a valid string"),
+], ids=["negative seq_len", "zero seq_len", "no seq_len", "bad JSON", "another kind of model", "true as seq_len",
+        "a number as label_field"])
 def test_a_bad_preprocessing_record_is_one_line_naming_the_file_not_a_silent_answer(trained_classifier, scenes,
                                                                                      tmp_path, record, message):
     import shutil

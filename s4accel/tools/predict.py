@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
 from ..config import SourceCfg, load_recipe
@@ -51,12 +51,20 @@ class Preprocessing(BaseModel):
     """`preprocessing.json`: how the model's training read raw data. It comes from a model folder, perhaps someone
     else's, so it is checked like `config.json` is: a wrong value is one line, never a silent wrong answer."""
 
-    model_config = ConfigDict(extra="ignore")  # a newer s4accel may record more
+    # strict: `true` is not a length, 7 not a column name; a newer s4accel may record more
+    model_config = ConfigDict(extra="ignore", strict=True)
     kind: Literal["text", "labelled_text", "arrays"]
     text_field: str = Field(min_length=1)
     label_field: str | None
     seq_len: int = Field(ge=1)
     task: Literal["causal_lm", "classification", "regression"]
+
+    @model_validator(mode="after")
+    def _a_window_holds_a_target(self):
+        if self.kind == "text" and self.seq_len < 2:  # one token predicts nothing: every row would read 0
+            raise ValueError(f"seq_len: a language model reads windows of at least 2 tokens (a token and its "
+                             f"target), got {self.seq_len}")
+        return self
 
 
 def read_preprocessing(model_dir: Path, model) -> dict:
