@@ -365,6 +365,14 @@ def test_a_live_run_directory_is_refused_to_a_second_run_and_freed_when_the_run_
             assert f"{out} is in use by another run (pid {live.pid} on " in proc.stderr, proc.stderr
             assert "Traceback" not in proc.stderr
         assert live.poll() is None and sorted(p.name for p in out.iterdir()) == before  # untouched, still training
+        # A "stale lock" cleanup removing the lock file must not let a second run in: it let an overwrite delete the
+        # live run's outputs while that run went on writing.
+        (out / ".lock").unlink()
+        for extra in (["--set", "run.overwrite=true"], ["--resume"]):
+            proc = run_cli("train", TINY, *[a for o in base(text, out) for a in ("--set", o)], *extra, timeout=120)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert f"{out} is in use by another run" in proc.stderr, proc.stderr
+        assert live.poll() is None and (out / "metrics.jsonl").exists() and (out / "recipe.yaml").exists()
     finally:
         os.killpg(live.pid, signal.SIGKILL)
         live.wait()

@@ -4,7 +4,8 @@ Without it a second `train` (an overwrite, a `--resume`) on a directory a live r
 under it: both exited 0 and `final/` held the other run's weights. The lock is an `fcntl.flock` on a file: the kernel
 releases it when its process dies however it dies (SIGKILL, out of memory), so a killed run never leaves it stuck,
 and it holds across machines on a shared filesystem that supports locks (NFSv4, Lustre, GPFS: Linux maps `flock` to
-the filesystem's byte-range locks there). Only the global main process takes it: every other process of the run
+the filesystem's byte-range locks there). Where it can, the run also locks the directory itself, which removing the
+file cannot undo. Only the global main process takes it: every other process of the run
 waits for that one at its first collective. The file records who holds it, for the message the next run prints.
 """
 
@@ -30,6 +31,7 @@ class RunLock:
     def __init__(self, run_dir: Path, is_main: bool):
         self.run_dir, self.is_main = Path(run_dir), is_main
         self.fd: int | None = None
+        self.dir_fd: int | None = None
         self.created: list[Path] = []
 
     def __enter__(self) -> RunLock:
@@ -44,6 +46,7 @@ class RunLock:
             self._remove_created()
             raise RunDirError(f"cannot write to run directory {self.run_dir}: {e.strerror or e}") from None
         try:
+            self.dir_fd = _lock_directory(self.run_dir)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # The holder before us may have removed the file between our open and our lock: then we hold a lock on
             # a file no other run can see, so the directory is not ours yet.
@@ -52,6 +55,7 @@ class RunLock:
         except OSError as e:
             holder = _read(fd)
             os.close(fd)
+            self._unlock_directory()
             if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) or isinstance(e, BlockingIOError):
                 raise RunDirError(f"{self.run_dir} is in use by another run{f' ({holder})' if holder else ''}; wait "
                                   f"for it to end (or stop it), or choose another run.out_dir") from None
@@ -69,13 +73,38 @@ class RunLock:
             os.unlink(self.run_dir / LOCK_NAME)  # unlinked while held: a run that opened it meanwhile sees the swap
         os.close(self.fd)  # releases the lock
         self.fd = None
+        self._unlock_directory()
         self._remove_created()
+
+    def _unlock_directory(self) -> None:
+        if getattr(self, "dir_fd", None) is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
 
     def _remove_created(self) -> None:
         """The folders this lock created, if nothing else was written into them (a run that failed its checks)."""
         for folder in self.created:
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def _lock_directory(run_dir: Path) -> int | None:
+    """An exclusive `flock` on the run directory itself, held with the lock file's: removing `.lock` (a "stale lock"
+    cleanup) cannot take it away, as the directory cannot be removed while it holds a run. Raises BlockingIOError
+    when another run holds it; None where the filesystem has no locks on directories (NFS maps `flock` to byte-range
+    locks, which need a file open for writing): the lock file alone then."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise BlockingIOError from None
+        return None  # EBADF, ENOLCK, EOPNOTSUPP: not on this filesystem
+    return fd
 
 
 def _read(fd: int) -> str:
