@@ -126,6 +126,27 @@ def test_a_stream_of_one_file_says_in_one_line_that_only_the_buffer_shuffles_it(
                           f"read in a random order"] if expected else []), proc.stdout
 
 
+@pytest.mark.parametrize("shuffle", ["1024", "0"])
+def test_a_stream_with_its_own_validation_file_resumes_past_its_next_pass(tmp_path, hf_cache, shuffle):
+    """One file streamed, validation from a file of its own: resumed from a checkpoint, the run stopped at the next
+    pass with "the training stream holds less than one block", on every retry (the restored position stayed on the
+    file's stream and every later pass started there). Resumed now to the end, equal to the run that never stopped."""
+    import shutil
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"line {i} " + "to be or not to be, that is the question " * 9})
+                            + "\n" for i in range(40)))
+    (tmp_path / "a.txt").write_text("validation text " * 40)
+    run = [f"data.files=[{good}]", f"data.val_files=[{tmp_path / 'a.txt'}]", f"data.shuffle_buffer={shuffle}",
+           "train.max_steps=80", "checkpoint.every_steps=20", "checkpoint.keep_last=5"]
+    train_in_process(TINY, streamed(good, tmp_path / "ref", *run))
+    shutil.copytree(tmp_path / "ref", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "final")
+    resumed = train_in_process(TINY, streamed(good, tmp_path / "cut", *run),
+                               resume=str(tmp_path / "cut" / "checkpoints" / "step_00000020"))
+    assert resumed.steps == 80 and same(tmp_path / "ref", tmp_path / "cut")
+
+
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", str(TINY)]
 

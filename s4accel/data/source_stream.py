@@ -129,6 +129,9 @@ class SourceStream:
             if self.datasets_epochs:
                 self.docs.set_epoch(self.epoch)
             if self.position is not None:
+                # On a copy: a shard may be the same stream object every pass (a single file), and a state loaded
+                # into it would start every later pass there too (an empty pass: "less than one block").
+                self.docs = copy.deepcopy(self.docs)
                 self.docs.load_state_dict(self.position)
             self.iterator = iter(self.docs)
         texts = []
