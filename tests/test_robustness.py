@@ -179,3 +179,19 @@ def test_best_at_end_makes_final_the_best_model_and_the_last_line_says_where_the
 
     with pytest.raises(RecipeError, match="checkpoint.best_at_end: needs checkpoint.keep_best"):
         load_recipe(TINY, ["checkpoint.best_at_end=true", "checkpoint.keep_best=0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_best_model_whose_metrics_file_is_a_fifo_is_passed_over_not_read_forever(tmp_path):
+    """`push --best` (and `model.which: best`) read `best/step_*/metrics.json`: a FIFO there blocked forever."""
+    import os
+
+    from s4accel.training.callbacks import KeepBest
+
+    for step, loss in ((2, 1.5), (4, 1.2)):
+        (tmp_path / "best" / f"step_{step:08d}").mkdir(parents=True)
+        (tmp_path / "best" / f"step_{step:08d}" / "metrics.json").write_text(json.dumps({"step": step, "loss": loss}))
+    fifo = tmp_path / "best" / "step_00000006"
+    fifo.mkdir()
+    os.mkfifo(fifo / "metrics.json")
+    assert [p.name for _, p in KeepBest(2).ranked(tmp_path)] == ["step_00000004", "step_00000002"]

@@ -291,6 +291,8 @@ class KeepBest(Callback):
         """Best first (ties: the earlier step first)."""
         found = []
         for path in sorted((run_dir / "best").glob("step_*")):
+            if not (path / "metrics.json").is_file():  # only a regular file is read: a FIFO there would block forever
+                continue
             try:
                 found.append((json.loads((path / "metrics.json").read_text())[self.metric], path))
             except (OSError, ValueError, KeyError):
