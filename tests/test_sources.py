@@ -320,6 +320,21 @@ def test_labels_mixing_numbers_and_strings_in_one_file_are_one_line(tmp_path, hf
                        "task.target=classification"))
 
 
+def test_labels_mixing_numbers_and_booleans_are_one_line_and_mixed_number_types_train(tmp_path, hf_cache):
+    """`0`, `1` and `true` in one file: a `KeyError: 'true'` traceback (datasets keeps such a column as JSON text).
+    Whole and fractional numbers mixed (`0` and `0.5`, kept the same way) are read as the numbers they are."""
+    for name, values in (("bools", [0, 1, True]), ("numbers", [0, 1, 0.5])):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i, line in enumerate(LINES[:30]):
+                f.write(json.dumps({"text": line, "y": values[i % 3]}) + "\n")
+    with pytest.raises(DataError, match=r"data.label_field: the labels mix booleans and numbers "):
+        build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'bools.jsonl'}]", "data.label_field=y",
+                       "task.target=classification"))
+    data = build(data_cfg("data.source=files", f"data.files=[{tmp_path / 'numbers.jsonl'}]", "data.label_field=y",
+                          "task.target=classification", "data.val_fraction=0.3"))
+    assert data.class_names == ["0", "0.5", "1"] and data.num_labels == 3
+
+
 # ---- a dataset repository on the Hub (the project's Hub-compatible server on 127.0.0.1) ----------------------------
 
 HUB_BUILD = """

@@ -7,6 +7,7 @@ named by their text. The validation set is one of its own (`val_files`, `val_spl
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +53,13 @@ def label_names(train, val) -> tuple[list[str], dict]:
     if any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in splits["training"] +
            splits["validation"]):
         raise DataError("data.label_field: a label is missing (null) or NaN")
-    kinds = {where: {"strings" if isinstance(v, str) else "numbers" for v in values}
-             for where, values in splits.items()}
-    if len(kinds["training"] | kinds["validation"]) > 1:
+    kinds = {where: {"strings" if isinstance(v, str) else "booleans" if isinstance(v, bool) else "numbers"
+                     for v in values} for where, values in splits.items()}
+    mixed = kinds["training"] | kinds["validation"]
+    if len(mixed) > 1:  # `true` beside 1 would be one class under two names, as "1" beside 1
         said = ", ".join(f"{where}: {' and '.join(sorted(k))}" for where, k in kinds.items() if k)
-        raise DataError(f"data.label_field: the labels mix numbers and strings ({said}); write every label one way")
+        raise DataError(f"data.label_field: the labels mix {' and '.join(sorted(mixed))} ({said}); write every label "
+                        f"one way")
     distinct = sorted(set(splits["training"]))
     unknown = set(splits["validation"]) - set(distinct)
     if unknown:
@@ -92,11 +95,15 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
                         f"two")
     tokenizer = build_tokenizer(cfg, train, tokenizer_dir)
     dtype = token_dtype(tokenizer)
+    json_labels = type(train.features["label"]).__name__ == "Json"
 
     def tokenize(table):
         with counted(table["text"]):
             ids = encode(table["text"], tokenizer, None, dtype, max_len=cfg.seq_len)
-        labels = np.array([index[v] for v in table["label"].to_pylist()], dtype=np.int64)
+        values = table["label"].to_pylist()
+        if json_labels:  # datasets keeps a column of mixed JSON types as JSON text (its `Json` feature)
+            values = [json.loads(v) for v in values]
+        labels = np.array([index[v] for v in values], dtype=np.int64)
         return pa.table({"input_ids": ids, "labels": labels})
 
     def prepare(ds, what):
