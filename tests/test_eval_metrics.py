@@ -228,3 +228,28 @@ def test_a_run_resumes_with_metric_functions_added_even_from_a_recipe_that_preda
     old = load_recipe(DIGITS).to_dict()
     del old["task"]["metrics"]
     assert recipe_diff(old, load_recipe(DIGITS, ["task.metrics=[testing_metrics:errors]"]).to_dict()) == []
+
+
+def test_a_best_metric_that_is_not_a_number_is_said_not_silently_unranked(tmp_path):
+    """`checkpoint.best_metric` from a function returning NaN, `keep_best: 2`: no best/ at all, and no line."""
+    proc = run_cli("train", DIGITS, *sets(*digits(tmp_path / "r", "train.max_steps=2", "train.eval_every=1",
+                                                  "task.metrics=[testing_metrics:not_a_number]",
+                                                  "checkpoint.keep_best=2", "checkpoint.best_metric=not_a_number")),
+                   env=TESTS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("warning:") and "not_a_number" in line]
+    assert said == ["warning: step 1: checkpoint.best_metric not_a_number is nan; this model is not ranked among the "
+                    "best", "warning: step 2: checkpoint.best_metric not_a_number is nan; this model is not ranked "
+                    "among the best"], proc.stdout
+
+
+def test_a_metric_function_that_raises_is_one_line_and_the_trained_model_is_kept(tmp_path):
+    """A traceback after training, exit 1, and no final/: the run's export lost to a metric."""
+    out = tmp_path / "r"
+    proc = run_cli("train", DIGITS, *sets(*digits(out, "train.max_steps=2", "train.eval_every=0",
+                                                  "task.metrics=[testing_metrics:raises]")), env=TESTS_ON_PATH)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if "testing_metrics:raises" in line]
+    assert said == ["warning: task.metrics: testing_metrics:raises raised ZeroDivisionError (division by zero); raises "
+                    "is nan this time"], proc.stdout
+    assert (out / "final" / "model.safetensors").is_file()

@@ -18,3 +18,12 @@ def one_argument(predictions):
 
 def label_dtype(predictions, labels):
     return float(predictions.dtype == torch.int64 and labels.dtype == torch.int64)
+
+
+def not_a_number(predictions, labels):
+    return float("nan")
+
+
+def raises(predictions, labels):
+    raise ZeroDivisionError("division by zero")
+

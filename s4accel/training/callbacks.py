@@ -301,9 +301,12 @@ class KeepBest(Callback):
 
     def on_eval_end(self, run, metrics):
         value = metrics[self.metric]
+        if not math.isfinite(value):
+            run.accelerator.print(f"warning: step {run.state.step}: checkpoint.best_metric {self.metric} is {value}; "
+                                  f"this model is not ranked among the best")
+            return
         ranked = self.ranked(run.run_dir)
-        if not math.isfinite(value) or (len(ranked) >= self.keep and not improved(value, ranked[self.keep - 1][0],
-                                                                                  self.mode)):
+        if len(ranked) >= self.keep and not improved(value, ranked[self.keep - 1][0], self.mode):
             return
         target = run.run_dir / "best" / f"step_{run.state.step:08d}"
         # collective (every process calls it); metrics.json is written inside the atomic export

@@ -75,7 +75,8 @@ def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False, progre
     if out is None:
         return None
     metrics = task.compute_metrics(*out)
-    return {**metrics, **recipe_metrics(metric_functions(task.recipe, task), out[0], metrics)}
+    say = lambda line: accelerator.print(f"warning: {line}")  # noqa: E731
+    return {**metrics, **recipe_metrics(metric_functions(task.recipe, task), out[0], metrics, say)}
 
 
 def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:

@@ -59,12 +59,21 @@ def metric_functions(recipe, task) -> list[MetricFunction]:
     return functions
 
 
-def recipe_metrics(functions: list[MetricFunction], values: dict, reported: dict) -> dict[str, float | int]:
+def recipe_metrics(functions: list[MetricFunction], values: dict, reported: dict,
+                   say: Callable[[str], None] | None = None) -> dict[str, float | int]:
     """The functions' metrics on the gathered `values["prediction"]` and `values["label"]`; `reported`: the task's
-    own metrics, whose names a function may not take."""
+    own metrics, whose names a function may not take. A function that raises gets one line through `say` and NaN
+    under its name, this evaluation: a user's metric must not cost the run its trained model."""
     out = {}
     for f in functions:
-        result = f.function(values["prediction"], values["label"])
+        try:
+            result = f.function(values["prediction"], values["label"])
+        except Exception as e:
+            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            if say is not None:
+                say(f"task.metrics: {f.target} raised {type(e).__name__} ({detail}); {f.name} is nan this time")
+            out[f.name] = float("nan")
+            continue
         items = result.items() if isinstance(result, dict) else [(f.name, result)]
         for key, value in items:
             if isinstance(value, torch.Tensor) and value.numel() == 1:
