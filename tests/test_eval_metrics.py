@@ -250,6 +250,6 @@ def test_a_metric_function_that_raises_is_one_line_and_the_trained_model_is_kept
                                                   "task.metrics=[testing_metrics:raises]")), env=TESTS_ON_PATH)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     said = [line for line in proc.stdout.splitlines() if "testing_metrics:raises" in line]
-    assert said == ["warning: task.metrics: testing_metrics:raises raised ZeroDivisionError (division by zero); raises "
-                    "is nan this time"], proc.stdout
+    assert said == ["warning: task.metrics: testing_metrics:raises raised ZeroDivisionError (division by zero); "
+                    "raises is nan this time"], proc.stdout
     assert (out / "final" / "model.safetensors").is_file()

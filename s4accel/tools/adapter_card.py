@@ -80,8 +80,8 @@ def adapter_card(out: Path, repo_id: str, recipe: dict, recipe_yaml: str, metric
         named = f"[{base}](https://huggingface.co/{base})"
         load = f'base = {{auto}}.from_pretrained("{base}", trust_remote_code=True)'
     else:
-        named = f"the model in `{base_folder_name(base)}`, a local folder where it was trained (push that model too, " \
-                f"and load it from there)"
+        named = f"the model in `{base_folder_name(base)}`, a local folder where it was trained (push that model " \
+                f"too, and load it from there)"
         load = f'base = {{auto}}.from_pretrained("{base_folder_name(base)}", trust_remote_code=True)'
     auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
     targets = [*(adapter.get("target_modules") or []), *(adapter.get("target_parameters") or [])]
