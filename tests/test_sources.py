@@ -50,7 +50,7 @@ def write_formats(tmp_path):
 
 @pytest.mark.parametrize("files, field", [
     (["d.csv"], "body"), (["d.parquet"], "body"), (["d.jsonl"], "body"), (["arrow/d.arrow"], "body"),
-    (["txt"], "text"), (["txt/*.txt"], "text"), (["d.csv", "d.parquet"], "body"),
+    (["txt"], "text"), (["txt/*.txt"], "text"), (["txt/**"], "text"), (["d.csv", "d.parquet"], "body"),
 ])
 def test_every_file_format_directory_and_glob_reads_the_same_documents(tmp_path, hf_cache, files, field):
     write_formats(tmp_path)

@@ -110,9 +110,15 @@ def expand_files(patterns: list[str], key: str = "data.files", extensions=tuple(
             if not matches:
                 raise DataError(f"{key}: no file matches {pattern}")
             regular = [m for m in matches if Path(m).is_file()]
-            if not regular and not any(Path(m).is_dir() for m in matches):  # a FIFO or device would block or fail
+            folders = [Path(m) for m in matches if Path(m).is_dir()]
+            if not regular and not folders:  # a FIFO or device would block or fail
                 raise DataError(f"{key}: {pattern} matches no regular file (only {_what(Path(matches[0]))} "
                                 f"{matches[0]})")
+            if not regular:  # `dir/**` matches the folders below dir: the files they hold, as for a folder
+                regular = sorted(str(p) for d in folders for p in d.iterdir() if p.is_file() and p.suffix in extensions)
+                if not regular:
+                    raise DataError(f"{key}: {pattern} matches only folders, which hold no {', '.join(extensions)} "
+                                    f"file")
             files += regular
         elif path.is_dir():
             if is_saved_dataset(path):
