@@ -10,7 +10,14 @@ from s4accel.training.runs.checkpoint import (COMPLETE, checkpoint_problem, comp
 from s4accel.errors import CheckpointError, ResumeError
 
 
-CHECKPOINT_FILES = {"model.safetensors": b"x" * 100, "optimizer.bin": b"y" * 50, "random_states_0.pkl": b"r" * 20,
+def _weights() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"w": torch.zeros(4)})
+
+
+CHECKPOINT_FILES = {"model.safetensors": _weights(), "optimizer.bin": b"y" * 50, "random_states_0.pkl": b"r" * 20,
                     "recipe.yaml": b"run: {}\n"}
 
 
@@ -63,6 +70,17 @@ def test_latest_complete_checkpoint_is_chosen_and_broken_ones_are_skipped_with_a
         f"skipping checkpoint {truncated}: optimizer.bin is truncated (7 of 50 bytes)",
     ]
     assert complete_checkpoints(tmp_path) == [good]
+
+
+def test_weights_emptied_under_a_recomputed_manifest_are_skipped_as_a_damaged_checkpoint(tmp_path):
+    """`model.safetensors` emptied and the manifest recomputed to match: the checksums pass, and resume or export
+    was a `SafetensorError: header too small` traceback."""
+    good = fake_checkpoint(tmp_path, 10)
+    emptied = fake_checkpoint(tmp_path, 20, files={**CHECKPOINT_FILES, "model.safetensors": b""})
+    path, warnings, invalid = locate_checkpoint(tmp_path, "latest")
+    assert path == good and invalid == [emptied]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"skipping checkpoint {emptied}: model.safetensors is not a safetensors file ("), warnings
 
 
 def test_no_checkpoint_means_a_fresh_start_and_a_bad_explicit_path_is_an_error(tmp_path):

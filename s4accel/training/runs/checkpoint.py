@@ -257,6 +257,21 @@ def checkpoint_problem(path: Path, verify: bool = False) -> str | None:
             return f"{name} is truncated ({actual} of {size} bytes)"
         if verify and digest is not None and _sha256(path / name) != digest:
             return f"{name} does not match its checksum (changed after it was written)"
+        if verify and name.endswith(".safetensors") and (problem := _safetensors_problem(path / name)):
+            return f"{name} is not a safetensors file ({problem})"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file's header, or None: a manifest recomputed over a damaged file (emptied,
+    cut) passes its checksum, and loading it would be a traceback from deep inside the resume."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, and the OSErrors of a file that cannot be read
+        return str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
     return None
 
 
