@@ -343,3 +343,17 @@ def test_a_published_recipe_names_files_by_name_and_reads_them_next_to_itself(tm
     assert loaded.data.files == [str(bob / "corpus" / "*.parquet")]
     assert loaded.data.val_files == [str(bob / "a" / "val.txt"), str(bob / "b" / "val.txt")]
     assert loaded.callbacks[0].target == f"{bob / 'hooks.py'}:Note" and loaded.run.out_dir is None
+
+
+@pytest.mark.parametrize("where", ["a --set value", "a recipe of lists", "a recipe of mappings"])
+def test_a_recipe_nested_thousands_deep_is_one_line_not_a_recursion_error(tmp_path, where):
+    """5,000 lists inside each other in `--set`, 3,000 in a recipe, 800 mappings: a RecursionError traceback."""
+    if where == "a --set value":
+        message = error_of(TINY, ["sample.prompts=" + "[" * 5000 + "]" * 5000])
+    elif where == "a recipe of lists":
+        message = error_of(write(tmp_path, "sample: {prompts: " + "[" * 3000 + "]" * 3000 + "}\n"))
+    else:
+        text = "".join(" " * i + f"k{i}:\n" for i in range(800)) + " " * 800 + "v: 1\n"
+        message = error_of(write(tmp_path, text))
+    assert "\n" not in message and ("nested too deeply" in message or "nests deeper than 50 levels" in message), \
+        message[:300]

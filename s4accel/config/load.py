@@ -45,17 +45,34 @@ _RecipeLoader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp i
 _RecipeLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+MAX_DEPTH = 50
+"""A recipe nests a few levels (a mixture's source in a list in `data`); thousands of lists inside each other only
+exhaust Python's recursion, in the YAML reader or in validation."""
+
+
 def _count_values(tree, limit: int) -> int:
-    """Values in a loaded YAML tree, counting every use of an alias, stopping past `limit`."""
-    count, stack = 0, [tree]
+    """Values in a loaded YAML tree, counting every use of an alias, stopping past `limit`; a tree nested deeper than
+    `MAX_DEPTH` counts as past it."""
+    count, stack = 0, [(tree, 0)]
     while stack and count <= limit:
-        node = stack.pop()
+        node, depth = stack.pop()
         count += 1
+        if depth > MAX_DEPTH:
+            return limit + 1
         if isinstance(node, dict):
-            stack.extend(node.values())
+            stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
-            stack.extend(node)
+            stack.extend((v, depth + 1) for v in node)
     return count
+
+
+def _read_yaml(text: str):
+    """YAML with the recipe loader; a document nested too deeply for the reader is one line, not a RecursionError."""
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)
+    except RecursionError:
+        raise RecipeError(f"lists or mappings nested too deeply to read (a recipe nests at most {MAX_DEPTH} levels)") \
+            from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -69,7 +86,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     path = Path(path)
     run_dir = path if path.is_dir() and (path / "recipe.yaml").is_file() else None
     try:
-        raw = yaml.load((path / "recipe.yaml" if run_dir else path).read_text(), Loader=_RecipeLoader)
+        raw = _read_yaml((path / "recipe.yaml" if run_dir else path).read_text())
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe file not found") from None
     except IsADirectoryError:
@@ -77,6 +94,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
                           f"directory)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read recipe ({e})") from None
+    except RecipeError as e:
+        raise RecipeError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -86,8 +105,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections (run, model, data, ...)")
     if _count_values(raw, MAX_RECIPE_VALUES) > MAX_RECIPE_VALUES:
-        raise RecipeError(f"{path}: the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases "
-                          f"repeating aliases?); refusing to load it")
+        raise RecipeError(f"{path}: the recipe expands to more than {MAX_RECIPE_VALUES:,} values or nests deeper "
+                          f"than {MAX_DEPTH} levels (YAML aliases repeating aliases?); refusing to load it")
     if run_dir is not None and isinstance(raw.get("run"), dict):
         # The run continues where it is; `overwrite` belonged to the command that started it, not to a continuation.
         raw["run"].update(out_dir=str(run_dir), overwrite=False)
@@ -95,7 +114,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         _apply_override(raw, item)
     if overrides and _count_values(raw, MAX_RECIPE_VALUES) > MAX_RECIPE_VALUES:  # --set values are YAML too
         raise RecipeError(f"--set: the recipe with these values expands to more than {MAX_RECIPE_VALUES:,} values "
-                          f"(YAML aliases repeating aliases?); refusing to load it")
+                          f"or nests deeper than {MAX_DEPTH} levels (YAML aliases repeating aliases?); refusing to "
+                          f"load it")
     # The recipe's own relative paths mean files next to it; --set ones, files relative to where the command runs.
     # A run directory's recipe.yaml holds them made absolute already.
     overridden = [tuple(item.partition("=")[0].strip().split(".")) for item in overrides]
@@ -129,7 +149,9 @@ def _apply_override(raw: dict, item: str) -> None:
     if not sep or not all(parts):
         raise RecipeError(f"--set {_short(item)}: expected section.key=value, e.g. optim.lr=1e-3")
     try:
-        parsed = yaml.load(value, Loader=_RecipeLoader)
+        parsed = _read_yaml(value)
+    except RecipeError as e:
+        raise RecipeError(f"--set {_short(item)}: {e}") from None
     except yaml.YAMLError:
         parsed = value  # not YAML: keep the raw string, validation will say if a string does not fit
     node = raw
