@@ -392,3 +392,22 @@ def test_an_adapter_on_a_local_base_is_carded_with_the_bases_run_name_and_no_loc
     assert card.data.datasets is None  # local files: named in the card's text, on no Hub page
     assert f"the model in `{base.name}`" in card.text and "`final`" not in card.text
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base.name
+
+
+@pytest.mark.parametrize("linked", ["adapter_model.safetensors", "base"])
+def test_a_push_that_would_publish_an_incomplete_adapter_is_refused_before_uploading(moe_run, tmp_path, linked):
+    """The adapter's weights as a link were skipped with a line, then a repository without weights was pushed, exit
+    0; `final/base/` a link out of the run was left out while the card said the base was there."""
+    import shutil
+
+    from s4accel.tools.hub import HubError, stage
+
+    run = tmp_path / "run"
+    shutil.copytree(moe_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    moved = tmp_path / "elsewhere"
+    shutil.move(run / "final" / linked, moved)
+    (run / "final" / linked).symlink_to(moved)
+    out = tmp_path / "staged"
+    out.mkdir()
+    with pytest.raises(HubError, match="the push would publish an incomplete model; nothing was pushed"):
+        stage(run, "alice/moe-lora", "final", out)

@@ -115,12 +115,34 @@ def stage(run_dir: Path, repo_id: str, which: str, out: Path) -> Path:
             target = out / "runs" / f.relative_to(tb)
             target.parent.mkdir(parents=True, exist_ok=True)
             copy_event_file(f, target, hparams)
+    missing = incomplete(out)
+    if missing:
+        raise HubError(f"{model_dir}: {missing}: the push would publish an incomplete model; nothing was pushed")
     write_any_card(out, repo_id, recipe_yaml, records, metrics, which)  # counts the staged weights: regular files
     # The card, recipe and hyperparameters name no path of the machine; anything else that does is not uploaded.
     leak = machine_path_in(out, machine_paths(recipe, run_dir))
     if leak is not None:
         raise HubError(f"{leak[0]} would publish a path of this machine ({leak[1]}); nothing was pushed")
     return out
+
+
+def incomplete(out: Path) -> str | None:
+    """What a staged model lacks to load (weights and config, or an adapter's weights and, for a fresh base, that
+    base), or None: a file skipped as a link, or a base folder that is a link out of the run, leaves it so."""
+    def weights(folder: Path) -> bool:
+        return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+
+    if is_adapter(out):
+        if not (out / "adapter_model.safetensors").is_file():
+            return "no adapter_model.safetensors (a regular file inside the run directory)"
+        config = json.loads((out / "adapter_config.json").read_text())
+        if config.get("base_model_name_or_path") == FRESH_BASE and not (
+                (out / FRESH_BASE / "config.json").is_file() and weights(out / FRESH_BASE)):
+            return f"no whole {FRESH_BASE}/ model beside the adapter (the base it was trained on, which it needs)"
+        return None
+    if not (out / "config.json").is_file() or not weights(out):
+        return "no config.json and model.safetensors (regular files inside the run directory)"
+    return None
 
 
 def push_run(run_dir: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
