@@ -350,3 +350,19 @@ def test_a_checkpoint_of_the_earlier_per_process_stream_resumes_exactly_unshuffl
         train_in_process(TINY, streamed(corpus, tmp_path / "cut", short), resume="latest", force=True)
     resumed = train_in_process(TINY, streamed(corpus, tmp_path / "cut", unshuffled, short), resume="latest")
     assert resumed.steps == 8 and same(tmp_path / "ref", tmp_path / "cut")
+
+
+def test_two_processes_on_a_stream_shorter_than_one_block_both_stop_at_the_same_line(tmp_path):
+    """Rank 0 said the one line, then rank 1's gloo "Connection closed by peer" traceback: it waited for rank 0,
+    which had gone. Now every process meets the same error, said once."""
+    train = tmp_path / "train.txt"
+    train.write_text("short")
+    val = tmp_path / "val.txt"
+    val.write_text("A validation document long enough for a block or two. " * 8)
+    proc = launch([f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{train}]",
+                   "data.streaming=true", f"data.val_files=[{val}]", "data.seq_len=32", "train.max_steps=3",
+                   "log.progress_bar=false", "sample.prompts=[]"])
+    assert proc.returncode != 0
+    ours = proc.stderr.split("ChildFailedError", 1)[0]  # what the processes said, before the launcher's report
+    assert ours.count("holds less than one block of data.seq_len=32 tokens") == 1, proc.stderr[-3000:]
+    assert "gloo" not in ours and "Connection closed" not in ours and "[rank" not in ours, ours[-3000:]

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
+from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin, broadcast_object_list
 
 from ..config import Recipe
-from ..errors import RecipeError
+from ..errors import RecipeError, S4AccelError
 from .runs.checkpoint import checkpoint_step
 from .devices.graphs import wants_graphs
 from .lora import check_runtime
@@ -97,8 +97,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     `train.max_epochs` counts batches), then the optimizers with their schedules (unless `optimizers=False`)."""
     task, context = setup_task(recipe, accelerator, build_dir, task)
     check_runtime(accelerator, recipe)
-    with accelerator.main_process_first():
-        context.data = task.build_data()
+    context.data = main_first(accelerator, task.build_data)
     if model is None:
         with model_build(accelerator):
             net = build_model(task, recipe)
@@ -153,3 +152,24 @@ def check_optimizers(optimizers, task: Task) -> list[TrainOptimizer]:
         raise RecipeError(f"{type(task).__name__}.build_optimizers must return a non-empty list of "
                           f"s4accel.TrainOptimizer with distinct names")
     return optimizers
+
+
+def main_first(accelerator, build: Callable[[], object]):
+    """`build()` on the main process first (it fills the caches the others then read), then on the others; a user
+    error the main process meets (data too short, a file it cannot read) is raised on every process, so all stop at
+    the same line. With `main_process_first` the others were left waiting at its barrier for a process that had
+    gone, and died with a gloo traceback."""
+    error, result = None, None
+    if accelerator.is_main_process:
+        try:
+            result = build()
+        except S4AccelError as e:
+            error = e
+    box = [error]
+    broadcast_object_list(box)  # from the main process
+    if box[0] is not None:
+        raise box[0]
+    if not accelerator.is_main_process:
+        result = build()
+    return result
+
