@@ -65,8 +65,29 @@ def test_byte_and_char_counts_match_the_text(kind, tmp_path, hf_cache):
     tok = build_tokenizer(cfg, load_source(cfg.sources()[0]), tmp_path / "tok")
     n_bytes, n_chars = token_byte_and_char_counts(tok)
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-    assert n_bytes[ids].sum().item() == len(text.encode())
-    assert n_chars[ids].sum().item() == len(text)
+    assert n_bytes[ids].sum().item() == len(text.encode()) + 1  # the document's end: one byte, one character
+    assert n_chars[ids].sum().item() == len(text) + 1
+
+
+def test_bits_per_byte_count_bits_and_bytes_over_the_same_targets_on_one_character_documents(tmp_path, hf_cache):
+    """A one-character document's only target (its first character reads nothing of its own) is its end: its bits
+    were counted over no byte, and such documents read 224.7 bits per byte. Counted over a byte of its own, bits per
+    byte is the loss in bits per token."""
+    import json
+    import math
+
+    from helpers import TINY, train_in_process
+
+    for name in ("train", "val"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": c}) + "\n" for c in "abcdefgh" * 40))
+    result = train_in_process(TINY, [f"run.out_dir={tmp_path / 'run'}", "data.source=files",
+                                     f"data.files=[{tmp_path / 'train.jsonl'}]",
+                                     f"data.val_files=[{tmp_path / 'val.jsonl'}]", "data.seq_len=16",
+                                     "train.max_steps=2", "train.eval_every=0", "sample.prompts=[]",
+                                     "log.progress_bar=false", "log.log_with=[jsonl]"])
+    metrics = result.eval_metrics
+    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2), rel=1e-6)
+    assert metrics["bits_per_char"] == pytest.approx(metrics["bits_per_byte"])
 
 
 def test_bpe_is_trained_on_the_train_part_and_saved(tmp_path, hf_cache):

@@ -202,8 +202,9 @@ class LogCfg(_Section):
     log_with: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
     """Trackers: `tensorboard` (event files under `<run_dir>/tensorboard`), `jsonl` (`<run_dir>/metrics.jsonl`), any
     of Accelerate's by name (`wandb`, `mlflow`, `aim`, `comet_ml`, `clearml`, `dvclive`, `swanlab`, `trackio`; their
-    package installed), or your own `GeneralTracker` as `module:Class`. `metrics.jsonl` is written whatever the list
-    (the model card's curve and `s4accel push` read it). A tracker that fails never stops training."""
+    package installed), or your own `GeneralTracker` as `module:Class`. `metrics.jsonl` is written with any of them
+    (the model card's curve and `s4accel push` read it); `[]`: no trackers at all. A tracker that fails never stops
+    training."""
     project: str | None = None
     """The project (W&B, trackio, Comet, SwanLab, ClearML) or experiment (MLflow) that groups this run with others;
     each run keeps `run.name` as its own name there. `null`: the tracker's environment variable (`WANDB_PROJECT`,

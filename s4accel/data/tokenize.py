@@ -120,7 +120,10 @@ def token_byte_and_char_counts(tokenizer) -> tuple[torch.Tensor, torch.Tensor] |
     tokenizer is not byte-level (its tokens need not be whole bytes, so these metrics cannot be computed honestly).
 
     Byte-level tokens cover whole bytes; a character is counted at its lead byte (a byte that is not a UTF-8
-    continuation byte 0b10xxxxxx). Special and added tokens count zero."""
+    continuation byte 0b10xxxxxx). The end-of-document token counts one byte and one character: it is a target
+    the model is scored on (where a document ends, as a line break would mark it in one text), so its bits are
+    counted over a byte of their own; otherwise one-character documents read 224.7 bits per byte (their only
+    targets were ends, over bytes that excluded them). Other special and added tokens count zero."""
     byte_of = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE symbol -> byte
     is_byt5 = is_byte_tokenizer(tokenizer)
     if not is_byt5 and not _byte_level_decoder(tokenizer):
@@ -139,6 +142,9 @@ def token_byte_and_char_counts(tokenizer) -> tuple[torch.Tensor, torch.Tensor] |
             return None  # a token that is not made of byte symbols: not a byte-level vocabulary after all
         n_bytes[i] = len(data)
         n_chars[i] = sum(1 for b in data if b & 0xC0 != 0x80)
+    eos = tokenizer.eos_token_id
+    if eos is not None and 0 <= eos < size:
+        n_bytes[eos] = n_chars[eos] = 1
     return n_bytes, n_chars
 
 

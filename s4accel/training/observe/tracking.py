@@ -335,11 +335,11 @@ RUN_NAME = {"wandb": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
 def build_trackers(names: list[str], run_name: str, run_dir: Path, resume_step: int | None = None,
                    kwargs: dict[str, dict] | None = None, retries: int = 3, backoff_s: float = 0.5,
                    project: str | None = None, timeout_s: float = 120.0) -> list[GeneralTracker]:
-    """The trackers a recipe names, each guarded, and JSON Lines always (the card's curve reads it); `resume_step`
-    when resuming from a checkpoint of that step; `kwargs[name]`: extra constructor arguments (e.g.
+    """The trackers a recipe names, each guarded, and JSON Lines with any of them (the card's curve reads it);
+    `resume_step` when resuming from a checkpoint of that step; `kwargs[name]`: extra constructor arguments (e.g.
     `{"wandb": {"entity": "me"}}`); `project`: the group of runs (`log.project`)."""
     kwargs = kwargs or {}
-    names = [*names, *(["jsonl"] if "jsonl" not in names else [])]
+    names = [*names, *(["jsonl"] if names and "jsonl" not in names else [])]  # `[]`: no trackers at all
 
     def maker(name: str) -> Callable[[str | None], GeneralTracker]:
         extra = dict(kwargs.get(name, {}))
