@@ -151,3 +151,42 @@ def test_a_launch_that_asked_for_more_processes_than_the_run_got_says_so(text, t
     assert warnings == ["warning: accelerate launch was asked for 2 processes (--num_processes 2) but this run has 1: "
                         "without a config file it starts one process where there is no GPU; use --config_file "
                         "accelerate_configs/cpu_2proc.yaml for CPU processes"], proc.stdout
+
+
+def test_workers_whose_launcher_is_killed_save_a_checkpoint_and_stop(text, tmp_path):
+    """SIGKILL of the `accelerate launch` process (an OOM killer, a scheduler) left both workers training, with no
+    one to stop them or collect them. They now notice the launcher is gone, save a checkpoint and stop."""
+    out = tmp_path / "run"
+    args = [*ACCELERATE, *recipe(text, out, "train.max_steps=100000", "checkpoint.every_steps=0")]
+    launcher = subprocess.Popen([*map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def workers():
+        found = []
+        for proc in os.listdir("/proc"):
+            if proc.isdigit() and int(proc) != launcher.pid:
+                try:
+                    cmdline = open(f"/proc/{proc}/cmdline", "rb").read().decode(errors="replace")
+                except OSError:
+                    continue
+                if str(out) in cmdline and "s4accel" in cmdline:
+                    found.append(int(proc))
+        return found
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        assert len(workers()) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 90
+        while workers() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not workers(), "the workers went on training without their launcher"
+        saved = [p for p in (out / "checkpoints").glob("step_*") if checkpoint_problem(p) is None]
+        assert saved, "no checkpoint was saved"
+    finally:
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,10 @@ only records it, so the preemption checkpoint is still written. The last complet
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -45,6 +48,8 @@ class StopSignals:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            if "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun, accelerate launch)
+                sigterm_when_the_launcher_dies()
         return self
 
     def __exit__(self, *exc):
@@ -52,3 +57,20 @@ class StopSignals:
             signal.signal(s, handler)
         self._previous = {}
         return False
+
+
+def sigterm_when_the_launcher_dies() -> None:
+    """Ask Linux to send this process SIGTERM when its parent, the launcher, dies (`PR_SET_PDEATHSIG`): a launcher
+    killed with SIGKILL forwards nothing, and its workers would train on with no one to stop or collect them. The
+    SIGTERM stops the run as a preemption does: a checkpoint, then exit. Elsewhere (no prctl) nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request was made: the signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
