@@ -37,10 +37,7 @@ class RunCfg(_Section):
     """Replace an earlier run in the run directory. Its outputs are moved aside only once the new run has passed every
     check (data, model, optimizer), and deleted once the new run has started."""
     version: Literal["none", "number", "time"] = "none"
-    """Without `out_dir`, a folder of its own for each new run of the same name: `number` trains into the first of
-    `runs/<name>`, `runs/<name>-1`, `runs/<name>-2`, ... after the newest that holds a run, `time` into
-    `runs/<name>-YYYYmmdd-HHMMSS`; `--resume` continues the newest. `none`: always `runs/<name>`, and running the
-    same command again is refused rather than replace a run."""
+    """Without out_dir: each new run a folder (`number`: name, name-1, ...; `time`: name-YYYYmmdd-HHMMSS), or none."""
 
     @field_validator("name")
     @classmethod

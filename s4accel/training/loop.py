@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from accelerate import PartialState
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
@@ -36,7 +36,7 @@ from .observe.tracking import check_tracker_kwargs, check_tracker_packages, chec
 from .runs.checkpoint import TrainState
 from .runs.preemption import StopSignals
 from .runs.resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
-from .runs.run_dir import RunDir, versioned_dir
+from .runs.run_dir import RunDir, with_version
 from .runs.run_lock import RunLock
 from .runs.world import World, launch_asked_for, move_to_world, plan_world_change
 from .setup import CPU, build_run, make_accelerator
@@ -165,8 +165,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     # 4. Export (config + safetensors + generation config + tokenizer, loadable by from_pretrained), unless the
     # cluster wants the machine back (preempted: the checkpoint is written, leave now).
     if not preempted:
-        result.final_dir, result.samples = export_final(run, callbacks)
-        result.best, result.final_is_best = best_model(run, recipe.checkpoint)
+        result.final_dir, result.samples, result.best, result.final_is_best = export_final(run, callbacks)
     # 5. Every process leaves together: the wrapped model (its DDP reducer holds the process group) is freed while
     # all are still here, then the group is destroyed. Freed after one process had exited, it waited forever for it.
     del model, run, step, batches
@@ -217,17 +216,6 @@ def build_in_place(recipe: Recipe, accelerator, run_files: RunDir, task: Task):
     return built
 
 
-def with_version(recipe: Recipe, resuming: bool) -> Recipe:
-    """The recipe with `run.out_dir` set to the folder `run.version` picks (by the main process, the same for all),
-    which the run's own recipe.yaml then names: resuming it from the run directory finds the same folder."""
-    if recipe.run.version == "none" or recipe.run.out_dir is not None:
-        return recipe
-    PartialState()  # the processes' group, for the broadcast
-    choice = [str(versioned_dir(Path("runs"), recipe.run.name, recipe.run.version, resuming))]
-    broadcast_object_list(choice)  # from the main process: the clock or the folders may differ elsewhere
-    return recipe.model_copy(update={"run": recipe.run.model_copy(update={"out_dir": choice[0]})})
-
-
 def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, str | None]:
     """What to resume from and who asked for it: the command line's `--resume` (the API's `resume`) wins over the
     recipe's `train.resume: auto`, which means `--resume` alone. (None, None): a fresh run."""
@@ -271,16 +259,16 @@ def restore(accelerator, resuming: Resuming, recipe: Recipe, optimizers: list[Tr
     return state
 
 
-def export_final(run: RunContext, callbacks: CallbackList) -> tuple[Path, list[str]]:
+def export_final(run: RunContext, callbacks: CallbackList):
     """`final/` from the trained model; the samples the language model writes; then what callbacks add (final_ema/
-    and the like, before a push reads them)."""
+    and the like, before a push reads them); the best model kept and whether final/ is it (`best_model`)."""
     final = run.run_dir / "final"
     context_parallel.read_whole(run.accelerator, run.model)  # whole sequences again: the samples' generate()
     run.task.export(run.model, final)
     run.task.on_train_end(run.model)
     samples = getattr(run.task, "samples", [])
     callbacks.on_train_end(run)
-    return final, samples
+    return final, samples, *best_model(run, run.recipe.checkpoint)
 
 
 def warn(accelerator, *notes: str | None) -> None:

@@ -26,6 +26,7 @@ from .devices.precision import apply_fsdp_precision
 from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
 from .observe.tracking import build_trackers
+from .devices.fits import check_fits
 from .devices.zero import configure_deepspeed, model_build
 
 CPU = not torch.accelerator.is_available()
@@ -99,6 +100,12 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     check_runtime(accelerator, recipe)
     context.data = main_first(accelerator, task.build_data)
     if model is None:
+        if recipe.task.builtin:  # sized from its config before anything is allocated
+            from ..data import data_spec
+            from .tasks_builtin import build_model as builtin_model
+
+            check_fits(recipe, data_spec(recipe.data, getattr(task, "data", None)), accelerator.device,
+                       lambda r, spec: builtin_model(r, None, device="meta", spec=spec))
         with model_build(accelerator):
             net = build_model(task, recipe)
         if recipe.model.freeze:  # fixed parameters, out of the optimizer built next

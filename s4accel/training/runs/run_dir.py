@@ -19,6 +19,9 @@ import shutil
 import time
 from pathlib import Path
 
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+
 from ...errors import RunDirError
 from ..observe.console import RUN_LOG
 
@@ -154,3 +157,14 @@ def versioned_dir(root: Path, name: str, how: str, resuming: bool) -> Path:
         return root / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     number = max(found)[0] + 1 if found else 0
     return root / (f"{name}-{number}" if number else name)
+
+
+def with_version(recipe, resuming: bool):
+    """The recipe with `run.out_dir` set to the folder `run.version` picks (by the main process, the same for all),
+    which the run's own recipe.yaml then names: resuming it from the run directory finds the same folder."""
+    if recipe.run.version == "none" or recipe.run.out_dir is not None:
+        return recipe
+    PartialState()  # the processes' group, for the broadcast
+    choice = [str(versioned_dir(Path("runs"), recipe.run.name, recipe.run.version, resuming))]
+    broadcast_object_list(choice)  # from the main process: the clock or the folders may differ elsewhere
+    return recipe.model_copy(update={"run": recipe.run.model_copy(update={"out_dir": choice[0]})})

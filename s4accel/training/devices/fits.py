@@ -1,0 +1,76 @@
+"""Whether a built-in model can be trained in this machine's memory, told from its config before anything is
+allocated: a recipe asking for 100,000 layers, or a LoRA rank of ten million, ran for minutes and took all the
+memory before an allocator traceback.
+
+The estimate counts the parameters, and for each trainable one its gradient and AdamW's two moments (float32: 16
+bytes a trainable parameter, 4 a fixed one), from a model with one and with two blocks on the meta device (shapes
+only, no memory) extended to every block, so a recipe of any depth is estimated in a moment; and a low figure for
+the activations a micro-batch keeps for the backward pass: `ACTIVATION_FLOATS` float32 values per block, token and
+channel (the quick-start's S4 blocks keep about 21: `bench/context_memory.py`), two with activation checkpointing.
+The estimate errs low: a model it lets through may still not fit (`s4accel find-batch-size` measures a step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import RecipeError
+
+BYTES_TRAINABLE = 16  # weight, gradient, AdamW's exp_avg and exp_avg_sq, float32
+BYTES_FIXED = 4
+ACTIVATION_FLOATS = 16
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a run may use: the device's on a GPU, what Linux says is available on a CPU; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def counted(model) -> tuple[int, int]:
+    """(trainable, fixed) parameter counts, each tied tensor once."""
+    trainable = fixed = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            fixed += p.numel()
+    return trainable, fixed
+
+
+def check_fits(recipe, spec: dict, device: torch.device, build) -> None:
+    """Refuse, in one line, a built-in model whose parameters and optimizer state alone exceed this machine's memory.
+    `build(recipe, spec)` builds the recipe's model on the meta device."""
+    limit = available_bytes(device)
+    if limit is None:
+        return
+    layers = recipe.model.overrides.get("n_layer")
+    sizes = []
+    for n in ((1, 2) if isinstance(layers, int) and layers > 2 else (None,)):
+        shallow = recipe if n is None else recipe.model_copy(update={"model": recipe.model.model_copy(
+            update={"overrides": {**recipe.model.overrides, "n_layer": n}})})
+        sizes.append(counted(build(shallow, spec)))
+    if len(sizes) == 2:  # one block's worth, extended to every block
+        (t1, f1), (t2, f2) = sizes
+        trainable, fixed = t1 + (layers - 1) * (t2 - t1), f1 + (layers - 1) * (f2 - f1)
+    else:
+        trainable, fixed = sizes[0]
+    states = trainable * BYTES_TRAINABLE + fixed * BYTES_FIXED
+    model = build(recipe if len(sizes) == 1 else shallow, spec)
+    config = getattr(model, "get_base_model", lambda: model)().config  # a LoRA model's: its base's
+    floats = 2 if recipe.train.activation_checkpointing else ACTIVATION_FLOATS
+    blocks = layers if isinstance(layers, int) else getattr(config, "n_layer", 1)
+    activations = blocks * recipe.data.batch_size * recipe.data.seq_len * getattr(config, "d_model", 0) * floats * 4
+    if states + activations > limit:
+        what = f"model.overrides.n_layer={layers}" if len(sizes) == 2 else \
+            f"model.lora.r={recipe.model.lora.r}" if recipe.model.lora is not None else "model.overrides"
+        raise RecipeError(f"{what}: the model would hold {trainable + fixed:,} parameters ({trainable:,} trained): "
+                          f"about {states / 1e9:,.1f} GB with their gradients and optimizer state, and "
+                          f"{activations / 1e9:,.1f} GB or more of activations for a micro-batch, more than the "
+                          f"{limit / 1e9:,.1f} GB this machine has available; choose a smaller model")
