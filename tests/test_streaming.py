@@ -145,6 +145,12 @@ def test_a_stream_with_its_own_validation_file_resumes_past_its_next_pass(tmp_pa
     resumed = train_in_process(TINY, streamed(good, tmp_path / "cut", *run),
                                resume=str(tmp_path / "cut" / "checkpoints" / "step_00000020"))
     assert resumed.steps == 80 and same(tmp_path / "ref", tmp_path / "cut")
+    # stopped by SIGTERM mid-pass (a checkpoint of its own), then resumed with the printed command's --resume
+    stopped = train_in_process(TINY, streamed(good, tmp_path / "term", *run, callback_override(
+        "testing_callbacks:SignalAt", step=33)))
+    assert stopped.preempted
+    resumed = train_in_process(TINY, streamed(good, tmp_path / "term", *run), resume="latest")
+    assert resumed.steps == 80 and same(tmp_path / "ref", tmp_path / "term")
 
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",

@@ -67,6 +67,14 @@ def check_fits(recipe, spec: dict, device: torch.device, build) -> None:
     floats = 2 if recipe.train.activation_checkpointing else ACTIVATION_FLOATS
     blocks = layers if isinstance(layers, int) else getattr(config, "n_layer", 1)
     activations = blocks * recipe.data.batch_size * recipe.data.seq_len * getattr(config, "d_model", 0) * floats * 4
+    # A step reads its whole accumulation window first (the loss is normalised by the window's target tokens):
+    # grad_accum micro-batches of ids, labels and positions, int64, held at once.
+    window = recipe.train.grad_accum * recipe.data.batch_size * recipe.data.seq_len * 3 * 8
+    if window > limit:
+        raise RecipeError(f"train.grad_accum={recipe.train.grad_accum}: a step holds its whole window of "
+                          f"micro-batches, about {window / 1e9:,.1f} GB at data.batch_size={recipe.data.batch_size} "
+                          f"and data.seq_len={recipe.data.seq_len}, more than the {limit / 1e9:,.1f} GB this machine "
+                          f"has available; use fewer, larger micro-batches")
     if states + activations > limit:
         what = f"model.overrides.n_layer={layers}" if len(sizes) == 2 else \
             f"model.lora.r={recipe.model.lora.r}" if recipe.model.lora is not None else "model.overrides"
