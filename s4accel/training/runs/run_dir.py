@@ -165,6 +165,6 @@ def with_version(recipe, resuming: bool):
     if recipe.run.version == "none" or recipe.run.out_dir is not None:
         return recipe
     PartialState()  # the processes' group, for the broadcast
-    choice = [str(versioned_dir(Path("runs"), recipe.run.name, recipe.run.version, resuming))]
+    choice = [str(versioned_dir(recipe.run.dir.parent, recipe.run.name, recipe.run.version, resuming))]  # runs/
     broadcast_object_list(choice)  # from the main process: the clock or the folders may differ elsewhere
     return recipe.model_copy(update={"run": recipe.run.model_copy(update={"out_dir": choice[0]})})
