@@ -8,7 +8,6 @@ import json
 from dataclasses import dataclass, field
 
 import pytest
-from huggingface_hub.errors import StrictDataclassError  # the config classes are strict dataclasses
 import torch
 from torch.nn import functional as F
 
