@@ -84,7 +84,7 @@ def local_logits(model_dir):
         return model(torch.tensor(IDS)).logits
 
 
-def test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_model(run, hub):
+def test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_model(run, hub, tmp_path):
     before = snapshot(run)
     proc = run_cli("push", run, "--repo-id", "alice/tiny-s4", env=hub_env(hub.url))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,13 +116,32 @@ def test_push_uploads_model_card_recipe_metrics_logs_and_downloads_to_the_same_m
     expected = local_logits(run / "final")
     torch.testing.assert_close(logits_from_hub(hub, "alice/tiny-s4"), expected, rtol=0, atol=0)
 
-    # Where s4accel is not installed: the repository's own code, by repo id, with trust_remote_code=True.
+    # Where s4accel is not installed: the repository's own code, by repo id, with trust_remote_code=True (a
+    # download cache of its own: transformers' notice is for code files it downloads).
     proc = subprocess.run([sys.executable, "-c", REMOTE_CODE, "alice/tiny-s4", json.dumps(IDS)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **hub_env(hub.url)})
+                          text=True, timeout=300, env={**os.environ, **hub_env(hub.url), "HF_HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     module, logits = json.loads(proc.stdout.strip().splitlines()[-1])
     assert module.startswith("transformers_modules.")
     torch.testing.assert_close(torch.tensor(logits), expected, rtol=1e-5, atol=1e-6)
+    assert proc.stderr.count("A new version of the following files was downloaded") == 2  # one per code file
+
+
+PUSH_FROM_PYTHON = """
+import sys
+from s4accel import S4Config, S4ForCausalLM
+model = S4ForCausalLM(S4Config(d_model=16, n_layer=1, d_state=8, vocab_size=40))
+model.push_to_hub(sys.argv[1])
+model.save_pretrained(sys.argv[2], push_to_hub=True, repo_id=sys.argv[3])
+"""
+
+
+def test_push_to_hub_from_python_uploads_the_code_as_two_files(hub, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", PUSH_FROM_PYTHON, "alice/api", str(tmp_path), "alice/saved"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **hub_env(hub.url)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for repo in ("alice/api", "alice/saved"):
+        assert {p for p in hub.files(repo) if p.endswith(".py")} == {"configuration_s4.py", "modeling_s4.py"}, repo
 
 
 def test_pushing_again_to_an_existing_repo_and_to_a_branch(run, hub):

@@ -14,7 +14,7 @@ z-loss, averaged over MoE layers); `router_logits` holds each MoE layer's `(B L,
 `expert_counts (n_moe, E)` / `dropped_counts (n_moe,)` the routing statistics a trainer logs.
 
 This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch, transformers and
-its siblings `cache_names.py`, `configuration_moe.py` and `moe.py`.
+its siblings, which `save_pretrained` folds into it there (`code_bundle.py`).
 """
 
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils import can_return_tuple
 
 from .cache_names import cache_field, one_cache
+from .code_bundle import SavesFoldedCode
 from .configuration_moe import MoEConfig
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
@@ -149,7 +150,7 @@ class MoECausalLMOutput(ModelOutput):
     dropped_counts: torch.LongTensor | None = None
 
 
-class MoEPreTrainedModel(PreTrainedModel):
+class MoEPreTrainedModel(SavesFoldedCode, PreTrainedModel):
     config: MoEConfig
     config_class = MoEConfig
     base_model_prefix = "model"

@@ -24,7 +24,7 @@ With `ffn="mlp"` or `"moe"` each block adds a feed-forward sub-block after the S
 of SwiGLU experts (`moe.py`), whose router losses join the output's `loss` and `aux_loss`.
 
 This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch, transformers and
-its siblings `configuration_s4.py`, `configuration_moe.py` and `moe.py`.
+its siblings, which `save_pretrained` folds into it there (`code_bundle.py`).
 """
 
 import math
@@ -41,6 +41,7 @@ from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
 from transformers.utils import can_return_tuple
 
 from .cache_names import cache_field, one_cache
+from .code_bundle import SavesFoldedCode
 from .configuration_s4 import S4Config
 from .context_parallel import ChunkRows, ContextParallel
 from .documents import Documents
@@ -935,7 +936,7 @@ def _moe_fields(out) -> dict:
 # Models
 
 
-class S4PreTrainedModel(PreTrainedModel):
+class S4PreTrainedModel(SavesFoldedCode, PreTrainedModel):
     config: S4Config
     config_class = S4Config
     base_model_prefix = "backbone"
