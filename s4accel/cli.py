@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from .errors import RecipeError, S4AccelError
+from .tools.command_line import bare_resume_to_latest, readable_help
 from .tools.launcher import continue_command, report_to_launcher
 
 # rich_markup_mode None: click's plain help, which rewraps each paragraph of a docstring (rich kept its line breaks,
@@ -365,6 +366,25 @@ def listops(
                f"{min(every)} to {max(every)}, mean {sum(every) / len(every):.0f})")
 
 
+@command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(ctx: typer.Context):
+    """Run a command on several processes with accelerate launch's launcher: s4accel launch --config_file CONFIG
+    train RECIPE.
+
+    accelerate launch's options (accelerate launch --help) come first, then the command and its arguments as after
+    `s4accel`. The same launcher as accelerate launch -m s4accel, but a run stopped by Ctrl-C or SIGTERM ends with
+    its own line (where it stopped, how to continue), not the launcher's traceback, and a failed process is one
+    line."""
+    from .tools.launcher import launch as launch_command
+
+    if not ctx.args:
+        typer.echo("error: s4accel launch [ACCELERATE LAUNCH OPTIONS] COMMAND ...: name the command, e.g. "
+                   "s4accel launch --config_file accelerate_configs/cpu_2proc.yaml train recipes/quickstart.yaml",
+                   err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(launch_command(ctx.args))
+
+
 @command()
 def models():
     """List the named model sizes a recipe's model.name can take."""
@@ -378,40 +398,3 @@ def models():
 def main(argv: list[str] | None = None):
     command = readable_help(typer.main.get_command(app))
     command(args=bare_resume_to_latest(sys.argv[1:] if argv is None else argv), prog_name="s4accel")
-
-
-def readable_help(group):
-    """The help as a user reads it: each command's whole first sentence in the command list (click cut it at 45
-    characters), and placeholders in capitals, as in `s4accel eval [OPTIONS] MODEL [RECIPE]` and `--data PATH`
-    (typer writes `{model}` and `<path>`)."""
-    for command in [group, *group.commands.values()]:
-        if command is not group and command.help and not command.short_help:
-            first = " ".join(command.help.split("\n\n")[0].split())
-            command.short_help = first.split(". ")[0].rstrip(".") + "."
-        usage = command.collect_usage_pieces  # typer braces a required argument: {MODEL}
-        command.collect_usage_pieces = lambda ctx, usage=usage: [p.replace("{", "").replace("}", "")
-                                                                 for p in usage(ctx)]
-        for param in command.params:
-            if param.metavar is not None or getattr(param, "is_flag", False) or not hasattr(param, "display_type"):
-                continue  # set by hand, a flag, or an older typer (click's own placeholders: PATH, INTEGER)
-            if param.param_type_name == "argument":
-                param.metavar = param.name.upper()
-                param.display_type_rich = lambda ctx: None  # its help says what it is: no `<path>` beside it
-                continue
-            shown = param.display_type(None).strip("<>")  # typer's label: int, int range, path, str, a|b, ...
-            if "|" not in shown:  # choices stay listed
-                param.metavar = {"int": "INTEGER", "int range": "INTEGER", "float range": "FLOAT",
-                                 "str": "TEXT"}.get(shown, shown.upper())
-    return group
-
-
-def bare_resume_to_latest(argv: list[str]) -> list[str]:
-    """`--resume` takes an optional value, which click options cannot: a bare `--resume` (last, or followed by an
-    option or by the recipe, a .yaml file or a run directory) becomes `--resume=latest`."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        nxt = out[i + 1] if i + 1 < len(out) else None
-        if arg == "--resume" and (nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml"))
-                                  or (Path(nxt) / "recipe.yaml").is_file()):
-            out[i] = "--resume=latest"
-    return out

@@ -190,3 +190,52 @@ def test_workers_whose_launcher_is_killed_save_a_checkpoint_and_stop(text, tmp_p
     finally:
         for pid in workers():
             os.kill(pid, signal.SIGKILL)
+
+
+S4ACCEL_LAUNCH = [sys.executable, "-m", "s4accel", "launch", *FREE_PORT, "--config_file",
+                  str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+
+
+def test_s4accel_launch_ends_a_run_stopped_by_ctrl_c_with_the_runs_own_line_and_its_command_continues(text, tmp_path):
+    """`accelerate launch` prints torch's 35-line SignalException traceback (exit 1) after the run's clean stop;
+    `s4accel launch`, the same launcher in-process, ends with the run's line and exits 130."""
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([*S4ACCEL_LAUNCH, *recipe(text, out, "train.max_steps=100000", "train.eval_every=0",
+                                                           "checkpoint.every_steps=0")[2:]],
+                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not stepped(out):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr and "death signal" not in stderr, stderr
+    last = stdout.strip().splitlines()[-1]
+    stopped = re.fullmatch(r"stopped at step (\d+) \(received SIGINT\); .*; continue with: (.+)", last)
+    assert stopped and " -m s4accel launch " in stopped.group(2), stdout[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    step = int(stopped.group(1))
+    resumed = run(*shlex.split(stopped.group(2)), "--force", "--set", f"train.max_steps={step + 2}", cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "DDP over 2 processes on cpu" in resumed.stdout and f"done: {step + 2} steps" in resumed.stdout
+
+
+def test_s4accel_launch_reports_a_failed_process_in_one_line(text, tmp_path):
+    """A user's error ends the output as the first process printed it (once), exit 2; a process killed ends it with
+    one line naming it: no launcher failure report with its traceback."""
+    out = tmp_path / "run"
+    killed = run(*S4ACCEL_LAUNCH, *recipe(text, out, callback_override(
+        "testing_callbacks:KilledOnceAt", step=6, marker=str(tmp_path / "killed")))[2:])  # after step 5's checkpoint
+    # (process 0's own traceback, from gloo when its peer vanished, stays: that is the worker's output)
+    assert killed.returncode == 1 and "Root Cause" not in killed.stderr, killed.stderr[-3000:]
+    assert killed.stderr.strip().splitlines()[-1] == "error: process 1 was killed by SIGKILL", killed.stderr[-3000:]
+    refused = run(*S4ACCEL_LAUNCH, "train", out, "--resume", "--set", "optim.lr=0.5")
+    assert refused.returncode == 2 and "ChildFailedError" not in refused.stderr, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == "error:   optim.lr: 0.003 -> 0.5", refused.stderr[-3000:]
+    assert refused.stderr.count("error: the recipe differs") == 1

@@ -6,5 +6,7 @@
     hub.py         push a run's model with its card, recipe, metrics and logs
     model_card.py  the model card and training-curve image
     finders.py     lr-find and find-batch-size, through the recipe's task
-    launcher.py    under accelerate launch / torchrun: the command that continues a stopped run, errors to the launcher
+    launcher.py    under accelerate launch / torchrun: the command that continues a stopped run, errors to the launcher;
+                   `s4accel launch`
+    command_line.py  the command line's help as a user reads it, a bare --resume
 """

@@ -1,6 +1,7 @@
 """What a command tells the user about the launcher that started it (accelerate launch, torchrun), and what it tells
 that launcher: the command that continues a stopped run on as many processes as it was started with, and a user
-error written where the launcher's failure report shows it.
+error written where the launcher's failure report shows it. And `s4accel launch`: accelerate launch itself, whose
+report after a run stopped by a signal is the run's own last line.
 
 Both launchers run torch's elastic agent, which starts each worker as its child process with TORCHELASTIC_RUN_ID,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE (machines) and TORCHELASTIC_ERROR_FILE in its environment; the
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from .command_line import bare_resume_to_latest
 
 
 def under_launcher() -> bool:
@@ -47,7 +51,9 @@ def launcher_command(argv: list[str]) -> list[str] | None:
         parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
     except OSError:
         return None
-    if not argv or len(parent) <= len(argv) or parent[-len(argv):] != list(argv):
+    # (`s4accel launch` hands its workers `--resume=latest` for the `--resume` its own command line has)
+    if not argv or len(parent) <= len(argv) or bare_resume_to_latest(parent[-len(argv):]) != bare_resume_to_latest(
+            list(argv)):
         return None
     prefix = parent[:-len(argv)]
     if len(prefix) > 1 and Path(prefix[0]).name.startswith("python") and not prefix[1].startswith("-"):
@@ -79,3 +85,47 @@ def report_to_launcher(message: str) -> bool:
         Path(path).write_text(json.dumps(record))
         return True
     return False
+
+
+def launch(argv: list[str]) -> int:
+    """`s4accel launch [ACCELERATE LAUNCH OPTIONS] COMMAND ...` runs accelerate launch's own launcher, in this
+    process, on `-m s4accel COMMAND ...`; the exit code. What changes is the launcher's report:
+    - after a run stopped by Ctrl-C or SIGTERM, torch's launcher raises `SignalException` (a 35-line traceback, exit
+      1) under the run's last line, which says where it stopped and how to continue: that line stays last (exit
+      128 + the signal);
+    - a process that failed has printed its error (once for every process): one line names it, instead of the
+      failure report."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    if args.module or args.no_python or args.training_script.endswith(".py"):
+        print("error: s4accel launch runs s4accel's own commands: s4accel launch [ACCELERATE LAUNCH OPTIONS] "
+              "train RECIPE ... (for a script of your own, accelerate launch)", file=sys.stderr)
+        return 2
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script, args.module = "s4accel", True
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(quiet_launcher_lines)
+    try:
+        launch_command(args)
+    except (SignalException, KeyboardInterrupt) as e:
+        return 128 + int(getattr(e, "sigval", 2))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode != 2:  # 2: an error of the user's, which the first process printed in one line
+            how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else
+                   f"exited with code {failure.exitcode}")
+            print(f"error: process {rank} {how}{'' if failure.exitcode < 0 else '; its output above says why'}",
+                  file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+def quiet_launcher_lines(record: logging.LogRecord) -> bool:
+    """False for the launcher's lines on passing a signal to its workers ("Received 2 death signal, shutting down
+    workers", "Sending process 123 closing signal SIGINT"), where each worker says what it did with it, and on a
+    failed worker ("failed (exitcode: 2) local_rank: 0 ..."), which `launch` reports in its own line."""
+    return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",
+                                           "failed (exitcode: %s)"))
