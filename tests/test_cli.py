@@ -171,3 +171,29 @@ def test_a_directory_without_a_recipe_is_one_line(tmp_path):
     proc = run_cli("train", tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "is a directory without a recipe.yaml" in proc.stderr
+
+
+@pytest.mark.parametrize("typed, worker", [
+    (["launch", "--config_file", "c.yaml", "train", "run", "--resume"], ["train", "run", "--resume=latest"]),
+    (["launch", "train", "run"], ["train", "run"]),
+])
+def test_the_continue_command_under_s4accel_launch_is_its_own_command_line(tmp_path, monkeypatch, typed, worker):
+    """The command printed after a stop is the launcher's command line as typed (a config file made absolute), with
+    `train RUN --resume`; `s4accel launch` hands its workers `--resume=latest` for a bare `--resume`."""
+    import subprocess
+    import sys
+    import time
+
+    from s4accel.tools.launcher import launcher_command
+
+    (tmp_path / "c.yaml").write_text("{}")
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *typed], cwd=tmp_path)
+    try:
+        time.sleep(0.5)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr("os.getppid", lambda: parent.pid)
+        command = launcher_command(worker)
+    finally:
+        parent.kill()
+    expected = ["launch", "--config_file", str(tmp_path / "c.yaml")] if "c.yaml" in typed else ["launch"]
+    assert command == [sys.executable, "-c", "import time; time.sleep(60)", *expected]
