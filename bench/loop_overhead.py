@@ -25,8 +25,11 @@ median (and quartiles) of the per-round ratios. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -295,6 +298,8 @@ def main():
     ap.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS)
     ap.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
     ap.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", type=Path, help="also write the report to a dated JSON file in this folder, named by "
+                                                 "its date and commit (bench/results)")
     args = ap.parse_args()
 
     if args.worker:  # one gated loop, in this process
@@ -306,8 +311,19 @@ def main():
 
     with tempfile.TemporaryDirectory() as scratch:
         results = {size: run_size(size, list(args.loops), args.rounds, Path(scratch)) for size in args.sizes}
-    print(json.dumps({"rounds": args.rounds, "segment_steps": {s: SEGMENT[s] for s in args.sizes},
-                      "warmup_steps": WARMUP, "threads": 1, "results": results}, indent=2))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip() or "unknown"
+    report = {"date": datetime.date.today().isoformat(), "commit": commit, "device": "cpu",
+              "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+              "python": platform.python_version(),
+              **{name: importlib.metadata.version(name) for name in ("torch", "accelerate", "transformers")},
+              "command": "python bench/loop_overhead.py " + " ".join(sys.argv[1:]),
+              "rounds": args.rounds, "segment_steps": {s: SEGMENT[s] for s in args.sizes}, "warmup_steps": WARMUP,
+              "threads": 1, "results": results}
+    print(json.dumps(report, indent=2))
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{report['date']}-loop-overhead-cpu-{commit}.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -194,6 +194,32 @@ class BlockingTracker(FlakyTracker):
         FlakyTracker.LOGGED.append(step)
 
 
+class SlowTracker(FlakyTracker):
+    """A tracker whose `log` takes `delay` seconds (a slow network), then appends its step to the file `path`."""
+
+    name = "slow"
+
+    def __init__(self, run_name, path: str, delay: float = 0.2):
+        super().__init__(run_name)
+        self.path, self.delay = Path(path), delay
+
+    def log(self, values, step=None, **kwargs):
+        time.sleep(self.delay)
+        with self.path.open("a") as f:
+            f.write(f"{step}\n")
+
+
+class RaisesAt(Callback):
+    """After optimizer step `step`, raise a RuntimeError (a bug in a user's callback)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run):
+        if run.state.step == self.step:
+            raise RuntimeError(f"a bug at step {self.step}")
+
+
 class SameWeightsOnAllRanks(Callback):
     """At the end of training, gathers every process's parameter checksum and writes them to `path` (main process):
     a loop that forgot to average some gradients leaves the ranks' weights apart."""

@@ -55,7 +55,11 @@ def batch_stream(accelerator, train_dl, state: TrainState, on_epoch_start=lambda
                 yield batch
         except GeneratorExit:  # the loop closes the stream when the run ends: a pass whose last batch the last step
             # consumed (train.max_epochs) has ended too, though no batch of the next was asked for
-            if state.batch_in_epoch == _length(train_dl):
+            try:
+                finished = state.batch_in_epoch == _length(train_dl)
+            except Exception:  # closed by the garbage collector after a run that failed: its dataset half torn down
+                finished = False
+            if finished:
                 on_epoch_end()
             raise
         on_epoch_end()

@@ -11,12 +11,16 @@ from helpers import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_loop_overhead_bench_prints_paired_ratios_as_json():
+def test_loop_overhead_bench_prints_paired_ratios_as_json_and_writes_a_dated_file(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--sizes", "tiny", "--rounds",
-                           "3", "--loops", "accelerate", "s4accel"],
+                           "3", "--loops", "accelerate", "s4accel", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tiny = json.loads(proc.stdout)["results"]["tiny"]
+    report = json.loads(proc.stdout)
+    [written] = tmp_path.glob(f"{report['date']}-loop-overhead-cpu-{report['commit']}.json")
+    assert json.loads(written.read_text()) == report
+    assert {"torch", "accelerate", "transformers", "python", "machine", "command"} <= set(report)
+    tiny = report["results"]["tiny"]
     assert set(tiny["ms_per_step_median"]) == {"accelerate", "s4accel"}
     assert all(v > 0 for v in tiny["ms_per_step_median"].values())
     ratio = tiny["s4accel_over_accelerate"]

@@ -1,6 +1,7 @@
 """What a run shows: trackers, logged scalars, the console, FLOPs and MFU, the profiler, evaluation scores.
 
-    tracking.py        trackers, guarded so that none can stop training
+    tracking.py        trackers: TensorBoard, JSONL, Accelerate's by name or your own; their checks
+    guarded.py         a tracker that cannot stop training: its own thread, retries, a time limit
     metrics.py         the logged training scalars, expert load, throughput
     console.py         what the libraries print that a user does not need; the run's log file
     flops.py           a training step's FLOPs per family, MFU against a device's peak

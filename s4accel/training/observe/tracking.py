@@ -20,12 +20,8 @@ import importlib
 import inspect
 import json
 import os
-import queue
-import threading
-import time
 import urllib.parse
 import urllib.request
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +30,7 @@ from accelerate.tracking import (LOGGER_TYPE_TO_CLASS, GeneralTracker, MLflowTra
 
 from ...config import flatten
 from ...errors import RecipeError
+from .guarded import GuardedTracker
 
 
 class JSONLTracker(GeneralTracker):
@@ -118,115 +115,6 @@ class ResumedMLflowTracker(MLflowTracker):
 
         logged = mlflow.get_run(self.active_run.info.run_id).data.params
         super().store_init_configuration({k: v for k, v in values.items() if k not in logged})
-
-
-class _Worker:
-    """One thread that makes every call of one tracker, in order, so that a call can be waited for with a time limit
-    (a hung network call must not hang the run). The same thread each time: trackers keep state per thread (MLflow's
-    active run). A daemon: a call that never returns does not keep the process from exiting."""
-
-    def __init__(self, name: str):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=f"tracker {name}", daemon=True).start()
-
-    def _serve(self):
-        while True:
-            call, box, done = self.jobs.get()
-            try:
-                box.append((True, call()))
-            except BaseException as e:  # handed back to the caller, which decides
-                box.append((False, e))
-            done.set()
-
-    def run(self, call: Callable[[], object], timeout: float):
-        box, done = [], threading.Event()
-        self.jobs.put((call, box, done))
-        if not done.wait(timeout):
-            raise TimeoutError
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-
-class GuardedTracker(GeneralTracker):
-    """Runs another tracker so that it cannot stop training. Accelerate calls `start`, then
-    `store_init_configuration(config)`: the inner tracker is built (`make(config["run_id"])`) and started at the
-    second, since the run's id is read from the checkpoint after the trackers were made. Every call (starting,
-    `store_init_configuration`, `log`, `finish`) is tried up to `retries` times with `backoff_s * 2^attempt` seconds
-    between tries (a missing package is not retried), after which the tracker is disabled with a warning and later
-    calls do nothing. A call that does not return within `timeout_s` disables it at once."""
-
-    main_process_only = True
-    requires_logging_directory = False
-
-    def __init__(self, name: str, make: Callable[[str | None], GeneralTracker], retries: int = 3,
-                 backoff_s: float = 0.5, sleep: Callable[[float], None] = time.sleep, timeout_s: float = 120.0):
-        self.name = name
-        super().__init__()
-        self.make, self.retries, self.backoff_s, self.sleep = make, retries, backoff_s, sleep
-        self.timeout_s = timeout_s
-        self.inner: GeneralTracker | None = None
-        self.disabled = False
-        self.worker: _Worker | None = None
-
-    @property
-    def tracker(self):
-        return self.inner.tracker if self.inner is not None else None
-
-    def _guarded(self, what: str, call: Callable[[], None]) -> None:
-        if self.disabled:
-            return
-        if self.worker is None:
-            self.worker = _Worker(self.name)
-        error = None
-        for attempt in range(self.retries):
-            try:
-                self.worker.run(call, self.timeout_s)
-                return
-            except TimeoutError:  # still running in its thread: nothing more is asked of this tracker
-                self.disabled = True
-                warnings.warn(f"tracker {self.name!r}: {what} did not return within {self.timeout_s:g}s; disabled, "
-                              "training goes on without it", stacklevel=2)
-                return
-            except ImportError as e:  # the tracker's package is not installed: retrying cannot help
-                error = e
-                break
-            except Exception as e:  # a tracker's own failure (network, disk, server) must not end the run
-                error = e
-                if attempt + 1 < self.retries:
-                    self.sleep(self.backoff_s * 2**attempt)
-        self.disabled = True
-        if what != "finish" and self.inner is not None:
-            try:  # close what it opened (an MLflow run), briefly: it failed already
-                self.worker.run(self.inner.finish, min(self.timeout_s, 10.0))
-            except Exception:
-                pass
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        warnings.warn(f"tracker {self.name!r}: {what} failed ({type(error).__name__}: {detail}); disabled, "
-                      "training goes on without it", stacklevel=2)
-
-    @on_main_process
-    def start(self):
-        pass  # started with the configuration, which carries the run's id
-
-    @on_main_process
-    def store_init_configuration(self, values: dict):
-        def start():
-            if self.inner is None:
-                self.inner = self.make(values.get("run_id"))
-            self.inner.start()
-
-        self._guarded("start", start)
-        self._guarded("store_init_configuration", lambda: self.inner.store_init_configuration(values))
-
-    @on_main_process
-    def log(self, values: dict, step: int | None = None, **kwargs):
-        self._guarded("log", lambda: self.inner.log(values, step=step, **kwargs))
-
-    @on_main_process
-    def finish(self):
-        self._guarded("finish", lambda: self.inner.finish())
 
 
 def tracker_config(recipe: dict) -> dict:
