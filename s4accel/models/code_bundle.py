@@ -33,7 +33,7 @@ def bundle_saved_code(folder: str | os.PathLike) -> None:
     for entry in entries:
         source, used = fold(folder, entry, keep=set(entries))
         if used:
-            tmp = folder / f".{entry}.py.tmp"
+            tmp = folder / f".{entry}.py.{os.getpid()}.tmp"  # (two processes saving to one folder: no clash)
             tmp.write_text(source)
             os.replace(tmp, folder / f"{entry}.py")
         folded |= used
