@@ -163,7 +163,8 @@ class GuardedTracker(GeneralTracker):
 
     def flush(self) -> None:
         """Wait until every call queued so far has run (within `timeout_s`)."""
-        self._guarded("flush", lambda: None)
+        if self.worker is not None:
+            self._guarded("flush", lambda: None)
 
     @on_main_process
     def finish(self):
