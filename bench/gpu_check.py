@@ -18,7 +18,8 @@ Sections (each timed and isolated: one that fails reports its error and the othe
     documents    packed documents on CUDA: a packed block's logits equal each document alone, and changing one
                  document leaves the next bit-identical (S4D, the MoE transformer)
     no_sync      a training step's forward and backward under torch.cuda.set_sync_debug_mode("error"): none in the
-                 MoE transformer and S4 with MoE blocks (S4D and DPLR S4 reported beside)
+                 MoE transformer and S4 with MoE blocks (S4D and DPLR S4 reported beside); then each op of the
+                 MoE transformer's step alone (embedding, RMSNorm, rotary, SDPA per backend), counted
     graphs       the quick-start run eager against train.compile_mode reduce-overhead (CUDA graphs): losses every
                  10 steps, ms a step, what the run printed about graphs
     gpu_tests    `pytest -m gpu tests` (every test marked gpu)
@@ -359,7 +360,69 @@ def section_no_sync(_text: Path, _tmp: Path) -> dict:
             except Exception as e:  # the check's own failure must not hide the finding above
                 out[name]["backward"] = [f"{type(e).__name__}: {e}"[:300]]
 
+    # The MoE transformer's one synchronising call (H100, 2026-11-27) came from a backward with no Python frame:
+    # each op it has and S4 has not (or has alike), forward and backward alone, at the model's shapes.
+    out["moe_ops"] = op_syncs(B, L)
     return {"ok": not (out["moe"]["synchronises"] or out["s4_moe"]["synchronises"]), **out}
+
+
+def op_syncs(B: int, L: int) -> dict:
+    """For each candidate op of the MoE transformer's training step, run forward + backward alone (bf16 autocast,
+    its shapes: d_model 128, 4 heads, vocabulary 259) and count the synchronising CUDA calls (`set_sync_debug_mode`);
+    SDPA once per backend ("unavailable" where this GPU or torch has none)."""
+    from torch import nn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn import functional as F
+
+    from s4accel.models.modeling_moe import rotate
+
+    D, h, V = 128, 4, 259
+    ids = torch.randint(3, V, (B, L), device=DEVICE)
+    positions = torch.arange(L, device=DEVICE).expand(B, L)
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=DEVICE, requires_grad=True)
+
+    emb, norm = nn.Embedding(V, D).to(DEVICE), nn.RMSNorm(D).to(DEVICE)
+    cases = {
+        "embedding_tied_head": lambda: F.cross_entropy((emb(ids) @ emb.weight.T).float().flatten(0, 1),
+                                                       ids.flatten()),
+        "rms_norm": lambda: norm(leaf(B, L, D)).sum(),
+        "rotary": lambda: rotate(leaf(B, h, L, D // h), positions, 10000.0).sum(),
+        "sdpa_default": lambda: F.scaled_dot_product_attention(*(leaf(B, h, L, D // h) for _ in range(3)),
+                                                               is_causal=True).sum(),
+    }
+    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        def sdpa(backend=getattr(SDPBackend, backend)):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(*(leaf(B, h, L, D // h) for _ in range(3)), is_causal=True).sum()
+        cases[f"sdpa_{backend.lower()}"] = sdpa
+    out = {}
+    for name, loss in cases.items():
+        def step():
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                value = loss()
+            value.backward()
+        try:
+            step()  # warm-up: first calls may synchronise once
+        except RuntimeError as e:  # no kernel of this backend for these inputs on this device
+            out[name] = f"unavailable: {str(e).splitlines()[0][:120]}"
+            continue
+        calls = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            shown, warnings.showwarning = warnings.showwarning, lambda *a, **k: calls.append(str(a[0])[:80])
+            try:
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("warn")
+                step()
+            finally:
+                warnings.showwarning = shown
+                if DEVICE == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        out[name] = len(calls)
+    return out
 
 
 def backward_sync(step) -> list[str]:
