@@ -1,6 +1,7 @@
 """The launchers docs/how-to/launchers.md names, on two CPU processes (gloo): torchrun, torchrun restarting a group
 that lost a process, and what a run says under a launcher when it stops or is refused."""
 
+import contextlib
 import os
 import re
 import shlex
@@ -239,3 +240,42 @@ def test_s4accel_launch_reports_a_failed_process_in_one_line(text, tmp_path):
     assert refused.returncode == 2 and "ChildFailedError" not in refused.stderr, refused.stderr[-3000:]
     assert refused.stderr.strip().splitlines()[-1] == "error:   optim.lr: 0.003 -> 0.5", refused.stderr[-3000:]
     assert refused.stderr.count("error: the recipe differs") == 1
+
+
+def test_s4accel_launch_on_one_process_waits_for_the_run_to_save_after_ctrl_c(text, tmp_path):
+    """Without a config file on a machine without GPUs, accelerate runs the one process as a child and waits for it;
+    on Ctrl-C Python stopped waiting after 0.25 s, so the prompt came back while the run was still saving."""
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "s4accel", "launch", *recipe(
+        text, out, "train.max_steps=100000", "train.eval_every=0", "checkpoint.every_steps=0",
+        callback_override("testing_callbacks:SlowSave", seconds=3))[2:]],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not stepped(out):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGINT)
+        launcher.wait(timeout=120)
+        alive = [pid for pid in os.listdir("/proc") if pid.isdigit() and pid != str(launcher.pid)
+                 and str(out) in cmdline(pid)]
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert not alive, "the launcher returned while the run was still saving"
+    assert launcher.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.fullmatch(r"stopped at step \d+ \(received SIGINT\); .*", stdout.strip().splitlines()[-1]), stdout
+
+
+def cmdline(pid: str) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def test_s4accel_launch_on_one_process_ends_with_its_error(tmp_path):
+    proc = run(sys.executable, "-m", "s4accel", "launch", "train", tmp_path / "missing.yaml")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr[-3000:]

@@ -209,6 +209,16 @@ class SlowTracker(FlakyTracker):
             f.write(f"{step}\n")
 
 
+class SlowSave(Callback):
+    """Each checkpoint takes `seconds` more (a large model, a slow disk)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_save(self, run, path):
+        time.sleep(self.seconds)
+
+
 class RaisesAt(Callback):
     """After optimizer step `step`, raise a RuntimeError (a bug in a user's callback)."""
 

@@ -16,6 +16,8 @@ import logging
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,10 +110,19 @@ def launch(argv: list[str]) -> int:
     args.training_script, args.module = "s4accel", True
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(quiet_launcher_lines)
+    # One process without a config (accelerate's plain launcher) runs as a child this process waits for. Ctrl-C
+    # reaches the child too, which saves and stops; Python's KeyboardInterrupt would stop the waiting after 0.25 s
+    # and give the prompt back mid-save. Noted instead (torch's launcher, for several processes, sets its own).
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         launch_command(args)
     except (SignalException, KeyboardInterrupt) as e:
         return 128 + int(getattr(e, "sigval", 2))
+    except subprocess.CalledProcessError as e:  # the one process failed, and said why
+        if e.returncode < 0:
+            print(f"error: the process was killed by {signal.Signals(-e.returncode).name}", file=sys.stderr)
+        return e.returncode if e.returncode > 0 else 1
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode != 2:  # 2: an error of the user's, which the first process printed in one line
@@ -120,7 +131,9 @@ def launch(argv: list[str]) -> int:
             print(f"error: process {rank} {how}{'' if failure.exitcode < 0 else '; its output above says why'}",
                   file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
-    return 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 + received[0] if received else 0
 
 
 def quiet_launcher_lines(record: logging.LogRecord) -> bool:
