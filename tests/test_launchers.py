@@ -279,3 +279,4 @@ def test_s4accel_launch_on_one_process_ends_with_its_error(tmp_path):
     proc = run(sys.executable, "-m", "s4accel", "launch", "train", tmp_path / "missing.yaml")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr[-3000:]
+    assert "were not passed to `accelerate launch`" not in proc.stderr  # its defaults: the recipe sets those

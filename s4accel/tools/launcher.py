@@ -108,7 +108,8 @@ def launch(argv: list[str]) -> int:
         return 2
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.module = "s4accel", True
-    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+                 "accelerate.commands.launch"):
         logging.getLogger(name).addFilter(quiet_launcher_lines)
     # One process without a config (accelerate's plain launcher) runs as a child this process waits for. Ctrl-C
     # reaches the child too, which saves and stops; Python's KeyboardInterrupt would stop the waiting after 0.25 s
@@ -138,7 +139,9 @@ def launch(argv: list[str]) -> int:
 
 def quiet_launcher_lines(record: logging.LogRecord) -> bool:
     """False for the launcher's lines on passing a signal to its workers ("Received 2 death signal, shutting down
-    workers", "Sending process 123 closing signal SIGINT"), where each worker says what it did with it, and on a
-    failed worker ("failed (exitcode: 2) local_rank: 0 ..."), which `launch` reports in its own line."""
+    workers", "Sending process 123 closing signal SIGINT"), where each worker says what it did with it; on a failed
+    worker ("failed (exitcode: 2) local_rank: 0 ..."), which `launch` reports in its own line; and accelerate's
+    list of launcher options left at their defaults (`--mixed_precision`, `--dynamo_backend`, ...): a recipe sets
+    them (`train.mixed_precision`, `train.compile`), and the run's header says the precision it runs in."""
     return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",
-                                           "failed (exitcode: %s)"))
+                                           "failed (exitcode: %s)", "The following values were not passed"))
