@@ -338,20 +338,7 @@ def section_no_sync(_text: Path, _tmp: Path) -> dict:
             ours = [f for f in frames if "s4accel" in f.filename]
             where.append((bool(ours), *[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
                                         for f in ours or frames][-4:]))
-        shown = warnings.showwarning
-        warnings.showwarning = seen
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = seen
-                if DEVICE == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("warn")
-                step()
-        finally:
-            warnings.showwarning = shown
-            if DEVICE == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
+        under_sync_debug(step, seen)
         unique = list(dict.fromkeys(where))
         out[name] = {"synchronises": bool(where), "calls": len(where), "where": [list(w[1:]) for w in unique[:8]]}
         if any(not w[0] for w in unique) and DEVICE == "cuda":  # not under the model's Python (its backward):
@@ -409,20 +396,27 @@ def op_syncs(B: int, L: int) -> dict:
             out[name] = f"unavailable: {str(e).splitlines()[0][:120]}"
             continue
         calls = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            shown, warnings.showwarning = warnings.showwarning, lambda *a, **k: calls.append(str(a[0])[:80])
-            try:
-                if DEVICE == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("warn")
-                step()
-            finally:
-                warnings.showwarning = shown
-                if DEVICE == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
+        under_sync_debug(step, lambda *a, **k: calls.append(a[0]))
         out[name] = len(calls)
     return out
+
+
+def under_sync_debug(step, seen) -> None:
+    """`step()` with every synchronising CUDA call reported to `seen` (a `warnings.showwarning`), from any thread:
+    a backward runs in autograd's own."""
+    shown = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            step()
+    finally:
+        warnings.showwarning = shown
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def backward_sync(step) -> list[str]:

@@ -44,6 +44,19 @@ def uninterrupted(text, tmp_path_factory):
     return out, run(*TORCHRUN, *recipe(text, out))
 
 
+def started(args, out) -> subprocess.Popen:
+    """The launcher `args`, in a session of its own as a terminal's foreground job is, once its run took a step."""
+    launcher = subprocess.Popen([*map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not stepped(out):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            pytest.fail(launcher.communicate()[1][-3000:])
+        time.sleep(0.2)
+    return launcher
+
+
 def assert_same_weights(a, b):
     for name in ("final", "final_ema"):
         wa, wb = final_weights(a, name), final_weights(b, name)
@@ -91,15 +104,9 @@ def test_the_command_printed_after_ctrl_c_under_a_launcher_resumes_on_as_many_pr
     command is the launcher's, so the run continues on 2 processes, from any folder; `s4accel train RUN --resume`
     resumed it on one process, with other batches and random streams."""
     out = tmp_path / "run"
-    launcher = subprocess.Popen([*ACCELERATE, *recipe(text, out, "train.max_steps=100000", "train.eval_every=0",
-                                                      "checkpoint.every_steps=0")],
-                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = started([*ACCELERATE, *recipe(text, out, "train.max_steps=100000", "train.eval_every=0",
+                                             "checkpoint.every_steps=0")], out)
     try:
-        deadline = time.monotonic() + 180
-        while not stepped(out):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
-            time.sleep(0.2)
         os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         stdout, stderr = launcher.communicate(timeout=120)
     finally:
@@ -201,15 +208,9 @@ def test_s4accel_launch_ends_a_run_stopped_by_ctrl_c_with_the_runs_own_line_and_
     """`accelerate launch` prints torch's 35-line SignalException traceback (exit 1) after the run's clean stop;
     `s4accel launch`, the same launcher in-process, ends with the run's line and exits 130."""
     out = tmp_path / "run"
-    launcher = subprocess.Popen([*S4ACCEL_LAUNCH, *recipe(text, out, "train.max_steps=100000", "train.eval_every=0",
-                                                           "checkpoint.every_steps=0")[2:]],
-                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = started([*S4ACCEL_LAUNCH, *recipe(text, out, "train.max_steps=100000", "train.eval_every=0",
+                                                  "checkpoint.every_steps=0")[2:]], out)
     try:
-        deadline = time.monotonic() + 180
-        while not stepped(out):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
-            time.sleep(0.2)
         os.killpg(launcher.pid, signal.SIGINT)
         stdout, stderr = launcher.communicate(timeout=120)
     finally:
@@ -246,15 +247,10 @@ def test_s4accel_launch_on_one_process_waits_for_the_run_to_save_after_ctrl_c(te
     """Without a config file on a machine without GPUs, accelerate runs the one process as a child and waits for it;
     on Ctrl-C Python stopped waiting after 0.25 s, so the prompt came back while the run was still saving."""
     out = tmp_path / "run"
-    launcher = subprocess.Popen([sys.executable, "-m", "s4accel", "launch", *recipe(
+    launcher = started([sys.executable, "-m", "s4accel", "launch", *recipe(
         text, out, "train.max_steps=100000", "train.eval_every=0", "checkpoint.every_steps=0",
-        callback_override("testing_callbacks:SlowSave", seconds=3))[2:]],
-        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        callback_override("testing_callbacks:SlowSave", seconds=3))[2:]], out)
     try:
-        deadline = time.monotonic() + 180
-        while not stepped(out):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
-            time.sleep(0.2)
         os.killpg(launcher.pid, signal.SIGINT)
         launcher.wait(timeout=120)
         alive = [pid for pid in os.listdir("/proc") if pid.isdigit() and pid != str(launcher.pid)
