@@ -7,11 +7,14 @@ eager and compiled. Writes a dated Markdown file and its JSON, naming the device
 What it times (CUDA events around each pass, after warm-up passes; the median of the timed ones):
 
 layer   forward + backward of one layer, B 64, H 768, N 64, under bf16 autocast, on a float32 input (what a layer
-        norm hands it) with a random output gradient, at L 1K, 4K, 16K: `S4Layer` on the chunked path (eager, and
-        under `torch.compile`), on the FFT path (float32 FFTs of length 2L: the CPU path, and the GPU path before the
+        norm hands it) with a random output gradient, at L 1K, 4K, 16K: `S4Layer` on the fused path (one Triton
+        kernel each way) and the chunked path (batched matmuls), eager and under `torch.compile`; on the FFT path (float32 FFTs of length 2L: the CPU path, and the GPU path before the
         chunked one), and a causal attention layer of the same width (qkv and output projections around
         `scaled_dot_product_attention`, 12 heads). Peak memory of each pass (the inputs included).
 chunks  the chunked path with chunks of 64 to 512 steps at each L: what the default chunk was chosen from.
+fused_sweep  the fused kernel's chunk, rows and warps per program at each L: what its defaults were chosen from.
+s4d_vs_dense  the S4D and dense language models at --model-lengths, eager then compiled, and the S4D model on the
+        chunked path (the comparison of the two S4 paths within one run).
 fp32    the same layer without autocast at L 1K and 4K: chunked (float32 matmuls, then with TF32 allowed), the FFT
         path, and state-spaces/s4's `s4d.py` from `--reference-dir` as it runs by default (its 1x1 Conv1d in TF32:
         cuDNN's default), on its own (B, H, L) layout.
@@ -54,6 +57,7 @@ from s4_layer import CausalSelfAttention  # noqa: E402  (the same attention laye
 LAYER_LENGTHS = (1024, 4096, 16384)
 MODEL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CHUNKS = (64, 128, 256, 512)
+FUSED_CONFIGS = tuple((T, rows, warps) for T in (32, 64, 128) for rows, warps in ((16, 4), (32, 4), (64, 8)))
 TOKENS = 32768
 
 
@@ -66,6 +70,8 @@ class Bench:
         self.deadline = time.perf_counter() + args.budget_s
         self.results: dict = {}
         self.skipped: list[str] = []
+        from s4accel.models import s4d_fused
+        self.fused_defaults = (s4d_fused.ROWS, s4d_fused.WARPS)
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -158,19 +164,43 @@ def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast
 def section_layer(bench: Bench, s):
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     for L in s["layer_lengths"]:
+        bench.run(f"layer/fused/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused"), B, L, H, True))
         bench.run(f"layer/chunked/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, True))
         bench.run(f"layer/fft/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fft"), B, L, H, True))
         bench.run(f"layer/attention/L{L}", lambda: layer_pass(bench, CausalSelfAttention(H, s["heads"]), B, L, H,
                                                               True))
 
 
-def section_layer_compiled(bench: Bench, s):
+def section_layer_compiled(bench: Bench, s, paths=("fused", "chunked")):
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     for L in s["layer_lengths"]:
-        torch._dynamo.reset()
-        bench.run(f"layer/chunked_compiled/L{L}",
-                  lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, True, compiled=True),
-                  need_s=60)
+        for path in paths:
+            torch._dynamo.reset()
+            bench.run(f"layer/{path}_compiled/L{L}",
+                      lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True, compiled=True),
+                      need_s=60)
+
+
+def section_fused_sweep(bench: Bench, s):
+    """The fused kernel's steps per chunk (T), batch rows per program and warps per program, eager, at the middle
+    layer length: what its defaults were chosen from (s4accel.models.modeling_s4.FUSED_CHUNK, s4d_fused.ROWS and
+    WARPS). The rest of the run takes the fastest (recorded as `fused_chosen`)."""
+    from s4accel.models import modeling_s4, s4d_fused
+
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    L = s["layer_lengths"][len(s["layer_lengths"]) // 2]
+    best = None
+    for T, rows, warps in s["fused_configs"]:
+        s4d_fused.ROWS, s4d_fused.WARPS = rows, warps
+        r = bench.run(f"fused_sweep/T{T}/R{rows}/W{warps}/L{L}", lambda: layer_pass(
+            bench, s4_layer(H, N, conv_path="fused", conv_chunk=T), B, L, H, True), seconds=0.6)
+        if r and "ms" in r and (best is None or r["ms"] < best[0]):
+            best = (r["ms"], T, rows, warps)
+    if best is None:
+        best = (None, modeling_s4.FUSED_CHUNK, *bench.fused_defaults)
+    modeling_s4.FUSED_CHUNK, s4d_fused.ROWS, s4d_fused.WARPS = best[1:]
+    bench.results["fused_chosen"] = {"chunk": best[1], "rows": best[2], "warps": best[3], "at_L": L}
+    print(json.dumps({"fused_chosen": bench.results["fused_chosen"]}), flush=True)
 
 
 def section_chunks(bench: Bench, s):
@@ -191,6 +221,7 @@ def section_fp32(bench: Bench, s):
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     reference = import_reference(bench.args.reference_dir)
     for L in s["layer_lengths"][:2]:
+        bench.run(f"fp32/fused/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused"), B, L, H, False))
         bench.run(f"fp32/chunked/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, False))
         bench.run(f"fp32/fft/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fft"), B, L, H, False))
         if reference is not None:
@@ -228,8 +259,9 @@ def import_reference(ref_dir):
 
 def build_lm(family: str, s) -> nn.Module:
     common = dict(vocab_size=s["vocab"], d_model=s["d_model"], n_layer=s["n_layer"])
-    if family == "s4d":
-        return S4ForCausalLM(S4Config(d_state=s["d_state"], ffn="mlp", d_ffn=s["d_ffn"], **common))
+    if family in ("s4d", "s4d_chunked"):  # s4d: the path `auto` takes; s4d_chunked: the batched matmuls
+        path = "chunked" if family == "s4d_chunked" else "auto"
+        return S4ForCausalLM(S4Config(d_state=s["d_state"], ffn="mlp", d_ffn=s["d_ffn"], conv_path=path, **common))
     if family == "dense":
         return MoEForCausalLM(MoEConfig(n_head=s["heads"], d_ffn=s["d_ffn"], use_moe=False, **common))
     return MoEForCausalLM(MoEConfig(n_head=s["heads"], d_ffn=s["d_ffn"] // 2, num_experts=8, num_experts_per_tok=2,
@@ -463,17 +495,33 @@ def layer_tables(R: dict, s) -> list[str]:
     sep = "|---" * (len(Ls) + 1) + "|"
     lines += [f"## One layer, forward + backward (B {s['layer_batch']}, H {s['d_model']}, N {s['d_state']}, "
               "bf16 autocast, float32 input)", "", "Time (peak memory of the pass, inputs included).", "", head, sep]
-    rows = [("S4Layer, chunked path (eager)", "layer/chunked"),
+    rows = [("S4Layer, fused path (eager)", "layer/fused"),
+            ("S4Layer, fused path (`torch.compile`)", "layer/fused_compiled"),
+            ("S4Layer, chunked path (eager)", "layer/chunked"),
             ("S4Layer, chunked path (`torch.compile`)", "layer/chunked_compiled"),
             ("S4Layer, FFT path (float32 FFTs at 2L; the CPU path)", "layer/fft"),
             ("causal attention (SDPA) with qkv and output projections", "layer/attention")]
     for name, key in rows:
         lines.append(f"| {name} | " + " | ".join(fmt_ms(R.get(f"{key}/L{L}")) for L in Ls) + " |")
-    ratios = []
-    for L in Ls:
-        a, c = R.get(f"layer/attention/L{L}"), R.get(f"layer/chunked/L{L}")
-        ratios.append(f"{a['ms'] / c['ms']:.2f}x" if a and c and "ms" in a and "ms" in c else "-")
-    lines += ["| attention / chunked (eager) | " + " | ".join(ratios) + " |", ""]
+    for path in ("fused", "chunked"):
+        ratios = []
+        for L in Ls:
+            a, c = R.get(f"layer/attention/L{L}"), R.get(f"layer/{path}/L{L}")
+            ratios.append(f"{a['ms'] / c['ms']:.2f}x" if a and c and "ms" in a and "ms" in c else "-")
+        if any(r != "-" for r in ratios):
+            lines += [f"| attention / {path} (eager) | " + " | ".join(ratios) + " |"]
+    lines += [""]
+    sweep = [k for k in R if k.startswith("fused_sweep/")]
+    if sweep:
+        chosen = R.get("fused_chosen", {})
+        lines += ["## The fused kernel's shape (eager, L " + ", ".join(sorted({k.split('/L')[-1] for k in sweep}))
+                  + ")", "", f"Steps per chunk T, batch rows R and warps W per program. The rest of the run took "
+                  f"T {chosen.get('chunk')}, R {chosen.get('rows')}, W {chosen.get('warps')}.", "",
+                  "| T | R | W | ms |", "|---|---|---|---|"]
+        for key in sweep:
+            T, rows, warps, _ = (part[1:] for part in key.split("/")[1:])
+            lines.append(f"| {T} | {rows} | {warps} | {fmt_ms(R[key])} |")
+        lines.append("")
     lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
     for dtype in ("bf16", "fp32"):
         for T in s["chunks"]:
@@ -481,7 +529,8 @@ def layer_tables(R: dict, s) -> list[str]:
             lines.append(f"| {dtype}, chunks of {T} | " + " | ".join(cells) + " |")
     lines += ["", "## float32, no autocast", "", "| | " + " | ".join(f"L {L:,}" for L in Ls[:2]) + " |",
               "|---" * 3 + "|"]
-    for name, key in (("S4Layer, chunked (float32 matmuls)", "fp32/chunked"),
+    for name, key in (("S4Layer, fused (float32 products, no TF32)", "fp32/fused"),
+                      ("S4Layer, chunked (float32 matmuls)", "fp32/chunked"),
                       ("S4Layer, chunked (TF32 allowed: `train.tf32`)", "fp32/chunked_tf32"),
                       ("S4Layer, FFT path", "fp32/fft"),
                       ("state-spaces/s4 `s4d.py` (its Conv1d in TF32, cuDNN's default)", "fp32/reference")):
@@ -499,7 +548,10 @@ def model_table(R: dict, s) -> list[str]:
               f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.observe.flops counts it, "
               "peak memory). Compiled: Accelerate's regional compilation, as `train.compile: true`.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
-    for family, name in (("s4d", "S4D"), ("dense", "dense transformer"), ("moe", "MoE transformer")):
+    for family, name in (("s4d", "S4D"), ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
+                         ("moe", "MoE transformer")):
+        if family == "s4d_chunked" and not any(k.startswith("models/s4d_chunked/") for k in R):
+            continue
         for mode in ("eager", "compiled"):
             cells = [fmt_lm(R.get(f"models/{family}/{mode}/L{L}")) for L in Ms]
             params = next((R[k]["params_m"] for k in R if k.startswith(f"models/{family}/") and "params_m" in R[k]),
@@ -534,7 +586,7 @@ def markdown(report: dict, s) -> str:
         lines += [f"{i}. commit `{run['commit']}`: `{run['command']}` ({len(run['keys'])} cells)"
                   for i, run in enumerate(report["runs"], 1)]
         lines.append("")
-    if any(k.startswith(("layer/", "chunks/", "fp32/")) for k in R):
+    if any(k.startswith(("layer/", "chunks/", "fp32/", "fused_sweep/")) for k in R):
         lines += layer_tables(R, s)
     if any(k.startswith("models/") for k in R):
         lines += model_table(R, s)
@@ -622,10 +674,12 @@ def merge(paths: list[Path]) -> dict:
 
 def shapes(args) -> dict:
     if args.quick:
-        return dict(layer_batch=2, d_model=64, d_state=16, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
+        return dict(layer_batch=2, d_model=64, d_state=32, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
+                    fused_configs=((16, 16, 4), (32, 32, 4)),
                     vocab=300, n_layer=2, d_ffn=128, tokens=512, model_lengths=(64, 128), moe_tokens=256,
                     moe_d_model=64, moe_d_ffn=32, moe_configs=((8, 2),), small_shapes=((2, 64),))
     return dict(layer_batch=64, d_model=768, d_state=64, heads=12, layer_lengths=LAYER_LENGTHS, chunks=CHUNKS,
+                fused_configs=FUSED_CONFIGS,
                 vocab=32000, n_layer=12, d_ffn=2048, tokens=TOKENS, model_lengths=MODEL_LENGTHS,
                 moe_tokens=32768, moe_d_model=2048, moe_d_ffn=768, moe_configs=((8, 2), (128, 8)),
                 small_shapes=((16, 256), (64, 256), (256, 256)))
@@ -642,7 +696,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", nargs="+", default=["layer", "models", "layer_compiled", "fp32", "chunks", "profile",
                                                        "models_later"],
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
-                             "models_first", "s4d_compiled", "moe_layer", "small", "moe_models"])
+                             "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
+                             "s4d_vs_dense"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -689,6 +744,13 @@ def main(argv=None) -> int:
                 "fp32": lambda: section_fp32(bench, s), "models_later": lambda: section_models(bench, s, later),
                 "s4d_compiled": lambda: section_models(bench, s, [("s4d", L, True) for L in s["model_lengths"]]),
                 "moe_layer": lambda: section_moe_layer(bench, s), "small": lambda: section_small(bench, s),
+                "fused_sweep": lambda: section_fused_sweep(bench, s),
+                # the issue's comparison at its two lengths: S4D (auto path) and dense, eager then compiled, then the
+                # S4D model on the chunked path for the same-run comparison of the two S4 paths
+                "s4d_vs_dense": lambda: section_models(bench, s, [
+                    (f, L, False) for L in s["model_lengths"] for f in ("s4d", "dense", "s4d_chunked")] + [
+                    (f, L, True) for L in s["model_lengths"] for f in ("s4d", "dense")] + [
+                    ("s4d_chunked", L, True) for L in s["model_lengths"]]),
                 "moe_models": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
                                                                 for f in ("moe", "dense")] +
                                                      [("moe", L, True) for L in s["model_lengths"]]),

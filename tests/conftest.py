@@ -13,6 +13,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # they start, or their thread pools spin against each other on two cores (every op up to 20x slower).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # The fused S4D kernels (Triton, s4accel/models/s4d_fused.py) then run in Triton's interpreter on CPU tensors:
+    # set before anything imports the models, since `triton.jit` reads it when a kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import collections  # noqa: E402
 
 import pytest  # noqa: E402

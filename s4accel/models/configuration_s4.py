@@ -16,7 +16,7 @@ DISCRETIZATIONS = ("zoh", "bilinear")
 NORMS = ("layer", "batch")
 POOLINGS = ("mean", "last")
 FFNS = ("none", "mlp", "moe")
-CONV_PATHS = ("auto", "fft", "chunked")
+CONV_PATHS = ("auto", "fft", "chunked", "fused")
 
 
 @strict
@@ -72,12 +72,15 @@ class S4Config(PreTrainedConfig):
         d_ffn (`int`): Hidden width of the feed-forward MLP, or of each expert.
         conv_path (`str`): How an S4D layer computes its convolution: `"fft"` (float32 FFTs of length 2L, the fastest
             on CPUs), `"chunked"` (chunks of `conv_chunk` steps as batched matmuls, bfloat16 operands under half
-            precision autocast, real arithmetic that `torch.compile` generates code for: the fastest on GPUs) or
-            `"auto"`: chunked on CUDA, FFT elsewhere. Both compute the same function (to rounding); the DPLR kernel
-            (`kernel="s4"`) has only the FFT path.
-        conv_chunk (`int`, *optional*): Steps per chunk of the chunked path (a multiple of 16). `None`: by the
-            sequence length, 128 up to 2,048 steps, 256 up to 8,192, 512 beyond (the Toeplitz products grow with the
-            chunk, the scan across chunks shrinks).
+            precision autocast, real arithmetic that `torch.compile` generates code for), `"fused"` (the same chunks
+            in one Triton kernel each way, which reads and writes each activation once: CUDA only, `d_state / 2`
+            and `conv_chunk` powers of two >= 16) or `"auto"`: fused on CUDA where it can run, else chunked; FFT
+            elsewhere. All compute the same function (to rounding); the DPLR kernel (`kernel="s4"`) has only the
+            FFT path.
+        conv_chunk (`int`, *optional*): Steps per chunk of the chunked and fused paths (a multiple of 16; a power
+            of two for the fused one). `None`: 64 on the fused path; on the chunked one by the sequence length, 128
+            up to 2,048 steps, 256 up to 8,192, 512 beyond (the Toeplitz products grow with the chunk, the scan
+            across chunks shrinks).
         layer_norm_eps (`float`): Epsilon of the normalisation layers.
         initializer_range (`float`): Std of the normal init of embeddings and linear layers.
         use_cache (`bool`): `generate()` decodes from the recurrent state (`cache_params`), one position per step, and
@@ -180,8 +183,9 @@ class S4Config(PreTrainedConfig):
         allowed = S4D_INITS if self.kernel == "s4d" else S4_INITS
         if self.ssm_init not in allowed:
             raise ValueError(f"init for kernel={self.kernel} must be one of {', '.join(allowed)}, got {self.init!r}")
-        if self.conv_path == "chunked" and self.kernel != "s4d":
-            raise ValueError("conv_path='chunked' needs kernel='s4d' (a diagonal A); the DPLR kernel has the FFT path")
+        if self.conv_path in ("chunked", "fused") and self.kernel != "s4d":
+            raise ValueError(f"conv_path={self.conv_path!r} needs kernel='s4d' (a diagonal A); the DPLR kernel has the "
+                             "FFT path")
 
     def validate_conv_chunk(self):
         if self.conv_chunk is not None and (self.conv_chunk < 16 or self.conv_chunk % 16):

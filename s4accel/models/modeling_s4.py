@@ -48,6 +48,7 @@ from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, from_channels_first, project_channels_first,
                           to_channels_first)
+from . import s4d_fused
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -69,8 +70,9 @@ def _with_conjugates(t: torch.Tensor) -> torch.Tensor:
 
 
 class ConvPlan(NamedTuple):
-    """How an S4 layer computes its convolution: `path` "fft" or "chunked", the chunked path's steps per chunk and
-    the dtype of its products' operands (`dtype` is float32 or float64 on the FFT path)."""
+    """How an S4 layer computes its convolution: `path` "fft", "chunked" (batched matmuls) or "fused" (the chunked
+    form in one Triton kernel each way), the chunked form's steps per chunk and the dtype of its products' operands
+    (`dtype` is float32 or float64 on the FFT path)."""
 
     path: str
     chunk: int
@@ -79,7 +81,8 @@ class ConvPlan(NamedTuple):
     def describe(self) -> str:
         if self.path == "fft":
             return "FFT (float32, length 2L)" if self.dtype != torch.float64 else "FFT (float64, length 2L)"
-        return f"chunked ({str(self.dtype).removeprefix('torch.')} matmuls, chunks of {self.chunk} steps)"
+        how = "matmuls" if self.path == "chunked" else "products in one Triton kernel"
+        return f"{self.path} ({str(self.dtype).removeprefix('torch.')} {how}, chunks of {self.chunk} steps)"
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -90,8 +93,9 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     """The convolution an S4 layer of `config` runs for inputs of `input_dtype` on `device_type` under autocast to
     `autocast_dtype` (None: no autocast). Chosen here alone (the layer and the line a run prints both ask).
 
-    `conv_path="auto"`: chunked on CUDA for the diagonal kernel (batched matmuls run on tensor cores, FFTs do not),
-    FFT elsewhere (on CPUs the FFT path is the faster). The chunked path's operands are bfloat16 under half
+    `conv_path="auto"`: the chunked form on CUDA for the diagonal kernel (its products run on tensor cores, FFTs do
+    not), in the fused Triton kernel where it can run (`FUSED_BY_DEFAULT`), FFT elsewhere (on CPUs the FFT path is
+    the faster). The chunked path's operands are bfloat16 under half
     precision (bfloat16 also under float16 autocast: a state sums up to ~1/(1 - |dA|) inputs, thousands, past
     float16's range), float32 or float64 otherwise, float32 on a GPU without bfloat16 matmuls."""
     path = config.conv_path
@@ -104,8 +108,36 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     if half and device_type == "cuda" and not _bf16_matmuls():
         half = False
     dtype = torch.bfloat16 if half else wide
+    fused = config.conv_path == "fused" or (config.conv_path == "auto" and FUSED_BY_DEFAULT)
+    if fused and _fused_runs(config, device_type, dtype):
+        chunk = config.conv_chunk or FUSED_CHUNK
+        return ConvPlan("fused", chunk if L is None else min(chunk, _pow2_at_least(L)), dtype)
     chunk = config.conv_chunk or default_chunk(L)
     return ConvPlan("chunked", chunk if L is None else min(chunk, -(-L // 16) * 16), dtype)
+
+
+# Whether `conv_path: auto` takes the fused kernel on CUDA, and its steps per chunk: chosen from the measured sweep
+# (bench/gpu_speed.py --sections fused_sweep).
+FUSED_BY_DEFAULT = True
+FUSED_CHUNK = 64
+
+
+def _pow2_at_least(L: int) -> int:
+    return max(16, 1 << (L - 1).bit_length())
+
+
+def _fused_runs(config: S4Config, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the fused kernel computes this layer here; `conv_path="fused"` that cannot is refused (one line)."""
+    T = config.conv_chunk or FUSED_CHUNK
+    where = device_type == "cuda" or (s4d_fused.INTERPRETED and device_type == "cpu")
+    why = ("it needs Triton" if s4d_fused.triton is None else
+           "it runs on CUDA devices" if not where else
+           "it takes bfloat16 or float32 operands" if dtype == torch.float64 else
+           f"it needs d_state/2 and conv_chunk powers of two >= 16 (d_state={config.d_state}, conv_chunk={T})"
+           if not s4d_fused.supports(T, config.d_state) else None)
+    if why and config.conv_path == "fused":
+        raise ValueError(f"conv_path='fused' cannot run here: {why}; 'chunked' computes the same with batched matmuls")
+    return why is None
 
 
 def default_chunk(L: int | None) -> int:
@@ -637,14 +669,14 @@ class S4Layer(nn.Module):
             if rows is not None:  # discretised once for the convolution and the exchange
                 block = self.kernel.block(L)
                 reach = self._from_other_chunks(u, documents, rows, block)
-            channels_first = plan.path == "chunked" and documents is None and self._plain_projection()
+            channels_first = plan.path != "fft" and documents is None and self._plain_projection()
             if channels_first:
                 # channels first from the convolution through GELU and the projection: no transpose but the input's
-                y = self._chunked_channels_first(u, plan.chunk, plan.dtype, D)  # (H, B, L)
+                y = self._chunked_channels_first(u, plan.chunk, plan.dtype, D, fused=plan.path == "fused")  # (H, B, L)
                 if reach is not None:
                     y = y + reach.permute(1, 0, 2)
             else:
-                conv = self._chunked_conv(plan, D) if plan.path == "chunked" else self._fft_conv(L, D, block)
+                conv = self._fft_conv(L, D, block) if plan.path == "fft" else self._chunked_conv(plan, D)
                 y = conv(u) if documents is None else documents.apply(conv, u)  # (B, L, H), with the skip D u
                 if reach is not None:
                     y = y + reach.transpose(1, 2)
@@ -659,7 +691,7 @@ class S4Layer(nn.Module):
         if channels_first:
             return self._mix_channels_first(y.to(plan.dtype), autocast, rows), new_state
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
-        return self._mix(y.contiguous().to(plan.dtype if plan.path == "chunked" else u.dtype), rows), new_state
+        return self._mix(y.contiguous().to(u.dtype if plan.path == "fft" else plan.dtype), rows), new_state
 
     def _from_other_chunks(self, u: torch.Tensor, documents: Documents | None, rows: ChunkRows,
                            block) -> torch.Tensor:
@@ -711,17 +743,22 @@ class S4Layer(nn.Module):
         return type(self.output_linear) is nn.Linear and not hasattr(self.output_linear.weight, "ds_id")
 
     def _chunked_channels_first(self, u: torch.Tensor, T: int, dtype: torch.dtype, D: torch.Tensor,
-                                pairs=None) -> torch.Tensor:
+                                pairs=None, fused: bool = False) -> torch.Tensor:
         """u (B, L, H) -> the convolution with its D skip in chunks of T steps, channels first: (H, B, L) in dtype.
-        `pairs`: the kernel's `discretize_pairs()`, when the caller has them already."""
+        `pairs`: the kernel's `discretize_pairs()`, when the caller has them already. `fused`: the Triton kernel
+        (`s4d_fused`) rather than the batched matmuls (`s4d_chunked`); the same function to rounding."""
         B, L, H = u.shape
         nc = -(-L // T)
         log_dA, (Cr, Ci) = pairs or self.kernel.discretize_pairs()
-        x = to_channels_first(u, dtype, nc * T)  # (H, B, nc T), zeros past L
-        y = conv_channels_first(x, *chunk_matrices(log_dA, (Cr[0], Ci[0]), D, T, nc), nc=nc)
+
+        def conv(x, C, D, shift=0):  # (H, B, nc T) -> the same
+            if fused:
+                return s4d_fused.fused_conv_channels_first(x, *s4d_fused.fused_matrices(log_dA, C, D, T, shift), shift)
+            return conv_channels_first(x, *chunk_matrices(log_dA, C, D, T, nc, shift), nc=nc, shift=shift)
+
+        y = conv(to_channels_first(u, dtype, nc * T), (Cr[0], Ci[0]), D)  # zeros past L
         if Cr.shape[0] == 2:  # the anti-causal kernel: the reversed sequence, strictly after each step
-            back = to_channels_first(u.flip(1), dtype, nc * T)
-            back = conv_channels_first(back, *chunk_matrices(log_dA, (Cr[1], Ci[1]), None, T, nc, 1), nc=nc, shift=1)
+            back = conv(to_channels_first(u.flip(1), dtype, nc * T), (Cr[1], Ci[1]), None, 1)
             y = y[..., :L] + back[..., :L].flip(-1)
         return y[..., :L] if y.shape[-1] != L else y
 
@@ -746,9 +783,12 @@ class S4Layer(nn.Module):
         adapted projection)."""
         pairs = self.kernel.discretize_pairs()
 
-        def conv(v):
-            T = min(plan.chunk, -(-v.shape[1] // 16) * 16)  # a short document is one chunk
-            return from_channels_first(self._chunked_channels_first(v, T, plan.dtype, D, pairs), v.shape[1])
+        fused = plan.path == "fused"
+
+        def conv(v):  # a short document is one chunk
+            steps = v.shape[1]
+            T = min(plan.chunk, _pow2_at_least(steps) if fused else -(-steps // 16) * 16)
+            return from_channels_first(self._chunked_channels_first(v, T, plan.dtype, D, pairs, fused), steps)
         return conv
 
     def step(self, u: torch.Tensor, state: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -188,6 +188,7 @@ def test_the_path_is_chosen_by_device_and_dtype_and_a_key_forces_one():
     auto = S4Config()
     assert conv_plan(auto, "cpu", torch.float32, None).path == "fft"
     assert conv_plan(auto, "cpu", torch.float32, torch.bfloat16).path == "fft"
+    auto = S4Config(conv_path="chunked")  # on CUDA auto may take the fused kernel (test_s4d_fused.py)
     assert conv_plan(auto, "cuda", torch.float32, None).path == "chunked"
     assert conv_plan(auto, "cuda", torch.float32, None, L=1000) == ("chunked", 128, torch.float32)
     assert conv_plan(auto, "cuda", torch.float32, torch.bfloat16, L=4096).chunk == 256
@@ -302,7 +303,7 @@ def test_on_cuda_the_layer_takes_the_chunked_path_and_matches_the_float64_cpu_re
     ref = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fft")).double()
     ref.kernel.reset_parameters()
     torch.nn.init.normal_(ref.D)  # (a bare S4Layer's D is uninitialised memory)
-    fast = S4Layer(S4Config(d_model=H, d_state=64)).cuda()
+    fast = S4Layer(S4Config(d_model=H, d_state=64, conv_path="chunked")).cuda()
     fast.load_state_dict(ref.state_dict())
     u = torch.randn(4, L, H, dtype=torch.float64)
     g = torch.randn(4, L, H, dtype=torch.float64)
@@ -323,11 +324,13 @@ def test_on_cuda_the_layer_takes_the_chunked_path_and_matches_the_float64_cpu_re
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does():
+@pytest.mark.parametrize("path", ["chunked", "fused"])
+def test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does(path):
     """A training step of the S4D language model under bf16 autocast, `torch.compile(fullgraph=True)`: no graph
     break, no complex-operator fallback, and the loss and gradients within bf16 rounding of eager's."""
     torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=300, d_model=128, n_layer=2, d_state=64, ffn="mlp", d_ffn=256)).cuda()
+    model = S4ForCausalLM(S4Config(vocab_size=300, d_model=128, n_layer=2, d_state=64, ffn="mlp", d_ffn=256,
+                                   conv_path=path)).cuda()
     ids = torch.randint(3, 300, (4, 1024), device="cuda")
 
     def step(m):
@@ -374,4 +377,5 @@ def test_choosing_the_path_for_a_cuda_device_is_no_graph_break():
         plan = conv_plan(config, "cuda", x.dtype, torch.bfloat16, 4096)
         return x * plan.chunk
 
-    assert torch.equal(plan_of(torch.ones(2)), torch.full((2,), 256.0))
+    expected = conv_plan(config, "cuda", torch.float32, torch.bfloat16, 4096).chunk  # 64 fused, 256 chunked
+    assert torch.equal(plan_of(torch.ones(2)), torch.full((2,), float(expected)))

@@ -1,0 +1,284 @@
+"""The chunked S4D convolution as one Triton kernel each way: every activation read and written once, for GPUs.
+
+The same exact rewrite as `s4d_chunked.py` (its docs give the algebra), organised per program rather than per
+product: a program owns one channel `h` and a block of `BB` batch rows, holds that channel's matrices on chip and
+walks the chunks in order, carrying the state across them in registers:
+
+    y_c     = x_c Toep + Re/Im(X_c) from_state        (BB, T) = (BB, T)(T, T) + (BB, n)(n, T), twice
+    S_c     = x_c to_state^T                          (BB, n) real and imaginary parts, float32 accumulation
+    X_(c+1) = dA^T X_c + S_c                          complex, elementwise in float32
+
+The backward walks the chunks in reverse with the adjoint of the state, `A_c = dL/dX_c`
+(`A_c = from_state-part of g_c + conj-free real-pair product of dA^T and A_(c+1)`), writes the input's gradient and
+sums the matrices' gradients on chip, one partial sum per program (reduced in PyTorch: a deterministic sum, no
+atomics). The entering states `X_c` are kept from the forward (`(H, B, nc, N)` in the operands' dtype, `N / T` of
+an activation), so the backward reads `x`, `g` and the states once and writes `dx` once.
+
+Against the batched-matmul form this removes the `(H, N, B nc)` state tensors' round trips through memory, their
+float32 copies and the strided adds of their gradients (the profile of that form on an H200 gave them about a
+third of the layer's kernel time).
+
+The matrices come from `s4d_chunked.chunk_matrices` (float32, differentiable: the gradients this kernel returns for
+them flow on to `log_dt`, `A` and `C` through PyTorch's autograd). Products take the operands' dtype (bfloat16 under
+autocast) with float32 accumulation, as `tl.dot` does; the state recurrence is float32.
+
+The slow references beside it are those of the chunked form: `s4d_chunked.conv_channels_first` (tests check this
+kernel against it and against the float64 FFT convolution, values and every gradient). Without a GPU the tests run
+the same kernels in Triton's interpreter (`TRITON_INTERPRET=1`, which runs a kernel's Python on the CPU).
+
+Copied into Hub repositories with `modeling_s4.py`: it imports only torch (and Triton, which CUDA builds of PyTorch
+bring, when present).
+"""
+
+import contextlib
+import os
+
+import torch
+
+from .s4d_chunked import chunk_matrices, powers
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of PyTorch: this path is for GPUs
+    triton = None
+
+# Triton's interpreter runs a kernel on CPU tensors with NumPy, which has no bfloat16 products: there the operands
+# are widened to float32 first (exact: a product of two bfloat16 numbers fits in float32's mantissa).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ROWS = 32  # batch rows per program (`BB`); the measured best on an H100/H200 is in bench/gpu_speed.py's sweep
+WARPS = 4
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on `x`'s device: Triton and CUDA, or Triton's interpreter on the CPU."""
+    return triton is not None and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        if IEEE:  # float32 operands without TF32, as torch.matmul by default
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _forward_kernel(x, taps, to_state, from_state, step, y, states, B, Lp, NC, n_taps,
+                        T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr, SHIFT: tl.constexpr,
+                        SAVE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """One (channel, block of rows) per program: y (H, B, Lp) from x (H, B, Lp), both in the operand dtype."""
+        h = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BB + tl.arange(0, BB)
+        keep = (rows < B)[:, None]
+        t = tl.arange(0, T)
+        m = tl.arange(0, n)
+        dt = y.dtype.element_ty
+        lag = t[None, :] - t[:, None] - SHIFT  # Toep[j, i] = taps[i - j - SHIFT] where i - j >= SHIFT
+        toep = tl.load(taps + h * n_taps + lag, mask=lag >= 0, other=0.0).to(dt)  # (T, T)
+        pair = h * 2 * n * T + 2 * m * T  # row (m, real) of a (H, N, T) matrix; (m, imaginary) is T further
+        to_r = tl.load(to_state + pair[None, :] + t[:, None]).to(dt)  # (T, n): to_state^T, real rows
+        to_i = tl.load(to_state + pair[None, :] + T + t[:, None]).to(dt)
+        from_r = tl.load(from_state + pair[:, None] + t[None, :]).to(dt)  # (n, T)
+        from_i = tl.load(from_state + pair[:, None] + T + t[None, :]).to(dt)
+        g_r = tl.load(step + h * 2 * n + 2 * m)[None, :]  # dA^T, float32: (1, n)
+        g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
+        x_r = tl.zeros((BB, n), dtype=tl.float32)  # the state entering the chunk
+        x_i = tl.zeros((BB, n), dtype=tl.float32)
+        at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]  # (BB, T) offsets of chunk 0
+        kept = h * B * NC * 2 * n + rows[:, None].to(tl.int64) * NC * 2 * n + m[None, :]
+        for c in tl.range(0, NC):
+            xc = tl.load(x + at + c * T, mask=keep, other=0.0)
+            if SAVE:
+                tl.store(states + kept + c * 2 * n, x_r.to(dt), mask=keep)
+                tl.store(states + kept + c * 2 * n + n, x_i.to(dt), mask=keep)
+            acc = _dot(xc, toep, UPCAST, IEEE)
+            acc += _dot(x_r.to(dt), from_r, UPCAST, IEEE)
+            acc += _dot(x_i.to(dt), from_i, UPCAST, IEEE)
+            tl.store(y + at + c * T, acc.to(dt), mask=keep)
+            s_r = _dot(xc, to_r, UPCAST, IEEE)
+            s_i = _dot(xc, to_i, UPCAST, IEEE)
+            x_r, x_i = x_r * g_r - x_i * g_i + s_r, x_r * g_i + x_i * g_r + s_i
+
+    @triton.jit
+    def _backward_kernel(x, g, states, taps, to_state, from_state, step, dx, d_toep, d_to, d_from, d_step,
+                         B, Lp, NC, n_taps, T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr,
+                         SHIFT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """dx (H, B, Lp) and, per program, its partial sums of the matrices' gradients (float32)."""
+        h = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1).to(tl.int64)
+        nblk = tl.num_programs(1)
+        rows = blk * BB + tl.arange(0, BB)
+        keep = (rows < B)[:, None]
+        t = tl.arange(0, T)
+        m = tl.arange(0, n)
+        dt = dx.dtype.element_ty
+        lag = t[:, None] - t[None, :] - SHIFT  # Toep^T[i, j] = Toep[j, i]
+        toep_t = tl.load(taps + h * n_taps + lag, mask=lag >= 0, other=0.0).to(dt)
+        pair = h * 2 * n * T + 2 * m * T
+        to_r = tl.load(to_state + pair[:, None] + t[None, :]).to(dt)  # (n, T)
+        to_i = tl.load(to_state + pair[:, None] + T + t[None, :]).to(dt)
+        from_r = tl.load(from_state + pair[None, :] + t[:, None]).to(dt)  # (T, n): from_state^T
+        from_i = tl.load(from_state + pair[None, :] + T + t[:, None]).to(dt)
+        g_r = tl.load(step + h * 2 * n + 2 * m)[None, :]
+        g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
+        a_r = tl.zeros((BB, n), dtype=tl.float32)  # dL/dX_(c+1): zero after the last chunk
+        a_i = tl.zeros((BB, n), dtype=tl.float32)
+        acc_toep = tl.zeros((T, T), dtype=tl.float32)
+        acc_to_r = tl.zeros((n, T), dtype=tl.float32)
+        acc_to_i = tl.zeros((n, T), dtype=tl.float32)
+        acc_from_r = tl.zeros((n, T), dtype=tl.float32)
+        acc_from_i = tl.zeros((n, T), dtype=tl.float32)
+        acc_g_r = tl.zeros((n,), dtype=tl.float32)
+        acc_g_i = tl.zeros((n,), dtype=tl.float32)
+        at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]
+        kept = h * B * NC * 2 * n + rows[:, None].to(tl.int64) * NC * 2 * n + m[None, :]
+        for cc in tl.range(0, NC):
+            c = NC - 1 - cc
+            xc = tl.load(x + at + c * T, mask=keep, other=0.0)
+            gc = tl.load(g + at + c * T, mask=keep, other=0.0)
+            s_r = tl.load(states + kept + c * 2 * n, mask=keep, other=0.0)  # X_c, operand dtype
+            s_i = tl.load(states + kept + c * 2 * n + n, mask=keep, other=0.0)
+            ad_r = a_r.to(dt)
+            ad_i = a_i.to(dt)
+            dxc = _dot(gc, toep_t, UPCAST, IEEE)
+            dxc += _dot(ad_r, to_r, UPCAST, IEEE)  # through S_c = x_c to_state^T, whose gradient is A_(c+1)
+            dxc += _dot(ad_i, to_i, UPCAST, IEEE)
+            tl.store(dx + at + c * T, dxc.to(dt), mask=keep)
+            acc_toep += _dot(tl.trans(xc), gc, UPCAST, IEEE)
+            acc_to_r += _dot(tl.trans(ad_r), xc, UPCAST, IEEE)
+            acc_to_i += _dot(tl.trans(ad_i), xc, UPCAST, IEEE)
+            acc_from_r += _dot(tl.trans(s_r), gc, UPCAST, IEEE)
+            acc_from_i += _dot(tl.trans(s_i), gc, UPCAST, IEEE)
+            x_r = s_r.to(tl.float32)
+            x_i = s_i.to(tl.float32)
+            acc_g_r += tl.sum(a_r * x_r + a_i * x_i, axis=0)  # X_(c+1) = dA^T X_c + S_c, complex
+            acc_g_i += tl.sum(a_i * x_r - a_r * x_i, axis=0)
+            e_r = _dot(gc, from_r, UPCAST, IEEE)  # dL/dX_c through y_c
+            e_i = _dot(gc, from_i, UPCAST, IEEE)
+            a_r, a_i = e_r + a_r * g_r + a_i * g_i, e_i - a_r * g_i + a_i * g_r
+        part = h * nblk + blk
+        tl.store(d_toep + part * T * T + t[:, None] * T + t[None, :], acc_toep)
+        rows_nt = part * 2 * n * T + 2 * m[:, None] * T + t[None, :]
+        tl.store(d_to + rows_nt, acc_to_r)
+        tl.store(d_to + rows_nt + T, acc_to_i)
+        tl.store(d_from + rows_nt, acc_from_r)
+        tl.store(d_from + rows_nt + T, acc_from_i)
+        tl.store(d_step + part * 2 * n + 2 * m, acc_g_r)
+        tl.store(d_step + part * 2 * n + 2 * m + 1, acc_g_i)
+
+
+def diagonal_sums(G: torch.Tensor, shift: int, m: int) -> torch.Tensor:
+    """`G (H, T, T)` -> `(H, m)`: `[d] = sum_j G[j, j + d + shift]`, the gradient of Toeplitz taps (float32 or wider)."""
+    H, T, _ = G.shape
+    padded = torch.nn.functional.pad(G.contiguous(), (0, T))  # (H, T, 2T): [j, e] below reads [j, j + e]
+    return padded.as_strided((H, T, T), (2 * T * T, 2 * T + 1, 1)).sum(1)[:, shift: shift + m]
+
+
+# The launches as custom operators: `torch.compile` keeps each one whole in its graph (no graph break, and dynamo does
+# not trace into Triton's launcher); their fake versions give it the outputs' shapes. Named after this module, so a
+# copy of it saved with a model (a Hub repository's folded modeling file) registers operators of its own.
+_NS = __name__.replace(".", "_")
+
+
+@torch.library.custom_op(f"{_NS}::forward", mutates_args=())
+def _forward(x: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor, from_state: torch.Tensor,
+             step: torch.Tensor, T: int, shift: int, save: bool, ieee: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (H, B, Lp) and, with `save`, the states entering each chunk (H, B, nc, N) in x's dtype."""
+    H, B, Lp = x.shape
+    nc, n = Lp // T, step.shape[1]
+    y = torch.empty_like(x)
+    states = x.new_empty((H, B, nc, 2 * n) if save else (1,))
+    with _on(x):
+        _forward_kernel[(H, triton.cdiv(B, ROWS))](
+            x, taps, to_state, from_state, step, y, states, B, Lp, nc, taps.shape[-1],
+            T=T, n=n, BB=ROWS, SHIFT=shift, SAVE=save, UPCAST=INTERPRETED, IEEE=ieee, num_warps=WARPS)
+    return y, states
+
+
+@_forward.register_fake
+def _(x, taps, to_state, from_state, step, T, shift, save, ieee):
+    H, B, Lp = x.shape
+    return torch.empty_like(x), x.new_empty((H, B, Lp // T, 2 * step.shape[1]) if save else (1,))
+
+
+@torch.library.custom_op(f"{_NS}::backward", mutates_args=())
+def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor,
+              from_state: torch.Tensor, step: torch.Tensor, T: int, shift: int,
+              ieee: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx and the matrices' gradients: taps (H, m), to_state and from_state (H, N, T), step (H, n, 2), float32."""
+    H, B, Lp = x.shape
+    n = step.shape[1]
+    nblk = triton.cdiv(B, ROWS)
+    dx = torch.empty_like(x)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    d_toep = torch.empty((H, nblk, T, T), **f32)
+    d_to = torch.empty((H, nblk, 2 * n, T), **f32)
+    d_from = torch.empty((H, nblk, 2 * n, T), **f32)
+    d_step = torch.empty((H, nblk, n, 2), **f32)
+    with _on(x):
+        _backward_kernel[(H, nblk)](
+            x, g, states, taps, to_state, from_state, step, dx, d_toep, d_to, d_from, d_step,
+            B, Lp, Lp // T, taps.shape[-1], T=T, n=n, BB=ROWS, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
+            num_warps=WARPS)
+    d_taps = diagonal_sums(d_toep.sum(1), shift, taps.shape[-1])
+    return dx, d_taps, d_to.sum(1), d_from.sum(1), d_step.sum(1)
+
+
+@_backward.register_fake
+def _(x, g, states, taps, to_state, from_state, step, T, shift, ieee):
+    return (torch.empty_like(x), torch.empty_like(taps), torch.empty_like(to_state), torch.empty_like(from_state),
+            torch.empty_like(step))
+
+
+class _FusedConv(torch.autograd.Function):
+    """`x (H, B, nc T)` -> `y` of the same shape and dtype, from the float32 matrices of `chunk_matrices` and
+    `dA^T (H, n, 2)`; the backward returns x's gradient and the matrices' (float32)."""
+
+    @staticmethod
+    def forward(ctx, x, taps, to_state, from_state, step, T: int, shift: int):
+        save = any(ctx.needs_input_grad[:5])
+        ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+        y, states = _forward(x, taps, to_state, from_state, step, T, shift, save, ieee)
+        ctx.save_for_backward(x, states, taps, to_state, from_state, step)
+        ctx.T, ctx.shift, ctx.ieee = T, shift, ieee
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, states, taps, to_state, from_state, step = ctx.saved_tensors
+        grads = _backward(x, g.contiguous().to(x.dtype), states, taps, to_state, from_state, step, ctx.T, ctx.shift,
+                          ctx.ieee)
+        return *grads, None, None
+
+
+def _on(x: torch.Tensor):
+    """Triton launches on the current CUDA device: make it x's (under `torch.compile`, inductor does this itself)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
+def fused_conv_channels_first(x: torch.Tensor, taps, to_state, from_state, step, shift: int = 0) -> torch.Tensor:
+    """The chunked convolution of `x (H, B, nc T)` (channels first, zero-padded past the sequence) in one kernel:
+    `taps (H, T - shift)`, `to_state`/`from_state (H, N, T)` from `chunk_matrices`, `step (H, N/2, 2)` = dA^T as
+    (real, imaginary). Returns `(H, B, nc T)` in x's dtype. The matrices must be float32 (the kernel reads them as
+    such); T and N/2 powers of two of at least 16 (`tl.dot`'s smallest tile)."""
+    T = to_state.shape[-1]
+    return _FusedConv.apply(x.contiguous(), taps.float().contiguous(), to_state.float().contiguous(),
+                            from_state.float().contiguous(), step.float().contiguous(), T, shift)
+
+
+def supports(T: int, N: int) -> bool:
+    """Whether the kernel takes chunks of T steps and a state of N (real) rows: powers of two, T and N/2 >= 16."""
+    n = N // 2
+    return T >= 16 and n >= 16 and T & (T - 1) == 0 and n & (n - 1) == 0
+
+
+def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
+    """`chunk_matrices`' taps, to_state and from_state for chunks of T steps, and `dA^T` as `(H, N/2, 2)` (the
+    kernel carries the state across chunks one step of `dA^T` at a time rather than by the scan matrix)."""
+    taps, to_state, _, from_state = chunk_matrices(log_dA, C_tilde, D, T, 2, shift)
+    gr, gi = powers(log_dA, torch.full((1,), float(T), dtype=log_dA[0].dtype, device=log_dA[0].device))
+    return taps, to_state, from_state, torch.cat([gr, gi], dim=-1)

@@ -1,0 +1,207 @@
+"""The fused S4D convolution (`s4d_fused.py`: the chunked form in one Triton kernel each way) against its references:
+the batched-matmul chunked form and the float64 FFT convolution, values and every gradient, in float32 and bfloat16;
+the whole model on the fused path (documents, carried state, generation); when the path is refused. Without a GPU
+the kernels run in Triton's interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`); GPU-only checks are marked
+`gpu`."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassError
+
+from s4accel import S4Config, S4ForCausalLM, S4ForSequenceClassification
+from s4accel.models import modeling_s4, s4d_fused
+from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan
+from s4accel.models.s4d_chunked import chunk_matrices, conv_channels_first
+
+needs_triton = pytest.mark.skipif(s4d_fused.triton is None or not (torch.cuda.is_available() or s4d_fused.INTERPRETED),
+                                  reason="needs Triton (on a GPU, or its interpreter)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative to the reference's largest value: float32 to rounding; bfloat16 as the chunked path's (the operands of
+# the products rounded to 8 bits of mantissa, accumulated in float32).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def rel(a, b):
+    return ((a.double().cpu() - b.double().cpu()).abs().max() / b.double().cpu().abs().max()).item()
+
+
+def kernel_params(H, N, seed=0):
+    torch.manual_seed(seed)
+    k = S4DKernel(S4Config(d_model=H, d_state=N, dt_min=0.01, dt_max=0.5, bidirectional=True))
+    k.reset_parameters()
+    (ar, ai), (Cr, Ci) = k.double().discretize_pairs()
+    return [t.detach().requires_grad_() for t in (ar, ai, Cr[0], Ci[0], Cr[1], Ci[1])]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "strictly-causal"])
+@pytest.mark.parametrize("B", [3, 40], ids=["one-row-block", "two-row-blocks"])
+def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dtype, shift, B):
+    """The kernel on `dtype` operands against the batched-matmul form in float64 (itself checked against the FFT
+    convolution and the recurrence in test_s4d_chunked.py): the output, and the gradients of the input, log dA
+    (real and imaginary), C~ and D. B 40 spans two blocks of rows (the backward's partial sums are added); L 70 pads
+    the last of 5 chunks."""
+    H, N, T, L = 3, 32, 16, 70
+    nc = -(-L // T)
+    ar, ai, cr, ci, cr1, ci1 = kernel_params(H, N)
+    if shift:
+        cr, ci = cr1, ci1
+    D = torch.randn(H, dtype=torch.float64, requires_grad=True) if shift == 0 else None
+    x = torch.zeros(H, B, nc * T, dtype=torch.float64)
+    x[..., :L] = torch.randn(H, B, L, dtype=torch.float64)
+    x.requires_grad_()
+    params = [x, ar, ai, cr, ci] + ([D] if D is not None else [])
+    ref = conv_channels_first(x, *chunk_matrices((ar, ai), (cr, ci), D, T, nc, shift), nc=nc, shift=shift)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, params, g)
+
+    ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
+    matrices = s4d_fused.fused_matrices((ours[1], ours[2]), (ours[3], ours[4]), ours[5] if D is not None else None,
+                                        T, shift)
+    y = s4d_fused.fused_conv_channels_first(ours[0].to(dtype), *matrices, shift)
+    assert y.dtype == dtype and y.shape == ref.shape
+    grads = torch.autograd.grad(y, ours, g.to(DEVICE, dtype))
+    assert rel(y, ref) < TOL[dtype]
+    for name, got, want in zip(["x", "log_dA.real", "log_dA.imag", "C.real", "C.imag", "D"], grads, ref_grads):
+        assert rel(got, want) < TOL[dtype], name
+
+
+@needs_triton
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_the_model_on_the_fused_path_gives_the_fft_paths_logits_and_gradients(bidirectional):
+    """A causal LM and a bidirectional classifier, float32: the same logits and every parameter's gradient as the
+    FFT path, to float32 rounding."""
+    grads = {}
+    for path in ("fft", "fused"):
+        torch.manual_seed(0)
+        config = S4Config(vocab_size=50, d_model=16, n_layer=2, d_state=32, conv_path=path, conv_chunk=16,
+                          bidirectional=bidirectional, num_labels=3)
+        model = (S4ForSequenceClassification if bidirectional else S4ForCausalLM)(config).to(DEVICE)
+        ids = torch.randint(3, 50, (3, 45), device=DEVICE)
+        labels = torch.tensor([0, 2, 1], device=DEVICE) if bidirectional else ids
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        grads[path] = {n: p.grad for n, p in model.named_parameters()} | {"logits": out.logits}
+    for name, g in grads["fft"].items():
+        assert rel(grads["fused"][name], g) < 1e-4, name
+
+
+@needs_triton
+def test_packed_documents_on_the_fused_path_stay_apart_bit_for_bit():
+    """Changing the last token of one packed document leaves every logit of the next bit-identical, and each
+    document's logits equal its own read alone."""
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=16, n_layer=2, d_state=32, conv_path="fused",
+                                   conv_chunk=16)).to(DEVICE).eval()
+    lengths = [7, 40, 5]
+    ids = torch.randint(3, 50, (2, sum(lengths)), device=DEVICE)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1).to(DEVICE)
+    other = ids.clone()
+    other[:, lengths[0] - 1] = (other[:, lengths[0] - 1] + 1) % 50
+    with torch.no_grad():
+        logits, changed = (model(input_ids=x, position_ids=positions).logits for x in (ids, other))
+        alone = torch.cat([model(input_ids=part).logits for part in ids.split(lengths, dim=1)], 1)
+    assert torch.equal(logits[:, lengths[0]:], changed[:, lengths[0]:])
+    assert not torch.equal(logits[:, :lengths[0]], changed[:, :lengths[0]])
+    assert rel(logits, alone) < 1e-5
+
+
+@needs_triton
+def test_carried_state_and_cached_generation_agree_with_the_fused_path():
+    """TBPTT chunks, each from the last one's state, equal the whole sequence read at once; greedy generation from
+    the recurrent cache equals re-reading the whole sequence on the fused path."""
+    torch.manual_seed(0)
+    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=32, conv_path="fused",
+                                   conv_chunk=16)).to(DEVICE).eval()
+    ids = torch.randint(3, 20, (2, 50), device=DEVICE)
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache, parts = None, []
+        for part in ids.split(25, dim=1):
+            out = model(part, cache=cache, use_cache=True)
+            cache, parts = out.cache, parts + [out.logits]
+    assert rel(torch.cat(parts, 1), whole) < 1e-5
+    prompt = torch.randint(3, 20, (2, 20), device=DEVICE)
+    cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False))
+
+
+@needs_triton
+def test_the_fused_layer_compiles_as_one_graph_and_computes_what_eager_does():
+    """`torch.compile(fullgraph=True)`: the kernels are custom operators, whole in the graph (dynamo does not trace
+    into Triton's launcher, which broke the graph); the same output and input gradient as eager."""
+    torch.manual_seed(0)
+    layer = S4Layer(S4Config(d_model=16, d_state=32, conv_path="fused", conv_chunk=16)).to(DEVICE)
+    layer.kernel.reset_parameters()
+    torch.nn.init.normal_(layer.D)
+    x = torch.randn(2, 64, 16, device=DEVICE, requires_grad=True)
+    eager, _ = layer(x)
+    eager.sum().backward()
+    eager_grad, x.grad = x.grad, None
+    torch._dynamo.reset()
+    compiled, _ = torch.compile(layer, fullgraph=True)(x)
+    compiled.sum().backward()
+    assert rel(compiled, eager) < 1e-5 and rel(x.grad, eager_grad) < 1e-5
+
+
+@pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
+def test_the_fused_path_where_it_runs_and_one_line_where_it_cannot(monkeypatch):
+    fused = S4Config(conv_path="fused")
+    assert conv_plan(S4Config(conv_path="fused", conv_chunk=32), "cuda", torch.float32, None, 4096) == (
+        "fused", 32, torch.float32)
+    assert conv_plan(fused, "cuda", torch.float32, None, L=40) == ("fused", 64, torch.float32)  # one chunk of 64
+    assert conv_plan(fused, "cuda", torch.float32, None, L=4096).chunk == modeling_s4.FUSED_CHUNK
+    auto = conv_plan(S4Config(), "cuda", torch.float32, None, 4096).path
+    assert auto == ("fused" if modeling_s4.FUSED_BY_DEFAULT else "chunked")
+    assert conv_plan(S4Config(), "cpu", torch.float32, torch.bfloat16, 4096).path == "fft"  # auto on a CPU
+    # auto falls back to the matmuls where the kernel cannot take the shapes; forced, that is one line
+    assert conv_plan(S4Config(d_state=16), "cuda", torch.float32, None, 4096).path == "chunked"
+    with pytest.raises(ValueError, match=r"conv_path='fused' cannot run here: it needs d_state/2 and conv_chunk"):
+        conv_plan(S4Config(conv_path="fused", d_state=16), "cuda", torch.float32, None)
+    with pytest.raises(ValueError, match="it takes bfloat16 or float32 operands"):
+        conv_plan(fused, "cuda", torch.float64, None)
+    monkeypatch.setattr(s4d_fused, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="it runs on CUDA devices; 'chunked' computes the same"):
+        conv_plan(fused, "cpu", torch.float32, None)
+    monkeypatch.setattr(s4d_fused, "triton", None)
+    with pytest.raises(ValueError, match="it needs Triton"):
+        conv_plan(fused, "cuda", torch.float32, None)
+    assert conv_plan(S4Config(), "cuda", torch.float32, None).path == "chunked"  # auto without Triton
+    with pytest.raises(StrictDataclassError, match="conv_path='fused' needs kernel='s4d'"):
+        S4Config(kernel="s4", conv_path="fused")
+
+
+# ---------------------------------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("L", [1024, 3000])
+def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L):
+    """The whole layer (fused convolution, GELU, GLU projection) on CUDA against the float64 FFT path on the CPU;
+    values and the input's and kernel's gradients."""
+    torch.manual_seed(0)
+    H = 64
+    ref = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fft")).double()
+    ref.kernel.reset_parameters()
+    torch.nn.init.normal_(ref.D)
+    fast = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fused")).cuda()
+    fast.load_state_dict(ref.state_dict())
+    u = torch.randn(40, L, H, dtype=torch.float64)
+    g = torch.randn(40, L, H, dtype=torch.float64)
+    half = dtype == torch.bfloat16
+    x = u.float().cuda().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+        y, _ = fast(x)
+    y.backward(g.to(y.dtype).cuda())
+    x_ref = u.clone().requires_grad_(True)
+    y_ref, _ = ref(x_ref)
+    y_ref.backward(g)
+    assert rel(y, y_ref) < (3e-2 if half else 1e-5)
+    assert rel(x.grad, x_ref.grad) < (3e-2 if half else 1e-5)
+    for name in ("log_dt", "C", "D"):
+        got = dict(fast.named_parameters())[[n for n, _ in fast.named_parameters() if n.endswith(name)][0]].grad
+        want = dict(ref.named_parameters())[[n for n, _ in ref.named_parameters() if n.endswith(name)][0]].grad
+        assert rel(got, want) < (5e-2 if half else 1e-4), name
