@@ -14,7 +14,7 @@ Sections (each timed and isolated: one that fails reports its error and the othe
     throughput   the quick-start model (s4-small) forward + backward + AdamW at several batch sizes, bf16 autocast
                  and float32: tokens/s (median of 10 steps) and peak memory
     s4d_layer    one S4D layer (H=256, N=64, batch 8) forward + backward at L = 1K to 16K, bf16 autocast, on the path
-                 CUDA takes by default (chunked) and on the FFT path: ms and peak memory
+                 CUDA takes by default, the chunked and fused paths and the FFT path: ms and peak memory
     documents    packed documents on CUDA: a packed block's logits equal each document alone, and changing one
                  document leaves the next bit-identical (S4D, the MoE transformer)
     no_sync      a training step's forward and backward under torch.cuda.set_sync_debug_mode("error"): none in the
@@ -257,7 +257,8 @@ def section_s4d_layer(_text: Path, _tmp: Path) -> dict:
     from s4accel.models.modeling_s4 import S4Layer
 
     out = {}
-    for path in ("auto", "fft"):
+    # every path on CUDA (auto, the batched matmuls, the fused Triton kernels, FFT); a CPU dry run: auto and FFT
+    for path in ("auto", "chunked", "fused", "fft") if DEVICE == "cuda" else ("auto", "fft"):
         for L in (256,) if QUICK else (1024, 4096, 16384):
             torch.manual_seed(0)
             layer = S4Layer(S4Config(d_model=256, d_state=64, kernel="s4d", conv_path=path)).to(DEVICE)

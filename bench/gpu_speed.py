@@ -57,7 +57,9 @@ from s4_layer import CausalSelfAttention  # noqa: E402  (the same attention laye
 LAYER_LENGTHS = (1024, 4096, 16384)
 MODEL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CHUNKS = (64, 128, 256, 512)
-FUSED_CONFIGS = tuple((T, rows, warps) for T in (32, 64, 128) for rows, warps in ((16, 4), (32, 4), (64, 8)))
+# (T, (rows, warps) of the forward, (rows, warps) of the backward)
+FUSED_CONFIGS = tuple((T, f, b) for T in (32, 64, 128) for f, b in (((16, 4), (16, 8)), ((32, 4), (16, 8)),
+                                                                    ((32, 4), (32, 8)), ((16, 4), (16, 16))))
 TOKENS = 32768
 
 
@@ -71,7 +73,7 @@ class Bench:
         self.results: dict = {}
         self.skipped: list[str] = []
         from s4accel.models import s4d_fused
-        self.fused_defaults = (s4d_fused.ROWS, s4d_fused.WARPS)
+        self.fused_defaults = (s4d_fused.LAUNCH["forward"], s4d_fused.LAUNCH["backward"])
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -182,24 +184,26 @@ def section_layer_compiled(bench: Bench, s, paths=("fused", "chunked")):
 
 
 def section_fused_sweep(bench: Bench, s):
-    """The fused kernel's steps per chunk (T), batch rows per program and warps per program, eager, at the middle
-    layer length: what its defaults were chosen from (s4accel.models.modeling_s4.FUSED_CHUNK, s4d_fused.ROWS and
-    WARPS). The rest of the run takes the fastest (recorded as `fused_chosen`)."""
+    """The fused kernels' steps per chunk (T) and (batch rows, warps) per program of the forward and the backward,
+    eager, at the middle layer length: what the defaults were chosen from (s4accel.models.modeling_s4.FUSED_CHUNK,
+    s4d_fused.LAUNCH). The rest of the run takes the fastest (recorded as `fused_chosen`)."""
     from s4accel.models import modeling_s4, s4d_fused
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     L = s["layer_lengths"][len(s["layer_lengths"]) // 2]
     best = None
-    for T, rows, warps in s["fused_configs"]:
-        s4d_fused.ROWS, s4d_fused.WARPS = rows, warps
-        r = bench.run(f"fused_sweep/T{T}/R{rows}/W{warps}/L{L}", lambda: layer_pass(
-            bench, s4_layer(H, N, conv_path="fused", conv_chunk=T), B, L, H, True), seconds=0.6)
+    for T, forward, backward in s["fused_configs"]:
+        s4d_fused.LAUNCH = {"forward": forward, "backward": backward}
+        r = bench.run(f"fused_sweep/T{T}/F{forward[0]}x{forward[1]}/B{backward[0]}x{backward[1]}/L{L}",
+                      lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused", conv_chunk=T), B, L, H, True),
+                      seconds=0.6)
         if r and "ms" in r and (best is None or r["ms"] < best[0]):
-            best = (r["ms"], T, rows, warps)
+            best = (r["ms"], T, forward, backward)
     if best is None:
         best = (None, modeling_s4.FUSED_CHUNK, *bench.fused_defaults)
-    modeling_s4.FUSED_CHUNK, s4d_fused.ROWS, s4d_fused.WARPS = best[1:]
-    bench.results["fused_chosen"] = {"chunk": best[1], "rows": best[2], "warps": best[3], "at_L": L}
+    modeling_s4.FUSED_CHUNK = best[1]
+    s4d_fused.LAUNCH = {"forward": best[2], "backward": best[3]}
+    bench.results["fused_chosen"] = {"chunk": best[1], "forward": best[2], "backward": best[3], "at_L": L}
     print(json.dumps({"fused_chosen": bench.results["fused_chosen"]}), flush=True)
 
 
@@ -514,13 +518,13 @@ def layer_tables(R: dict, s) -> list[str]:
     sweep = [k for k in R if k.startswith("fused_sweep/")]
     if sweep:
         chosen = R.get("fused_chosen", {})
-        lines += ["## The fused kernel's shape (eager, L " + ", ".join(sorted({k.split('/L')[-1] for k in sweep}))
-                  + ")", "", f"Steps per chunk T, batch rows R and warps W per program. The rest of the run took "
-                  f"T {chosen.get('chunk')}, R {chosen.get('rows')}, W {chosen.get('warps')}.", "",
-                  "| T | R | W | ms |", "|---|---|---|---|"]
+        lines += ["## The fused kernels' shape (eager, L " + ", ".join(sorted({k.split('/L')[-1] for k in sweep}))
+                  + ")", "", "Steps per chunk T; batch rows x warps per program of the forward and of the backward. "
+                  f"The rest of the run took T {chosen.get('chunk')}, forward {chosen.get('forward')}, backward "
+                  f"{chosen.get('backward')}.", "", "| T | forward | backward | ms |", "|---|---|---|---|"]
         for key in sweep:
-            T, rows, warps, _ = (part[1:] for part in key.split("/")[1:])
-            lines.append(f"| {T} | {rows} | {warps} | {fmt_ms(R[key])} |")
+            T, forward, backward, _ = (part[1:] for part in key.split("/")[1:])
+            lines.append(f"| {T} | {forward} | {backward} | {fmt_ms(R[key])} |")
         lines.append("")
     lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
     for dtype in ("bf16", "fp32"):
@@ -674,8 +678,8 @@ def merge(paths: list[Path]) -> dict:
 
 def shapes(args) -> dict:
     if args.quick:
-        return dict(layer_batch=2, d_model=64, d_state=32, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
-                    fused_configs=((16, 16, 4), (32, 32, 4)),
+        return dict(layer_batch=2, d_model=16, d_state=32, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
+                    fused_configs=((16, (16, 4), (16, 8)), (32, (32, 4), (16, 8))),
                     vocab=300, n_layer=2, d_ffn=128, tokens=512, model_lengths=(64, 128), moe_tokens=256,
                     moe_d_model=64, moe_d_ffn=32, moe_configs=((8, 2),), small_shapes=((2, 64),))
     return dict(layer_batch=64, d_model=768, d_state=64, heads=12, layer_lengths=LAYER_LENGTHS, chunks=CHUNKS,

@@ -116,9 +116,9 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     return ConvPlan("chunked", chunk if L is None else min(chunk, -(-L // 16) * 16), dtype)
 
 
-# Whether `conv_path: auto` takes the fused kernel on CUDA, and its steps per chunk: chosen from the measured sweep
-# (bench/gpu_speed.py --sections fused_sweep).
-FUSED_BY_DEFAULT = True
+# Whether `conv_path: auto` takes the fused kernel on CUDA, and its steps per chunk. Off until a GPU has timed it
+# against the chunked path (bench/gpu_speed.py --sections fused_sweep layer s4d_vs_dense): `conv_path: fused` asks.
+FUSED_BY_DEFAULT = False
 FUSED_CHUNK = 64
 
 

