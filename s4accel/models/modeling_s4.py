@@ -48,7 +48,7 @@ from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, from_channels_first, project_channels_first,
                           to_channels_first)
-from . import s4d_fused
+from .s4d_fused import fused_conv_channels_first, fused_matrices, why_not_fused
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -128,13 +128,7 @@ def _pow2_at_least(L: int) -> int:
 
 def _fused_runs(config: S4Config, device_type: str, dtype: torch.dtype) -> bool:
     """Whether the fused kernel computes this layer here; `conv_path="fused"` that cannot is refused (one line)."""
-    T = config.conv_chunk or FUSED_CHUNK
-    where = device_type == "cuda" or (s4d_fused.INTERPRETED and device_type == "cpu")
-    why = ("it needs Triton" if s4d_fused.triton is None else
-           "it runs on CUDA devices" if not where else
-           "it takes bfloat16 or float32 operands" if dtype == torch.float64 else
-           f"it needs d_state/2 and conv_chunk powers of two >= 16 (d_state={config.d_state}, conv_chunk={T})"
-           if not s4d_fused.supports(T, config.d_state) else None)
+    why = why_not_fused(device_type, dtype, config.conv_chunk or FUSED_CHUNK, config.d_state)
     if why and config.conv_path == "fused":
         raise ValueError(f"conv_path='fused' cannot run here: {why}; 'chunked' computes the same with batched matmuls")
     return why is None
@@ -753,7 +747,7 @@ class S4Layer(nn.Module):
 
         def conv(x, C, D, shift=0):  # (H, B, nc T) -> the same
             if fused:
-                return s4d_fused.fused_conv_channels_first(x, *s4d_fused.fused_matrices(log_dA, C, D, T, shift), shift)
+                return fused_conv_channels_first(x, *fused_matrices(log_dA, C, D, T, shift), shift)
             return conv_channels_first(x, *chunk_matrices(log_dA, C, D, T, nc, shift), nc=nc, shift=shift)
 
         y = conv(to_channels_first(u, dtype, nc * T), (Cr[0], Ci[0]), D)  # zeros past L

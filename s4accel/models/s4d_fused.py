@@ -32,6 +32,7 @@ bring, when present).
 
 import contextlib
 import os
+import re
 
 import torch
 
@@ -182,7 +183,7 @@ def diagonal_sums(G: torch.Tensor, shift: int, m: int) -> torch.Tensor:
 # The launches as custom operators: `torch.compile` keeps each one whole in its graph (no graph break, and dynamo does
 # not trace into Triton's launcher); their fake versions give it the outputs' shapes. Named after this module, so a
 # copy of it saved with a model (a Hub repository's folded modeling file) registers operators of its own.
-_NS = __name__.replace(".", "_")
+_NS = re.sub(r"\W", "_", __name__)
 
 
 @torch.library.custom_op(f"{_NS}::forward", mutates_args=())
@@ -202,7 +203,7 @@ def _forward(x: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor, from_s
 
 
 @_forward.register_fake
-def _(x, taps, to_state, from_state, step, T, shift, save, ieee):
+def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee):
     H, B, Lp = x.shape
     return torch.empty_like(x), x.new_empty((H, B, Lp // T, 2 * step.shape[1]) if save else (1,))
 
@@ -232,7 +233,7 @@ def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torc
 
 
 @_backward.register_fake
-def _(x, g, states, taps, to_state, from_state, step, T, shift, ieee):
+def _backward_fake(x, g, states, taps, to_state, from_state, step, T, shift, ieee):
     return (torch.empty_like(x), torch.empty_like(taps), torch.empty_like(to_state), torch.empty_like(from_state),
             torch.empty_like(step))
 
@@ -279,6 +280,20 @@ def supports(T: int, N: int) -> bool:
     """Whether the kernel takes chunks of T steps and a state of N (real) rows: powers of two, T and N/2 >= 16."""
     n = N // 2
     return T >= 16 and n >= 16 and T & (T - 1) == 0 and n & (n - 1) == 0
+
+
+def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str | None:
+    """Why the fused kernels cannot compute a layer with chunks of T steps and state size N on `device_type` with
+    `dtype` operands, or None where they can."""
+    if triton is None:
+        return "it needs Triton"
+    if not (device_type == "cuda" or (INTERPRETED and device_type == "cpu")):
+        return "it runs on CUDA devices"
+    if dtype == torch.float64:
+        return "it takes bfloat16 or float32 operands"
+    if not supports(T, N):
+        return f"it needs d_state/2 and conv_chunk powers of two >= 16 (d_state={N}, conv_chunk={T})"
+    return None
 
 
 def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
