@@ -6,6 +6,9 @@ the same data, measured in one run, in paired, interleaved segments, and reporte
 Loops (each does forward, backward, clip to norm 1.0, AdamW step with s4accel's parameter groups, schedule step):
     torch        a hand-written PyTorch loop: the floor
     accelerate   a plain Accelerate loop (prepare, accumulate, backward, clip, step), nothing else
+    accelerate_cached  the same, with the one change s4accel makes to Accelerate: its optimizer step's question
+                 "is lomo_optim installed?" answered once, not twice a step (s4accel.training.setup.ask_lomo_once);
+                 s4accel over this loop is what s4accel's own Python costs
     trainer      transformers.Trainer (logging every 10 steps, its progress bar on, no saving)
     s4accel      `s4accel.train(recipe)` with its default logging (TensorBoard + JSONL every 10 steps), progress bar,
                  tokens/s, grad norm and lr metrics on; no checkpoints, no evaluation until the end (not timed)
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LOOPS = ("torch", "accelerate", "trainer", "s4accel")
+LOOPS = ("torch", "accelerate", "accelerate_cached", "trainer", "s4accel")
 WARMUP = 10  # optimizer steps before the first gate; equal to the log interval
 
 # Model and data of each size, as overrides of the tiny debug recipe. tiny: a step of a few ms, where framework
@@ -228,8 +231,15 @@ def worker_s4accel(recipe):
     s4accel.train(recipe)
 
 
-WORKERS = {"torch": worker_torch, "accelerate": worker_accelerate, "trainer": worker_trainer,
-           "s4accel": worker_s4accel}
+def worker_accelerate_cached(recipe):
+    from s4accel.training.setup import ask_lomo_once
+
+    ask_lomo_once()
+    worker_accelerate(recipe)
+
+
+WORKERS = {"torch": worker_torch, "accelerate": worker_accelerate, "accelerate_cached": worker_accelerate_cached,
+           "trainer": worker_trainer, "s4accel": worker_s4accel}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -285,6 +295,7 @@ def run_size(size: str, loops: list[str], rounds: int, scratch: Path) -> dict:
         "ms_per_step_min": {k: round(min(v), 3) for k, v in ms.items()},
         "ratio_to_torch": {k: ratio(k, "torch") for k in ms if k != "torch"} if "torch" in ms else None,
         "s4accel_over_accelerate": ratio("s4accel", "accelerate"),
+        "s4accel_over_accelerate_cached": ratio("s4accel", "accelerate_cached"),
         "s4accel_over_trainer": ratio("s4accel", "trainer"),
         "accelerate_over_torch": ratio("accelerate", "torch"),
         "trainer_over_torch": ratio("trainer", "torch"),
