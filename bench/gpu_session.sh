@@ -29,3 +29,7 @@ timeout "${PYTEST_S:-110}" python3 -m pytest -q -x -p no:cacheprovider -m gpu te
 timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
   --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-fused_sweep layer s4d_vs_dense layer_compiled} \
   --model-lengths ${LENGTHS:-2048 8192} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
+# 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
+if [ "${NOSYNC_S:-0}" -gt 0 ]; then
+  timeout "$NOSYNC_S" python3 bench/gpu_check.py --only no_sync 2>&1 | tail -40 | tee "$OUT/no_sync.txt"
+fi
