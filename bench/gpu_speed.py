@@ -8,8 +8,9 @@ What it times (CUDA events around each pass, after warm-up passes; the median of
 
 layer   forward + backward of one layer, B 64, H 768, N 64, under bf16 autocast, on a float32 input (what a layer
         norm hands it) with a random output gradient, at L 1K, 4K, 16K: `S4Layer` on the fused path (one Triton
-        kernel each way) and the chunked path (batched matmuls), eager and under `torch.compile`; on the FFT path (float32 FFTs of length 2L: the CPU path, and the GPU path before the
-        chunked one), and a causal attention layer of the same width (qkv and output projections around
+        kernel each way) and the chunked path (batched matmuls), eager and under `torch.compile`; on the FFT
+        path (float32 FFTs of length 2L: the CPU path, and the GPU path before the chunked one), and a causal
+        attention layer of the same width (qkv and output projections around
         `scaled_dot_product_attention`, 12 heads). Peak memory of each pass (the inputs included).
 chunks  the chunked path with chunks of 64 to 512 steps at each L: what the default chunk was chosen from.
 fused_sweep  the fused kernel's chunk, rows and warps per program at each L: what its defaults were chosen from.

@@ -323,3 +323,18 @@ def test_a_path_starting_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch)
     (tmp_path / "corpus.txt").write_text("to be or not to be")
     recipe = load_recipe(TINY, ["data.source=files", "data.files=[~/corpus.txt]", "data.val_files=[~/corpus.txt]"])
     assert recipe.data.files == [str(tmp_path / "corpus.txt")] == recipe.data.val_files
+
+
+def test_an_s4_path_forced_where_it_cannot_run_is_one_line_before_the_run_directory(tmp_path, hf_cache,
+                                                                                  monkeypatch):
+    """`conv_path: fused` on a CPU (where Triton's kernels do not run): a recipe error naming the key, raised while
+    the model is built, before anything is written (no run directory)."""
+    from helpers import train_in_process
+    from s4accel.models import s4d_fused
+
+    monkeypatch.setattr(s4d_fused, "INTERPRETED", False)  # the tests run the kernels in Triton's interpreter
+    with pytest.raises(RecipeError, match=r"^model\.overrides\.conv_path='fused' cannot run here: it (runs on CUDA "
+                                          r"devices|needs Triton); 'chunked' computes the same"):
+        train_in_process(TINY, [f"run.out_dir={tmp_path}", "model.overrides={conv_path: fused, d_state: 32}",
+                                "train.max_steps=2"])
+    assert not any(tmp_path.iterdir())

@@ -174,7 +174,8 @@ if triton is not None:
 
 
 def diagonal_sums(G: torch.Tensor, shift: int, m: int) -> torch.Tensor:
-    """`G (H, T, T)` -> `(H, m)`: `[d] = sum_j G[j, j + d + shift]`, the gradient of Toeplitz taps (float32 or wider)."""
+    """`G (H, T, T)` -> `(H, m)`: `[d] = sum_j G[j, j + d + shift]`, the gradient of Toeplitz taps (float32 or
+    wider)."""
     H, T, _ = G.shape
     padded = torch.nn.functional.pad(G.contiguous(), (0, T))  # (H, T, 2T): [j, e] below reads [j, j + e]
     return padded.as_strided((H, T, T), (2 * T * T, 2 * T + 1, 1)).sum(1)[:, shift: shift + m]

@@ -22,7 +22,7 @@ from .runs.checkpoint import checkpoint_step
 from .devices.graphs import wants_graphs
 from .lora import check_runtime
 from .plan import Plan, make_plan
-from .devices.precision import apply_fsdp_precision
+from .devices.precision import apply_fsdp_precision, convolution_line
 from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
 from .observe.tracking import build_trackers
@@ -124,6 +124,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
                        lambda r, spec: builtin_model(r, None, device="meta", spec=spec))
         with model_build(accelerator):
             net = build_model(task, recipe)
+        convolution_line(net, accelerator)  # an S4 path forced where it cannot run: refused now, one line
         if recipe.model.freeze:  # fixed parameters, out of the optimizer built next
             frozen = freeze(net, recipe.model.freeze)
             accelerator.print(f"model.freeze: {len(frozen)} parameter tensor(s) fixed")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from accelerate.utils import DistributedType
 
+from ...errors import RecipeError
+
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -78,6 +80,9 @@ def convolution_line(model: torch.nn.Module, accelerator) -> str | None:
         return None
     dtype = next((p.dtype for n, p in model.named_parameters() if ".kernel." not in n), torch.float32)
     device = accelerator.device.type
-    plan = conv_plan(config, device, dtype, HALF.get(accelerator.mixed_precision))
+    try:
+        plan = conv_plan(config, device, dtype, HALF.get(accelerator.mixed_precision))
+    except ValueError as e:  # a path forced where it cannot run: one line naming the key
+        raise RecipeError(f"model.overrides.{e}") from None  # e: "conv_path='fused' cannot run here: ..."
     how = "forced by" if config.conv_path != "auto" else "chosen for " + device + " by"
     return f"S4 convolution: {plan.describe()}, {how} model.overrides.conv_path={config.conv_path}"
