@@ -3,6 +3,8 @@
 # `conv_path: auto` takes it. Run from the repository root on a lent GPU machine, in one call:
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh       (writes $OUT, or bench/results/gpu-run)
+#   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
+#                                      issue 40's rows instead: the MoE layer eager and compiled, graphs, host syncs
 #
 # The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
 # manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,
@@ -21,9 +23,11 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFL
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 # 1. correctness: the fused layer against the float64 CPU reference, and a fullgraph-compiled training step
-timeout "${PYTEST_S:-110}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/models/test_s4d_fused.py \
-  "tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does[fused]" \
-  2>&1 | tail -25 | tee "$OUT/pytest.txt"
+if [ "${PYTEST_S:-110}" -gt 0 ]; then
+  timeout "${PYTEST_S:-110}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/models/test_s4d_fused.py \
+    "tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does[fused]" \
+    2>&1 | tail -25 | tee "$OUT/pytest.txt"
+fi
 # 2. speed: the kernels' shape, the layer against the chunked path and attention, the S4D model against the dense
 #    one at the issue's lengths (eager, then compiled), then the compiled layers
 timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \

@@ -341,7 +341,7 @@ def moe_flops(tokens: int, k: int, D: int, Fh: int) -> float:
 def section_moe_layer(bench: Bench, s):
     """One MoE layer (bench/moe.py's passes) at the issue's shape, bf16 autocast: this checkout's layer, the layer of
     `--moe-baseline` (an earlier moe.py) on the same weights and input, the dense SwiGLU of width k F, the expert
-    matmuls alone and the routing alone."""
+    matmuls alone and the routing alone; on a GPU also the layer and the dense SwiGLU under `torch.compile`."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -356,10 +356,13 @@ def section_moe_layer(bench: Bench, s):
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for E, k in s["moe_configs"]:
-        fns = moe_bench.build(args, E, k)
-        for name in ("moe", "dense", "matmuls_only", "routing_only", "harness"):
-            result = bench.run(f"moe_layer/{name}/E{E}k{k}", lambda: fns[name], need_s=10)
-            if result and "ms" in result and name in ("moe", "matmuls_only"):
+        fns = moe_bench.build(args, E, k, compiled=bench.device == "cuda")  # compiling: a GPU run only
+        for name in ("moe", "dense", "matmuls_only", "routing_only", "harness", "moe_compiled", "dense_compiled"):
+            if name not in fns:
+                continue
+            result = bench.run(f"moe_layer/{name}/E{E}k{k}", lambda: fns[name],
+                               need_s=60 if name.endswith("compiled") else 10)
+            if result and "ms" in result and name in ("moe", "matmuls_only", "moe_compiled"):
                 result["tflops"] = round(moe_flops(T, k, D, Fh) / (result["ms"] / 1000) / 1e12, 1)
         if baseline is not None:
             result = bench.run(f"moe_layer/baseline/E{E}k{k}", lambda: baseline_pass(bench, baseline, args, E, k),
@@ -615,6 +618,14 @@ def markdown(report: dict, s) -> str:
                 cell[n] and "ms" in cell[n] for n in ("moe", "dense")) else "-")
             lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['baseline'])} | {ms(cell['dense'])} | {ratio} | "
                          f"{ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
+        if any("_compiled/" in k for k in moe_keys):
+            lines += ["", "Under `torch.compile` (the layer's forward with its losses, and the dense SwiGLU; as "
+                      "`train.compile` runs them inside a block): ms (TFLOP/s of the expert matmuls).", "",
+                      "| E, k | MoE layer, compiled | dense SwiGLU, compiled | MoE / dense |", "|---|---|---|---|"]
+            for E, k in s["moe_configs"]:
+                m, d = (R.get(f"moe_layer/{n}_compiled/E{E}k{k}") for n in ("moe", "dense"))
+                ratio = f"{m['ms'] / d['ms']:.2f}" if m and d and "ms" in m and "ms" in d else "-"
+                lines.append(f"| {E}, {k} | {ms(m)} | {ms(d)} | {ratio} |")
     small_keys = [k for k in R if k.startswith("small/")]
     if small_keys:
         lines += ["", "## The quick-start model (s4-small), a training step (bf16 autocast, fused AdamW)", "",

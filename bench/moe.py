@@ -135,8 +135,9 @@ class NoExperts(torch.nn.Module):
         return (weight if rows is None else rows[-1]).sum().expand_as(x)
 
 
-def build(args, E: int, k: int) -> dict:
-    """name -> one-pass closure (forward + backward), all on the same input values."""
+def build(args, E: int, k: int, compiled: bool = False) -> dict:
+    """name -> one-pass closure (forward + backward), all on the same input values. `compiled`: also the MoE layer
+    (with its losses) and the dense SwiGLU under `torch.compile`, as `train.compile` runs them inside a block."""
     T, D, Fh = args.tokens, args.d_model, args.d_ffn
     config = MoEConfig(d_model=D, d_ffn=Fh, num_experts=E, num_experts_per_tok=k, n_head=4)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -181,7 +182,9 @@ def build(args, E: int, k: int) -> dict:
             "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),
             "matmuls_only": expert_matmuls(moe, x0, dtype), "routing_only": pass_of(routing, moe_with_losses(routing)),
             "dense_matmuls_only": dense_matmuls(dense, x0, dtype),
-            "harness": pass_of(torch.nn.Module(), lambda x: x + 0)}
+            "harness": pass_of(torch.nn.Module(), lambda x: x + 0),
+            **({"moe_compiled": pass_of(moe, torch.compile(moe_with_losses(moe))),
+                "dense_compiled": pass_of(dense, torch.compile(dense))} if compiled else {})}
 
 
 def floor_over_dense(medians: dict) -> float | None:
