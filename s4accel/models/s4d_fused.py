@@ -278,9 +278,10 @@ def fused_conv_channels_first(x: torch.Tensor, taps, to_state, from_state, step,
 
 
 def supports(T: int, N: int) -> bool:
-    """Whether the kernel takes chunks of T steps and a state of N (real) rows: powers of two, T and N/2 >= 16."""
+    """Whether the kernel takes chunks of T steps and a state of N (real) rows: powers of two, T and N/2 >= 16, T at
+    most 128 (a program holds T x T matrices: at 256 they pass an SM's shared memory)."""
     n = N // 2
-    return T >= 16 and n >= 16 and T & (T - 1) == 0 and n & (n - 1) == 0
+    return 16 <= T <= 128 and n >= 16 and T & (T - 1) == 0 and n & (n - 1) == 0
 
 
 def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str | None:
@@ -293,7 +294,10 @@ def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str |
     if dtype == torch.float64:
         return "it takes bfloat16 or float32 operands"
     if not supports(T, N):
-        return f"it needs d_state/2 and conv_chunk powers of two >= 16 (d_state={N}, conv_chunk={T})"
+        return (f"it needs d_state/2 and conv_chunk powers of two >= 16, conv_chunk <= 128 (d_state={N}, "
+                f"conv_chunk={T})")
+    if dtype == torch.float32 and T > 64:  # compiled for sm_90: the backward's float32 tiles need 256 KiB at T 128
+        return f"with float32 operands it takes chunks of at most 64 steps (conv_chunk={T})"
     return None
 
 

@@ -163,6 +163,11 @@ def test_the_fused_path_where_it_runs_and_one_line_where_it_cannot(monkeypatch):
         conv_plan(S4Config(conv_path="fused", d_state=16), "cuda", torch.float32, None)
     with pytest.raises(ValueError, match="it takes bfloat16 or float32 operands"):
         conv_plan(fused, "cuda", torch.float64, None)
+    # what an SM's shared memory holds (compiled for sm_90: 256 KiB at T 128 in float32, past its 228 KiB)
+    with pytest.raises(ValueError, match=r"conv_chunk <= 128 \(d_state=64, conv_chunk=256\)"):
+        conv_plan(S4Config(conv_path="fused", conv_chunk=256), "cuda", torch.float32, None)
+    with pytest.raises(ValueError, match="with float32 operands it takes chunks of at most 64 steps"):
+        conv_plan(S4Config(conv_path="fused", conv_chunk=128), "cuda", torch.float32, None)
     monkeypatch.setattr(s4d_fused, "INTERPRETED", False)
     with pytest.raises(ValueError, match="it runs on CUDA devices; 'chunked' computes the same"):
         conv_plan(fused, "cpu", torch.float32, None)
