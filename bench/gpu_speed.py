@@ -164,6 +164,14 @@ def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast
     return run
 
 
+def section_layer_paths(bench: Bench, s, paths):
+    """The S4 layer on these paths alone, eager (a rerun at other defaults)."""
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    for L in s["layer_lengths"]:
+        for path in paths:
+            bench.run(f"layer/{path}/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True))
+
+
 def section_layer(bench: Bench, s):
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     for L in s["layer_lengths"]:
@@ -713,7 +721,7 @@ def main(argv=None) -> int:
                                                        "models_later"],
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
-                             "s4d_vs_dense"])
+                             "s4d_vs_dense", "layer_fused", "s4d_models"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -761,6 +769,10 @@ def main(argv=None) -> int:
                 "s4d_compiled": lambda: section_models(bench, s, [("s4d", L, True) for L in s["model_lengths"]]),
                 "moe_layer": lambda: section_moe_layer(bench, s), "small": lambda: section_small(bench, s),
                 "fused_sweep": lambda: section_fused_sweep(bench, s),
+                "layer_fused": lambda: (section_layer_paths(bench, s, ("fused",)),
+                                        section_layer_compiled(bench, s, ("fused",))),
+                "s4d_models": lambda: section_models(bench, s, [("s4d", L, c) for c in (False, True)
+                                                                for L in s["model_lengths"]]),
                 # the issue's comparison at its two lengths: S4D (auto path) and dense, eager then compiled, then the
                 # S4D model on the chunked path for the same-run comparison of the two S4 paths
                 "s4d_vs_dense": lambda: section_models(bench, s, [

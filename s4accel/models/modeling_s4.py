@@ -116,9 +116,11 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     return ConvPlan("chunked", chunk if L is None else min(chunk, -(-L // 16) * 16), dtype)
 
 
-# Whether `conv_path: auto` takes the fused kernel on CUDA, and its steps per chunk. Off until a GPU has timed it
-# against the chunked path (bench/gpu_speed.py --sections fused_sweep layer s4d_vs_dense): `conv_path: fused` asks.
-FUSED_BY_DEFAULT = False
+# Whether `conv_path: auto` takes the fused kernels on CUDA, and their steps per chunk. Timed on an H200 against the
+# chunked path (bench/results/2026-11-27-gpu-speed-NVIDIA-H200.md): faster at L 1K, 4K and 16K, eager and compiled.
+# Chunks of 64: within 4% of the sweep's best at L 4K (128 steps, whose forward spills at 32 rows), and the longest
+# float32 operands take.
+FUSED_BY_DEFAULT = True
 FUSED_CHUNK = 64
 
 
