@@ -343,17 +343,37 @@ def section_no_sync(_text: Path, _tmp: Path) -> dict:
                                         for f in ours or frames][-4:]))
         under_sync_debug(step, seen)
         unique = list(dict.fromkeys(where))
-        out[name] = {"synchronises": bool(where), "calls": len(where), "where": [list(w[1:]) for w in unique[:8]]}
+        out[name] = {"synchronises": bool(where), "calls": len(where), "where": [list(w[1:]) for w in unique[:8]],
+                     "error_mode": passes_in_error_mode(step)}
         if any(not w[0] for w in unique) and DEVICE == "cuda":  # not under the model's Python (its backward):
             try:  # anomaly mode may name the node
                 out[name]["backward"] = backward_sync(step)
             except Exception as e:  # the check's own failure must not hide the finding above
                 out[name]["backward"] = [f"{type(e).__name__}: {e}"[:300]]
 
-    # The MoE transformer's one synchronising call (H100, 2026-11-27) came from a backward with no Python frame:
-    # each op it has and S4 has not (or has alike), forward and backward alone, at the model's shapes.
+    # Each op the MoE transformer has and S4 has not (or has alike), forward and backward alone, at the model's
+    # shapes: where a synchronising call of the model's backward would come from, if one came back.
     out["moe_ops"] = op_syncs(B, L)
-    return {"ok": not (out["moe"]["synchronises"] or out["s4_moe"]["synchronises"]), **out}
+    clean = [not out[m]["synchronises"] and out[m]["error_mode"] in (True, None) for m in ("moe", "s4_moe")]
+    return {"ok": all(clean), **out}
+
+
+def passes_in_error_mode(step):
+    """True when `step()` runs whole under `set_sync_debug_mode("error")` (any synchronising call raises); else the
+    error's first line. None without CUDA."""
+    if DEVICE != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        torch.cuda.set_sync_debug_mode("default")  # the wait below is the check's own
+        torch.cuda.synchronize()
+        return True
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def op_syncs(B: int, L: int) -> dict:
