@@ -538,12 +538,16 @@ def layer_tables(R: dict, s) -> list[str]:
             T, forward, backward, _ = (part[1:] for part in key.split("/")[1:])
             lines.append(f"| {T} | {forward} | {backward} | {fmt_ms(R[key])} |")
         lines.append("")
-    lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
-    for dtype in ("bf16", "fp32"):
-        for T in s["chunks"]:
-            cells = [fmt_ms(R.get(f"chunks/{dtype}/T{T}/L{L}")) for L in Ls]
-            lines.append(f"| {dtype}, chunks of {T} | " + " | ".join(cells) + " |")
-    lines += ["", "## float32, no autocast", "", "| | " + " | ".join(f"L {L:,}" for L in Ls[:2]) + " |",
+    if any(k.startswith("chunks/") for k in R):
+        lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
+        for dtype in ("bf16", "fp32"):
+            for T in s["chunks"]:
+                cells = [fmt_ms(R.get(f"chunks/{dtype}/T{T}/L{L}")) for L in Ls]
+                lines.append(f"| {dtype}, chunks of {T} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if not any(k.startswith("fp32/") for k in R):
+        return lines
+    lines += ["## float32, no autocast", "", "| | " + " | ".join(f"L {L:,}" for L in Ls[:2]) + " |",
               "|---" * 3 + "|"]
     for name, key in (("S4Layer, fused (float32 products, no TF32)", "fp32/fused"),
                       ("S4Layer, chunked (float32 matmuls)", "fp32/chunked"),

@@ -74,9 +74,9 @@ class S4Config(PreTrainedConfig):
             on CPUs), `"chunked"` (chunks of `conv_chunk` steps as batched matmuls, bfloat16 operands under half
             precision autocast, real arithmetic that `torch.compile` generates code for), `"fused"` (the same chunks
             in one Triton kernel each way, which reads and writes each activation once: CUDA only, `d_state / 2`
-            and `conv_chunk` powers of two >= 16, `conv_chunk` at most 128, 64 in float32) or `"auto"`: chunked on
-            CUDA, FFT elsewhere. All compute the same function (to rounding); the DPLR kernel (`kernel="s4"`) has
-            only the FFT path.
+            and `conv_chunk` powers of two >= 16, `conv_chunk` at most 128, 64 in float32) or `"auto"`: fused on
+            CUDA where it can run, else chunked; FFT elsewhere. All compute the same function (to rounding); the
+            DPLR kernel (`kernel="s4"`) has only the FFT path.
         conv_chunk (`int`, *optional*): Steps per chunk of the chunked and fused paths (a multiple of 16; a power
             of two for the fused one). `None`: 64 on the fused path; on the chunked one by the sequence length, 128
             up to 2,048 steps, 256 up to 8,192, 512 beyond (the Toeplitz products grow with the chunk, the scan
