@@ -54,11 +54,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LAUNCH = {"forward": (16, 4), "backward": (16, 8)}
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether the fused kernels can run on `x`'s device: Triton and CUDA, or Triton's interpreter on the CPU."""
-    return triton is not None and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
-
-
 if triton is not None:
     @triton.jit
     def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
