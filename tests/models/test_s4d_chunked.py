@@ -10,6 +10,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError  # the config classes are strict dataclasses
 
 from s4accel import S4Config, S4ForCausalLM
+from s4accel.models import s4d_fused
 from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan, fft_conv
 from s4accel.models.s4d_chunked import (chunked_conv, from_channels_first, project_channels_first,
                                         to_channels_first, toeplitz, transpose_into)
@@ -145,11 +146,19 @@ def test_the_model_on_either_path_gives_the_same_logits_and_gradients(bidirectio
         assert rel(grads["chunked"][name], g) < 1e-10, name
 
 
-def test_packed_documents_on_the_chunked_path_stay_apart_bit_for_bit():
+# The fused kernels (s4d_fused.py) compute the chunked form too: these model-level checks run on both paths (the fused
+# one in Triton's interpreter without a GPU: tests/conftest.py).
+needs_triton = pytest.mark.skipif(s4d_fused.triton is None or not (torch.cuda.is_available() or s4d_fused.INTERPRETED),
+                                  reason="needs Triton (on a GPU, or its interpreter)")
+PATHS = ["chunked", pytest.param("fused", marks=needs_triton)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_documents_on_the_chunked_path_stay_apart_bit_for_bit(path):
     """Each document in its own zero-padded bucket row (one chunk, or several for a long one): changing one leaves
     every logit of the next bit-identical, and each document's logits equal its own."""
     torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=16, conv_path="chunked",
+    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=32, conv_path=path,
                                    conv_chunk=16)).eval()
     lengths = [7, 40, 5, 44]
     ids = torch.randint(3, 50, (2, sum(lengths)))
@@ -164,12 +173,15 @@ def test_packed_documents_on_the_chunked_path_stay_apart_bit_for_bit():
     assert rel(logits, alone) < 1e-5
 
 
-def test_carried_state_and_cached_generation_agree_with_the_chunked_path():
+@pytest.mark.parametrize("path", PATHS)
+def test_carried_state_and_cached_generation_agree_with_the_chunked_path(path):
     """TBPTT chunks (each from the last one's state) equal the whole sequence, and greedy generation from the
-    recurrent cache equals re-reading the whole sequence, both with the chunked convolution for every read."""
+    recurrent cache equals re-reading the whole sequence, both with the chunked convolution for every read (in
+    float64 on the matmul path; the fused kernels take float32 at most)."""
     torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=8, conv_path="chunked",
-                                   conv_chunk=16)).double().eval()
+    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=32, conv_path=path,
+                                   conv_chunk=16)).eval()
+    model = model.double() if path == "chunked" else model
     ids = torch.randint(3, 20, (2, 70))
     with torch.no_grad():
         whole = model(ids).logits
@@ -177,7 +189,7 @@ def test_carried_state_and_cached_generation_agree_with_the_chunked_path():
         for part in ids.split(33, dim=1):
             out = model(part, cache=cache, use_cache=True)
             cache, parts = out.cache, parts + [out.logits]
-    assert rel(torch.cat(parts, 1), whole) < 1e-10
+    assert rel(torch.cat(parts, 1), whole) < (1e-10 if path == "chunked" else 1e-5)
     model = model.float()
     prompt = torch.randint(3, 20, (2, 40))
     cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)

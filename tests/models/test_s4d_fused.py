@@ -1,8 +1,8 @@
 """The fused S4D convolution (`s4d_fused.py`: the chunked form in one Triton kernel each way) against its references:
 the batched-matmul chunked form and the float64 FFT convolution, values and every gradient, in float32 and bfloat16;
-the whole model on the fused path (documents, carried state, generation); when the path is refused. Without a GPU
-the kernels run in Triton's interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`); GPU-only checks are marked
-`gpu`."""
+the whole model on the fused path (packed documents, carried state and generation run on both paths in
+test_s4d_chunked.py); when the path is refused. Without a GPU the kernels run in Triton's interpreter
+(tests/conftest.py sets `TRITON_INTERPRET=1`); GPU-only checks are marked `gpu`."""
 
 import os
 
@@ -87,46 +87,6 @@ def test_the_model_on_the_fused_path_gives_the_fft_paths_logits_and_gradients(bi
         grads[path] = {n: p.grad for n, p in model.named_parameters()} | {"logits": out.logits}
     for name, g in grads["fft"].items():
         assert rel(grads["fused"][name], g) < 1e-4, name
-
-
-@needs_triton
-def test_packed_documents_on_the_fused_path_stay_apart_bit_for_bit():
-    """Changing the last token of one packed document leaves every logit of the next bit-identical, and each
-    document's logits equal its own read alone."""
-    torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=16, n_layer=2, d_state=32, conv_path="fused",
-                                   conv_chunk=16)).to(DEVICE).eval()
-    lengths = [7, 40, 5]
-    ids = torch.randint(3, 50, (2, sum(lengths)), device=DEVICE)
-    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1).to(DEVICE)
-    other = ids.clone()
-    other[:, lengths[0] - 1] = (other[:, lengths[0] - 1] + 1) % 50
-    with torch.no_grad():
-        logits, changed = (model(input_ids=x, position_ids=positions).logits for x in (ids, other))
-        alone = torch.cat([model(input_ids=part).logits for part in ids.split(lengths, dim=1)], 1)
-    assert torch.equal(logits[:, lengths[0]:], changed[:, lengths[0]:])
-    assert not torch.equal(logits[:, :lengths[0]], changed[:, :lengths[0]])
-    assert rel(logits, alone) < 1e-5
-
-
-@needs_triton
-def test_carried_state_and_cached_generation_agree_with_the_fused_path():
-    """TBPTT chunks, each from the last one's state, equal the whole sequence read at once; greedy generation from
-    the recurrent cache equals re-reading the whole sequence on the fused path."""
-    torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=32, conv_path="fused",
-                                   conv_chunk=16)).to(DEVICE).eval()
-    ids = torch.randint(3, 20, (2, 50), device=DEVICE)
-    with torch.no_grad():
-        whole = model(ids).logits
-        cache, parts = None, []
-        for part in ids.split(25, dim=1):
-            out = model(part, cache=cache, use_cache=True)
-            cache, parts = out.cache, parts + [out.logits]
-    assert rel(torch.cat(parts, 1), whole) < 1e-5
-    prompt = torch.randint(3, 20, (2, 20), device=DEVICE)
-    cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(cached, model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False))
 
 
 @needs_triton
