@@ -24,7 +24,10 @@ models  a training step (forward, backward, fused AdamW, bf16 autocast, 32,768 t
         block; the dense transformer of the same shape (the MoE family with use_moe false, 12 heads, SDPA); and the
         MoE transformer (8 experts of width 1024, top-2: the dense MLP's active FLOPs). At L 1K to 16K (batch
         32,768 / L), eager and compiled (Accelerate's regional compilation of the blocks, as `train.compile` does).
-        Tokens/s, MFU as `s4accel.training.observe.flops` counts it (against the GPU's published bf16 peak), peak memory.
+        Tokens/s, MFU as `s4accel.training.observe.flops` counts it (against the GPU's published bf16 peak), peak
+        memory.
+profile the CUDA kernels of one compiled pass of the layer and of a training step of the S4D and the dense models
+        at L 2,048, summed by kind (the fused kernels, matmuls, inductor's fusions, attention, the loss...).
 
 Everything runs in priority order within `--budget-s` seconds (the lease of a GPU is short): what did not fit is
 listed in the file as not measured. The JSON holds every sample.
@@ -37,6 +40,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -441,25 +445,40 @@ def section_small(bench: Bench, s):
                   need_s=10 if mode is None else 60, warmup=2 if mode is None else 4, seconds=1.0, most=50)
 
 
+# What a profiled kernel is, by its name: the summary of each profile adds their times by kind.
+KERNEL_KINDS = (("s4d_fused", r"^_(forward|backward)_kernel\b"), ("attention", r"flash|fmha|attention|sdpa"),
+                ("matmul", r"gemm|nvjet|cutlass|sm90_xmma|sm80_xmma|cublas|_mm_|matmul"),
+                ("inductor", r"^triton_"), ("optimizer", r"adam|multi_tensor|foreach"),
+                ("softmax_loss", r"softmax|nll|cross_entropy|log_sum"),
+                ("copy_cast", r"copy|cast|transpose|cat_|contiguous"), ("fill", r"fill|zero"),
+                ("reduce", r"reduce"), ("elementwise", r"elementwise"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
 def section_profile(bench: Bench, s):
-    """The CUDA kernels of one pass, by total time: the chunked layer at the middle layer length, and an eager
-    training step of the S4D language model at L 2,048 (where the time goes, for whoever speeds it up next)."""
+    """The CUDA kernels of one pass, by total time and by kind (where the time goes, for whoever speeds it up next):
+    the S4 layer (conv_path auto: the fused kernels on CUDA) compiled at the middle layer length, and a compiled
+    training step (`train.compile`'s regional compilation) of the S4D and of the dense language model at L 2,048."""
     from torch.profiler import ProfilerActivity, profile
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     L = s["layer_lengths"][len(s["layer_lengths"]) // 2]
     Lm = 2048 if 2048 in s["model_lengths"] else s["model_lengths"][0]
-    targets = {f"layer_chunked_L{L}": lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, True),
-               f"s4d_lm_eager_L{Lm}": lambda: lm_pass(bench, "s4d", Lm, False, s)}
+    targets = {f"layer_compiled_L{L}": lambda: layer_pass(bench, s4_layer(H, N), B, L, H, True, compiled=True),
+               f"s4d_lm_compiled_L{Lm}": lambda: lm_pass(bench, "s4d", Lm, True, s),
+               f"dense_lm_compiled_L{Lm}": lambda: lm_pass(bench, "dense", Lm, True, s)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device == "cuda" else [])
-    out = {}
+    out = bench.results.setdefault("profile", {})
     for name, build in targets.items():
-        if bench.left() < 20:
+        if bench.left() < (30 if name.startswith("layer") else 90):
             bench.skipped.append(f"profile/{name}")
             continue
         try:
             run = build()
-            for _ in range(2):
+            for _ in range(3):  # compiles, then warms up
                 run()
             bench.sync()
             with profile(activities=activities) as prof:
@@ -471,15 +490,35 @@ def section_profile(bench: Bench, s):
                      str(e.device_type).endswith("CUDA"))]
             rows.sort(key=lambda e: -getattr(e, attr))
             total = sum(getattr(e, attr) for e in rows)
-            out[name] = {"total_ms": round(total / 1000, 3), "kernels": [
-                {"name": e.key[:120], "ms": round(getattr(e, attr) / 1000, 3), "calls": e.count} for e in rows[:30]]}
+            kinds = {}
+            for e in rows:
+                kind = kernel_kind(e.key)
+                kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr) / 1000
+            out[name] = {"total_ms": round(total / 1000, 3),
+                         "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                         "kernels": [{"name": e.key[:120], "ms": round(getattr(e, attr) / 1000, 3), "calls": e.count,
+                                      "kind": kernel_kind(e.key)} for e in rows[:40]]}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
         finally:
             if bench.device == "cuda":
                 torch.cuda.empty_cache()
         print(json.dumps({f"profile/{name}": out[name]}), flush=True)
-    bench.results["profile"] = out
+
+
+def profile_lines(R: dict) -> list:
+    """The profiles' time by kind of kernel, one column per profiled pass."""
+    prof = {k: v for k, v in R.get("profile", {}).items() if "by_kind_ms" in v}
+    if not prof:
+        return []
+    kinds = sorted({k for v in prof.values() for k in v["by_kind_ms"]},
+                   key=lambda k: -max(v["by_kind_ms"].get(k, 0) for v in prof.values()))
+    lines = ["", "## Where the time goes (CUDA kernel time of one profiled pass, ms, by kind)", "",
+             "| kind | " + " | ".join(prof) + " |", "|---" * (len(prof) + 1) + "|"]
+    lines += [f"| {kind} | " + " | ".join(f"{v['by_kind_ms'].get(kind, 0):.2f}" for v in prof.values()) + " |"
+              for kind in kinds]
+    lines.append("| **total** | " + " | ".join(f"{v['total_ms']:.2f}" for v in prof.values()) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -610,6 +649,7 @@ def markdown(report: dict, s) -> str:
         lines += layer_tables(R, s)
     if any(k.startswith("models/") for k in R):
         lines += model_table(R, s)
+    lines += profile_lines(R)
     moe_keys = [k for k in R if k.startswith("moe_layer/")]
     if moe_keys:
         lines += ["", f"## One MoE layer, forward + backward ({s['moe_tokens']:,} tokens, d_model {s['moe_d_model']}, "

@@ -54,3 +54,22 @@ def test_the_moe_layer_rows_time_this_layer_beside_a_baseline_file(tmp_path):
         assert results[f"moe_layer/{name}/E8k2"]["ms"] > 0
     assert json.loads(report.read_text())["command"].endswith("--moe-baseline moe.py")
     assert "| 8, 2 | " in report.with_suffix(".md").read_text()
+
+
+def test_a_profile_is_summed_by_kind_of_kernel_in_the_report():
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_speed
+
+    # names of kernels from a profile of the S4 layer on an H200 (bench/results/2026-11-26-gpu-speed-NVIDIA-H200.json)
+    kinds = {"_forward_kernel": "s4d_fused", "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TTN": "matmul",
+             "triton_poi_fused__to_copy_gelu_0": "inductor", "_transpose_kernel": "copy_cast",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<ch": "fill",
+             "void at::native::glu_backward_kernel<c10::BFloat16, OffsetCalculator<3, unsigned int": "other",
+             "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits": "attention",
+             "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float": "softmax_loss"}
+    assert {name: gpu_speed.kernel_kind(name) for name in kinds} == kinds
+    results = {"profile": {"layer": {"total_ms": 3.0, "by_kind_ms": {"s4d_fused": 2.0, "matmul": 1.0}},
+                           "lm": {"total_ms": 5.0, "by_kind_ms": {"matmul": 5.0}}, "broken": {"error": "OOM"}}}
+    table = gpu_speed.profile_lines(results)
+    assert "| kind | layer | lm |" in table and "| matmul | 1.00 | 5.00 |" in table
+    assert "| s4d_fused | 2.00 | 0.00 |" in table and "| **total** | 3.00 | 5.00 |" in table
