@@ -23,7 +23,8 @@ models  a training step (forward, backward, fused AdamW, bf16 autocast, 32,768 t
         models with a vocabulary of 32,000, d_model 768, 12 blocks: S4D with a SwiGLU MLP of width 2048 in each
         block; the dense transformer of the same shape (the MoE family with use_moe false, 12 heads, SDPA); and the
         MoE transformer (8 experts of width 1024, top-2: the dense MLP's active FLOPs). At L 1K to 16K (batch
-        32,768 / L), eager and compiled (Accelerate's regional compilation of the blocks, as `train.compile` does).
+        32,768 / L), eager and compiled (as `train.compile` does: Accelerate's regional compilation of the blocks,
+        and the loss compiled beside them).
         Tokens/s, MFU as `s4accel.training.observe.flops` counts it (against the GPU's published bf16 peak), peak
         memory.
 profile the CUDA kernels of one compiled pass of the layer and of a training step of the S4D and the dense models
@@ -296,6 +297,7 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool, s):
 
         torch._dynamo.reset()
         model = compile_regions(model)
+        model.loss_function = torch.compile(model.loss_function)  # as train.compile does (compiled_loss.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
     def run():
@@ -461,7 +463,7 @@ def kernel_kind(name: str) -> str:
 def section_profile(bench: Bench, s):
     """The CUDA kernels of one pass, by total time and by kind (where the time goes, for whoever speeds it up next):
     the S4 layer (conv_path auto: the fused kernels on CUDA) compiled at the middle layer length, and a compiled
-    training step (`train.compile`'s regional compilation) of the S4D and of the dense language model at L 2,048."""
+    training step (as `train.compile` compiles it) of the S4D and of the dense language model at L 2,048."""
     from torch.profiler import ProfilerActivity, profile
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
@@ -605,7 +607,9 @@ def model_table(R: dict, s) -> list[str]:
               f"d_model {s['d_model']}, {s['n_layer']} blocks, vocabulary {s['vocab']:,}. S4D: N {s['d_state']}, "
               f"SwiGLU {s['d_ffn']} in each block. Dense: the MoE family with use_moe false, {s['heads']} heads. MoE: "
               f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.observe.flops counts it, "
-              "peak memory). Compiled: Accelerate's regional compilation, as `train.compile: true`.", "",
+              "peak memory). Compiled: as `train.compile: true` does at the commit that measured the cell: Accelerate's "
+              "regional compilation of the blocks, and the loss compiled beside them since commits that have "
+              "s4accel/training/devices/compiled_loss.py.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
     for family, name in (("s4d", "S4D"), ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
                          ("moe", "MoE transformer")):

@@ -1,14 +1,17 @@
 """What the recipe's speed and memory switches buy on the S4 language model. Prints one JSON object.
 
     python bench/speed_switches.py [--size s4-small] [--batch 16] [--seq-len 256] [--rounds 3] [--steps 8]
+                                   [--vocab 259] [--variants eager ckpt compile compile_blocks]
 
 Variants (each a `train.*` switch of a recipe, applied the way the loop applies it):
     eager       the model as built, fused AdamW
     ckpt        `train.activation_checkpointing: true` (each block recomputed in the backward pass)
-    compile     `train.compile: true` (Accelerate's dynamo plugin, inductor, regional compilation)
+    compile     `train.compile: true` (Accelerate's dynamo plugin, inductor, regional compilation, and the loss
+                compiled beside the blocks: training/devices/compiled_loss.py)
+    compile_blocks  the blocks compiled, the loss left eager (what `train.compile` did before the loss was compiled)
 
 Measured per variant, each in a fresh process (so its peak memory is its own), one forward + backward + AdamW step
-per training step on random byte-level tokens (B x L; timing and memory do not depend on the token values):
+per training step on random tokens (B x L; timing and memory do not depend on the token values):
     step_s           median seconds of `--steps` steps after the warm-up steps (compile's first step compiles)
     first_step_s     the first step, i.e. compilation for `compile`
     saved_mb         bytes autograd keeps for the backward pass during one forward (the activation memory), counted
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("eager", "ckpt", "compile")
+VARIANTS = ("eager", "ckpt", "compile", "compile_blocks")
 
 
 def worker(args) -> dict:
@@ -42,22 +45,25 @@ def worker(args) -> dict:
     from s4accel.config import ModelCfg, OptimCfg
     from s4accel.training.tasks_builtin import model_config as build_model_config
     from s4accel.training.optim import build_optimizer
+    from s4accel.training.devices.compiled_loss import compile_loss
     from s4accel.training.setup import enable_activation_checkpointing
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    compiled = args.variant == "compile"
+    compiled = args.variant.startswith("compile")
     dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if compiled else None
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), dynamo_plugin=dynamo)
     torch.manual_seed(0)
-    config = build_model_config(ModelCfg(name=args.size), vocab_size=259, pad_token_id=0, eos_token_id=1)
+    config = build_model_config(ModelCfg(name=args.size), vocab_size=args.vocab, pad_token_id=0, eos_token_id=1)
     model = AutoModelForCausalLM.from_config(config)
     if args.variant == "ckpt":
         enable_activation_checkpointing(model)
+    if args.variant == "compile":
+        compile_loss(model, accelerator)
     optimizer = build_optimizer(model, OptimCfg(), accelerator.device.type)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    ids = torch.randint(3, 259, (args.batch, args.seq_len), device=accelerator.device)
+    ids = torch.randint(3, args.vocab, (args.batch, args.seq_len), device=accelerator.device)
 
     def step():
         loss = model(input_ids=ids, labels=ids).loss
@@ -93,7 +99,7 @@ def worker(args) -> dict:
 def run_variant(variant: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--size", args.size, "--batch", str(args.batch),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--vocab", str(args.vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} worker failed:\n{proc.stderr[-3000:]}")
@@ -109,6 +115,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--vocab", type=int, default=259, help="the vocabulary (259: the byte-level tokenizer's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -130,7 +137,8 @@ def main():
             for m in ("step_s", "saved_mb", "peak_mb")}
         for v in args.variants if v != "eager"}
     print(json.dumps({
-        "config": {k: getattr(args, k) for k in ("size", "batch", "seq_len", "rounds", "steps", "warmup", "threads")},
+        "config": {k: getattr(args, k) for k in ("size", "batch", "seq_len", "rounds", "steps", "warmup", "threads",
+                                                 "vocab")},
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg(),
                     "device": rounds[0]["eager"]["device"]},
         "median": median, "over_eager": over_eager, "rounds": rounds}, indent=1))

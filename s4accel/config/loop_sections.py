@@ -109,7 +109,8 @@ class TrainCfg(_Section):
     profiler plugin or ui.perfetto.dev open it) and the operators' totals in `profile/summary.txt` (`null`: off)."""
     compile: bool = False
     """`torch.compile` the model (inductor) through Accelerate's dynamo plugin, block by block: Accelerate's regional
-    compilation compiles each distinct repeated block once. Checkpoints and exports keep plain parameter names."""
+    compilation compiles each distinct repeated block once; a language model's loss is compiled beside them (it reads the
+    logits without float32 copies). Checkpoints and exports keep plain parameter names."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """`torch.compile`'s mode, with `compile: true`."""
     activation_checkpointing: bool = False

@@ -27,6 +27,7 @@ from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
 from .observe.tracking import build_trackers
 from .devices.fits import check_fits
+from .devices.compiled_loss import compile_loss
 from .devices.zero import configure_deepspeed, model_build
 
 CPU = not torch.accelerator.is_available()
@@ -132,6 +133,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
             enable_activation_checkpointing(net)
     else:
         net = model(task)
+    compile_loss(net, accelerator)  # regional compilation leaves the model's own loss eager: compiled with the blocks
     if units := apply_fsdp_precision(accelerator, net):
         kinds = ", ".join(sorted({u.rsplit(".", 1)[-1] for u in units}))
         accelerator.print(f"FSDP mixed precision: {len(units)} float32 units ({kinds}), "
