@@ -2,6 +2,7 @@
 
     python bench/speed_switches.py [--size s4-small] [--batch 16] [--seq-len 256] [--rounds 3] [--steps 8]
                                    [--vocab 259] [--variants eager ckpt compile compile_blocks]
+                                   [--out-dir bench/results]   (also a dated file naming the commit and versions)
 
 Variants (each a `train.*` switch of a recipe, applied the way the loop applies it):
     eager       the model as built, fused AdamW
@@ -25,6 +26,8 @@ order; the report gives each variant's median over rounds and the ratios to eage
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 VARIANTS = ("eager", "ckpt", "compile", "compile_blocks")
 
@@ -117,6 +121,7 @@ def main():
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--vocab", type=int, default=259, help="the vocabulary (259: the byte-level tokenizer's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--out-dir", type=Path, help="also write the report to a dated JSON file in this folder")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -136,12 +141,23 @@ def main():
                 "paired_median": statistics.median(rd[v][m] / rd["eager"][m] for rd in rounds)}
             for m in ("step_s", "saved_mb", "peak_mb")}
         for v in args.variants if v != "eager"}
-    print(json.dumps({
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    device = rounds[0]["eager"]["device"]
+    report = {
+        "date": datetime.date.today().isoformat(), "commit": commit,
+        "command": "python bench/speed_switches.py " + " ".join(sys.argv[1:]),
         "config": {k: getattr(args, k) for k in ("size", "batch", "seq_len", "rounds", "steps", "warmup", "threads",
                                                  "vocab")},
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg(),
-                    "device": rounds[0]["eager"]["device"]},
-        "median": median, "over_eager": over_eager, "rounds": rounds}, indent=1))
+                    "device": device, "processor": platform.processor() or platform.machine(),
+                    **{name: importlib.metadata.version(name) for name in ("torch", "accelerate", "transformers")}},
+        "median": median, "over_eager": over_eager, "rounds": rounds}
+    print(json.dumps(report, indent=1))
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{report['date']}-speed-switches-{device}-{commit}.json"
+        (args.out_dir / name).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ import sys
 from helpers import REPO
 
 
-def test_speed_switches_bench_prints_medians_and_ratios_to_eager():
+def test_speed_switches_bench_prints_medians_and_ratios_to_eager(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_switches.py"), "--size", "s4-tiny", "--batch",
                            "2", "--seq-len", "32", "--rounds", "2", "--steps", "2", "--warmup", "1",
-                           "--variants", "eager", "ckpt"],
+                           "--variants", "eager", "ckpt", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -18,3 +18,5 @@ def test_speed_switches_bench_prints_medians_and_ratios_to_eager():
     assert all(out["median"][v]["step_s"] > 0 for v in ("eager", "ckpt"))
     # activation checkpointing keeps fewer saved tensors: an exact count, not a timing
     assert out["over_eager"]["ckpt"]["saved_mb"]["of_medians"] < 0.5
+    (written,) = tmp_path.glob("*-speed-switches-cpu-*.json")
+    assert json.loads(written.read_text())["machine"]["torch"] == out["machine"]["torch"]
