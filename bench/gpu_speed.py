@@ -240,6 +240,8 @@ def section_fp32(bench: Bench, s):
     reference = import_reference(bench.args.reference_dir)
     for L in s["layer_lengths"][:2]:
         bench.run(f"fp32/fused/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused"), B, L, H, False))
+        bench.run(f"fp32/fused_T64/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused", conv_chunk=64),
+                                                             B, L, H, False))
         bench.run(f"fp32/chunked/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="chunked"), B, L, H, False))
         bench.run(f"fp32/fft/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fft"), B, L, H, False))
         if reference is not None:
@@ -249,6 +251,8 @@ def section_fp32(bench: Bench, s):
         try:
             bench.run(f"fp32/chunked_tf32/L{L}", lambda: layer_pass(
                 bench, s4_layer(H, N, conv_path="chunked"), B, L, H, False))
+            bench.run(f"fp32/fused_tf32/L{L}", lambda: layer_pass(
+                bench, s4_layer(H, N, conv_path="fused"), B, L, H, False))
         finally:
             torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -590,7 +594,9 @@ def layer_tables(R: dict, s) -> list[str]:
         return lines
     lines += ["## float32, no autocast", "", "| | " + " | ".join(f"L {L:,}" for L in Ls[:2]) + " |",
               "|---" * 3 + "|"]
-    for name, key in (("S4Layer, fused (float32 products, no TF32)", "fp32/fused"),
+    for name, key in (("S4Layer, fused (float32 products, no TF32, chunks of 32)", "fp32/fused"),
+                      ("S4Layer, fused (the same, chunks of 64: they spill)", "fp32/fused_T64"),
+                      ("S4Layer, fused (TF32 allowed, chunks of 64)", "fp32/fused_tf32"),
                       ("S4Layer, chunked (float32 matmuls)", "fp32/chunked"),
                       ("S4Layer, chunked (TF32 allowed: `train.tf32`)", "fp32/chunked_tf32"),
                       ("S4Layer, FFT path", "fp32/fft"),
@@ -606,10 +612,10 @@ def model_table(R: dict, s) -> list[str]:
     lines += [f"## Language models, a training step of {s['tokens']:,} tokens (bf16 autocast, fused AdamW)", "",
               f"d_model {s['d_model']}, {s['n_layer']} blocks, vocabulary {s['vocab']:,}. S4D: N {s['d_state']}, "
               f"SwiGLU {s['d_ffn']} in each block. Dense: the MoE family with use_moe false, {s['heads']} heads. MoE: "
-              f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.observe.flops counts it, "
-              "peak memory). Compiled: as `train.compile: true` does at the commit that measured the cell: Accelerate's "
-              "regional compilation of the blocks, and the loss compiled beside them since commits that have "
-              "s4accel/training/devices/compiled_loss.py.", "",
+              f"8 experts of width {s['d_ffn'] // 2}, top-2. Tokens/s (MFU as s4accel.training.observe.flops counts "
+              "it, peak memory). Compiled: as `train.compile: true` does at the commit that measured the cell: "
+              "Accelerate's regional compilation of the blocks, and the loss compiled beside them since commits that "
+              "have s4accel/training/devices/compiled_loss.py.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
     for family, name in (("s4d", "S4D"), ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
                          ("moe", "MoE transformer")):

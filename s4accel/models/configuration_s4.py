@@ -78,7 +78,8 @@ class S4Config(PreTrainedConfig):
             CUDA where it can run, else chunked; FFT elsewhere. All compute the same function (to rounding); the
             DPLR kernel (`kernel="s4"`) has only the FFT path.
         conv_chunk (`int`, *optional*): Steps per chunk of the chunked and fused paths (a multiple of 16; a power
-            of two for the fused one). `None`: 64 on the fused path; on the chunked one by the sequence length, 128
+            of two for the fused one). `None`: 64 on the fused path (32 with float32 products without TF32, which
+            would spill registers at 64); on the chunked one by the sequence length, 128
             up to 2,048 steps, 256 up to 8,192, 512 beyond (the Toeplitz products grow with the chunk, the scan
             across chunks shrinks).
         layer_norm_eps (`float`): Epsilon of the normalisation layers.

@@ -48,7 +48,7 @@ from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, from_channels_first, project_channels_first,
                           to_channels_first)
-from .s4d_fused import fused_conv_channels_first, fused_matrices, why_not_fused
+from .s4d_fused import fused_conv_channels_first, fused_matrices, ieee_products, why_not_fused
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -110,7 +110,7 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
     dtype = torch.bfloat16 if half else wide
     fused = config.conv_path == "fused" or (config.conv_path == "auto" and FUSED_BY_DEFAULT)
     if fused and _fused_runs(config, device_type, dtype):
-        chunk = config.conv_chunk or FUSED_CHUNK
+        chunk = config.conv_chunk or fused_chunk(dtype)
         return ConvPlan("fused", chunk if L is None else min(chunk, _pow2_at_least(L)), dtype)
     chunk = config.conv_chunk or default_chunk(L)
     return ConvPlan("chunked", chunk if L is None else min(chunk, -(-L // 16) * 16), dtype)
@@ -122,6 +122,16 @@ def conv_plan(config: S4Config, device_type: str, input_dtype: torch.dtype, auto
 # float32 operands take.
 FUSED_BY_DEFAULT = True
 FUSED_CHUNK = 64
+# Float32 products in IEEE precision (torch's default for float32 matmuls, unless `train.tf32`) hold more registers:
+# compiled for sm_90 at their launch shapes, both kernels spill to local memory at chunks of 64 (the forward 3.2 KiB
+# a thread, the backward 0.6 KiB) and neither does at 32 (tests/models/test_s4d_fused.py checks it). TF32 products
+# fit at 64.
+FUSED_CHUNK_IEEE = 32
+
+
+def fused_chunk(dtype: torch.dtype) -> int:
+    """The fused kernels' steps per chunk for operands of `dtype` when `conv_chunk` is None."""
+    return FUSED_CHUNK_IEEE if ieee_products(dtype) else FUSED_CHUNK
 
 
 def _pow2_at_least(L: int) -> int:
@@ -130,7 +140,7 @@ def _pow2_at_least(L: int) -> int:
 
 def _fused_runs(config: S4Config, device_type: str, dtype: torch.dtype) -> bool:
     """Whether the fused kernel computes this layer here; `conv_path="fused"` that cannot is refused (one line)."""
-    why = why_not_fused(device_type, dtype, config.conv_chunk or FUSED_CHUNK, config.d_state)
+    why = why_not_fused(device_type, dtype, config.conv_chunk or fused_chunk(dtype), config.d_state)
     if why and config.conv_path == "fused":
         raise ValueError(f"conv_path='fused' cannot run here: {why}; 'chunked' computes the same with batched matmuls")
     return why is None

@@ -241,7 +241,7 @@ class _FusedConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, taps, to_state, from_state, step, T: int, shift: int):
         save = any(ctx.needs_input_grad[:5])
-        ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+        ieee = ieee_products(x.dtype)
         y, states = _forward(x, taps, to_state, from_state, step, T, shift, save, ieee)
         ctx.save_for_backward(x, states, taps, to_state, from_state, step)
         ctx.T, ctx.shift, ctx.ieee = T, shift, ieee
@@ -253,6 +253,18 @@ class _FusedConv(torch.autograd.Function):
         grads = _backward(x, g.contiguous().to(x.dtype), states, taps, to_state, from_state, step, ctx.T, ctx.shift,
                           ctx.ieee)
         return *grads, None, None
+
+
+def ieee_products(dtype: torch.dtype) -> bool:
+    """Whether the kernels multiply operands of `dtype` in IEEE float32 (float32 without TF32, as torch.matmul does
+    unless TF32 is allowed)."""
+    return dtype == torch.float32 and not _tf32_allowed()
+
+
+@torch.compiler.assume_constant_result
+def _tf32_allowed() -> bool:
+    """torch's TF32 switch for matmuls, a constant to `torch.compile` (set once, before a run's first step)."""
+    return torch.backends.cuda.matmul.allow_tf32
 
 
 def _on(x: torch.Tensor):

@@ -42,6 +42,7 @@ def test_a_dry_run_writes_the_table_and_a_merge_names_each_cells_commit(tmp_path
     text = (merged_dir / report_b.name).with_suffix(".md").read_text()
     assert "two runs" in text and "commit `aaaa`" in text and "commit `bbbb`" in text
     assert "| S4Layer, chunked (TF32 allowed: `train.tf32`) | " in text
+    assert "| S4Layer, fused (the same, chunks of 64: they spill) | " in text
 
 
 def test_the_moe_layer_rows_time_this_layer_beside_a_baseline_file(tmp_path):

@@ -112,8 +112,14 @@ def test_the_fused_path_where_it_runs_and_one_line_where_it_cannot(monkeypatch):
     fused = S4Config(conv_path="fused")
     assert conv_plan(S4Config(conv_path="fused", conv_chunk=32), "cuda", torch.float32, None, 4096) == (
         "fused", 32, torch.float32)
-    assert conv_plan(fused, "cuda", torch.float32, None, L=40) == ("fused", 64, torch.float32)  # one chunk of 64
+    monkeypatch.setattr(modeling_s4, "_bf16_matmuls", lambda: True)  # as on an H100
+    assert conv_plan(fused, "cuda", torch.float32, torch.bfloat16, L=40) == ("fused", 64, torch.bfloat16)  # one chunk
+    assert conv_plan(fused, "cuda", torch.float32, torch.bfloat16, L=4096).chunk == modeling_s4.FUSED_CHUNK
+    # float32 products: shorter chunks in IEEE precision (registers), the longer ones with TF32
+    assert conv_plan(fused, "cuda", torch.float32, None, L=4096).chunk == modeling_s4.FUSED_CHUNK_IEEE == 32
+    monkeypatch.setattr(s4d_fused, "_tf32_allowed", lambda: True)  # train.tf32
     assert conv_plan(fused, "cuda", torch.float32, None, L=4096).chunk == modeling_s4.FUSED_CHUNK
+    monkeypatch.setattr(s4d_fused, "_tf32_allowed", lambda: False)
     auto = conv_plan(S4Config(), "cuda", torch.float32, None, 4096).path
     assert auto == ("fused" if modeling_s4.FUSED_BY_DEFAULT else "chunked")
     assert conv_plan(S4Config(), "cpu", torch.float32, torch.bfloat16, 4096).path == "fft"  # auto on a CPU
@@ -219,13 +225,15 @@ def sm90_usage(which: str, dtype: str, tmp_path, **constexprs) -> dict:
 def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(which, tmp_path):
     """What a GPU would compile, checked without one: both kernels at the default chunk (64 steps), N 64 and their
     default launch shapes build for sm_90 with bfloat16 operands, spill nothing to local memory and fit the shared
-    memory of one SM (228 KiB); the float32 (IEEE) variant builds too. Chunks of 64 with 32 rows per program spill in
-    the backward (measured: ~1 KiB a thread), which is why its default is 16."""
+    memory of one SM (228 KiB); so do float32 operands with TF32 products at the same chunk, and with IEEE products at
+    their own chunk (32 steps: at 64 both kernels spill). Chunks of 64 with 32 rows per program spill in the bfloat16
+    backward (measured: ~1 KiB a thread), which is why its default is 16."""
     rows, warps = s4d_fused.LAUNCH[which]
-    common = dict(T=modeling_s4.FUSED_CHUNK, n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
+    common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
     if which == "forward":
         common["SAVE"] = True
-    usage = sm90_usage(which, "bf16", tmp_path, IEEE=False, **common)
-    assert usage["spilled_bytes"] == 0, usage
-    assert usage["shared_bytes"] <= 228 * 1024, usage
-    assert sm90_usage(which, "fp32", tmp_path, IEEE=True, **common)["registers"] > 0
+    for dtype, ieee, T in (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
+                           ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)):
+        usage = sm90_usage(which, dtype, tmp_path, IEEE=ieee, T=T, **common)
+        assert usage["spilled_bytes"] == 0, (dtype, ieee, usage)
+        assert usage["shared_bytes"] <= 228 * 1024, usage
