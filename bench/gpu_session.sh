@@ -1,10 +1,14 @@
 #!/bin/bash
-# The prepared GPU call for the fused S4D path (issue 39): checks on CUDA, then the timings that decide whether
-# `conv_path: auto` takes it. Run from the repository root on a lent GPU machine, in one call:
+# The prepared GPU call of the speed issues (39, 40): checks on CUDA, then timings into a dated table. Run from the
+# repository root on a lent GPU machine, one call each (writes $OUT, or bench/results/gpu-run):
 #
-#   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh       (writes $OUT, or bench/results/gpu-run)
+#   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
+#         the S4D and dense language models at L 2K and 8K, compiled then eager (the compiled loss's effect on the
+#         ratio and MFU), where a compiled step's kernel time goes (profile), and the float32 layer (issue 39 item 3)
+#   PYTEST_S=0 SECTIONS="moe_models" bash bench/gpu_session.sh
+#         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
-#                                      issue 40's rows instead: the MoE layer eager and compiled, graphs, host syncs
+#         the MoE layer eager and compiled, CUDA graphs of the small model, host syncs
 #
 # The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
 # manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,
@@ -26,12 +30,13 @@ python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', t
 if [ "${PYTEST_S:-110}" -gt 0 ]; then
   timeout "${PYTEST_S:-110}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/models/test_s4d_fused.py \
     "tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does[fused]" \
+    tests/test_compiled_loss.py \
     2>&1 | tail -25 | tee "$OUT/pytest.txt"
 fi
-# 2. speed: the kernels' shape, the layer against the chunked path and attention, the S4D model against the dense
-#    one at the issue's lengths (eager, then compiled), then the compiled layers
+# 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled, then eager), the
+#    profiles, and the float32 layer
 timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
-  --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-fused_sweep layer s4d_vs_dense layer_compiled} \
+  --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-s4d_vs_dense profile fp32} \
   --model-lengths ${LENGTHS:-2048 8192} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then

@@ -35,16 +35,21 @@ def saved_bytes(loss_function, logits, labels):
     return loss, sum(sizes)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_regional_compilation_compiles_the_loss_which_keeps_no_float32_copy_of_the_logits(dtype):
+def test_regional_compilation_compiles_the_loss_which_keeps_no_float32_copy_of_the_logits(dtype, device):
     acc = accelerator_for(["train.compile=true"])
     model = S4ForCausalLM(S4Config(vocab_size=V, d_model=16, n_layer=1, d_state=8))
     assert compile_loss(model, acc) and is_compiled(model.loss_function)
     assert not compile_loss(model, acc)  # once
 
     torch.manual_seed(0)
-    logits = torch.randn(2, 64, V, dtype=dtype)
-    labels = torch.randint(0, V, (2, 64))
+    logits = torch.randn(2, 64, V, dtype=dtype, device=device)
+    labels = torch.randint(0, V, (2, 64), device=device)
     labels[0, :5] = -100  # ignored positions count neither in the loss nor in its mean
     results = {}
     for name, loss_function in (("eager", ForCausalLMLoss), ("compiled", model.loss_function)):
