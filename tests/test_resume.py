@@ -164,3 +164,21 @@ def test_a_checkpoint_whose_state_would_run_code_is_refused_unread(reference, te
     with pytest.raises(ResumeError, match="refusing to unpickle"):
         train_in_process(TINY, short_epochs(text, run), resume=str(ckpt))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("path", ["chunked", "fused"])
+def test_resume_is_bit_exact_on_each_s4_convolution_path(path, text, tmp_path):
+    """The chunked form as batched matmuls and as the fused kernels (run by Triton's interpreter without a GPU)
+    resume as exactly as the FFT path: a run stopped mid-epoch ends equal to the uninterrupted one."""
+    overrides = f"model.overrides={{dropout: 0.1, conv_path: {path}, d_state: 32, d_model: 16, n_layer: 1}}"
+    reference = tmp_path / "reference"
+    train_in_process(TINY, short_epochs(text, reference, overrides))
+    assert f"S4 convolution: {path}" in (reference / "train.log").read_text()
+    out = tmp_path / "run"
+    cut = train_in_process(TINY, short_epochs(text, out, overrides,
+                                              callback_override("testing_callbacks:SignalAt", step=13)))
+    assert cut.preempted and cut.steps == 14
+    resumed = train_in_process(TINY, short_epochs(text, out, overrides), resume="latest")
+    assert resumed.steps == STEPS
+    assert_same_weights(reference, out)
+    assert_same_weights(reference, out, "final_ema")
