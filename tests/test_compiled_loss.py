@@ -63,6 +63,13 @@ def test_regional_compilation_compiles_the_loss_which_keeps_no_float32_copy_of_t
     assert kept_e >= 2 * float32_logits  # transformers' eager loss: two float32 (tokens, vocabulary) tensors
     assert kept_c <= logits.numel() * logits.element_size() + 64 * 128  # the logits as they are, a float per row
 
+    # what the loop hands it too: a token count under accumulation, targets already shifted (context parallelism)
+    shifted = torch.roll(labels, -1, 1)
+    for kwargs in ({"num_items_in_batch": torch.tensor(100, device=device)}, {"shift_labels": shifted}):
+        want = ForCausalLMLoss(logits=logits, labels=labels, vocab_size=V, **kwargs)
+        got = model.loss_function(logits=logits, labels=labels, vocab_size=V, **kwargs)
+        assert torch.allclose(got, want, rtol=1e-6), kwargs
+
 
 @pytest.mark.parametrize("overrides", [[], ["train.compile=true", "train.compile_mode=reduce-overhead"]])
 def test_the_loss_stays_as_it_is_without_regional_compilation(overrides):
