@@ -3,8 +3,9 @@
 # repository root on a lent GPU machine, one call each (writes $OUT, or bench/results/gpu-run):
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
-#         the S4D and dense language models at L 2K and 8K, compiled then eager (the compiled loss's effect on the
-#         ratio and MFU), where a compiled step's kernel time goes (profile), and the float32 layer (issue 39 item 3)
+#         the S4D and dense language models at L 2K and 8K compiled (the compiled loss's effect on the ratio and
+#         MFU; their eager code has not changed since the last table), where a compiled step's kernel time goes
+#         (profile), and the float32 layer (issue 39 item 3)
 #   PYTEST_S=0 SECTIONS="moe_models" bash bench/gpu_session.sh
 #         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
@@ -33,8 +34,8 @@ if [ "${PYTEST_S:-110}" -gt 0 ]; then
     tests/test_compiled_loss.py \
     2>&1 | tail -25 | tee "$OUT/pytest.txt"
 fi
-# 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled, then eager), the
-#    profiles, and the float32 layer
+# 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled), the profiles, and the
+#    float32 layer
 timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
   --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-s4d_vs_dense profile fp32} \
   --model-lengths ${LENGTHS:-2048 8192} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
