@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import TINY, final_weights, small_text_file, train_in_process
+from helpers import TINY, callback_override, final_weights, small_text_file, train_in_process
 
 
 def tiny(out, text, *extra):
@@ -52,9 +52,13 @@ def test_compiled_run_matches_eager_and_exports_plain_parameter_names(tmp_path, 
     nothing and compiles the whole model."""
     from transformers import AutoModelForCausalLM
 
+    seen = tmp_path / "loss_compiled.json"
     eager = train_in_process(TINY, tiny(tmp_path / "eager", text, "model.overrides={dropout: 0.0}"))
     compiled = train_in_process(TINY, tiny(tmp_path / "compiled", text, "model.overrides={dropout: 0.0}",
-                                           "train.compile=true", f"train.compile_mode={mode}"))
+                                           "train.compile=true", f"train.compile_mode={mode}",
+                                           callback_override("testing_callbacks:LossCompiled", path=str(seen))))
+    # block by block, the loss is compiled beside the blocks; compiled whole, it is inside the whole model's graph
+    assert json.loads(seen.read_text()) is (mode == "default")
     a, b = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
     assert a.keys() == b.keys() and not any("_orig_mod" in k for k in b)
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)

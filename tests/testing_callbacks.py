@@ -299,3 +299,16 @@ class ParamPrecision(Callback):
                          "reduce": str(zero.get_param_comm_dtype(p)).removeprefix("torch.")
                          if hasattr(zero, "get_param_comm_dtype") else None}
         self.path.write_text(json.dumps(out))
+
+
+class LossCompiled(Callback):
+    """Writes to `path` whether the model's loss function is compiled when training starts."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_train_start(self, run):
+        from s4accel.training.devices.compiled_loss import is_compiled
+
+        model = run.accelerator.unwrap_model(run.model)
+        self.path.write_text(json.dumps(is_compiled(model.loss_function)))
