@@ -129,14 +129,29 @@ def small_text_file(tmp_path, chars=3000) -> Path:
     return path
 
 
-def train_in_process(recipe_path, overrides, resume=None, force=False):
-    """`s4accel.train` in this process, with Accelerate's process-wide singletons reset first."""
-    import s4accel
+def reset_accelerate():
+    """Accelerate's process-wide singletons reset: the next Accelerator in this process is built anew."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def train_in_process(recipe_path, overrides, resume=None, force=False):
+    """`s4accel.train` in this process, with Accelerate's process-wide singletons reset first."""
+    import s4accel
+
+    reset_accelerate()
     return s4accel.train(s4accel.load_recipe(recipe_path, overrides), resume=resume, force=force)
+
+
+def recipe_accelerator(overrides, recipe_path=TINY):
+    """The Accelerator `s4accel train` builds for a recipe (with `overrides`), in this process, without trackers."""
+    from s4accel.config import load_recipe
+    from s4accel.training.setup import make_accelerator
+
+    reset_accelerate()
+    return make_accelerator(load_recipe(recipe_path, overrides), trackers=False)
 
 
 def final_weights(run_dir, name="final"):

@@ -5,22 +5,11 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from helpers import TINY
-from s4accel.config import load_recipe
+from helpers import recipe_accelerator
 from s4accel.models import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM, S4ForSequenceClassification
 from s4accel.training.devices.compiled_loss import compile_loss, is_compiled
 
 V = 1024
-
-
-def accelerator_for(overrides):
-    from accelerate.state import AcceleratorState, GradientState
-
-    from s4accel.training.setup import make_accelerator
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return make_accelerator(load_recipe(TINY, overrides), trackers=False)
 
 
 def saved_bytes(loss_function, logits, labels):
@@ -42,7 +31,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_regional_compilation_compiles_the_loss_which_keeps_no_float32_copy_of_the_logits(dtype, device):
-    acc = accelerator_for(["train.compile=true"])
+    acc = recipe_accelerator(["train.compile=true"])
     model = S4ForCausalLM(S4Config(vocab_size=V, d_model=16, n_layer=1, d_state=8))
     assert compile_loss(model, acc) and is_compiled(model.loss_function)
     assert not compile_loss(model, acc)  # once
@@ -74,14 +63,14 @@ def test_regional_compilation_compiles_the_loss_which_keeps_no_float32_copy_of_t
 @pytest.mark.parametrize("overrides", [[], ["train.compile=true", "train.compile_mode=reduce-overhead"]])
 def test_the_loss_stays_as_it_is_without_regional_compilation(overrides):
     """Eager runs keep transformers' own loss; the CUDA-graph modes compile the whole model, its loss with it."""
-    acc = accelerator_for(overrides)
+    acc = recipe_accelerator(overrides)
     model = S4ForCausalLM(S4Config(vocab_size=V, d_model=16, n_layer=1, d_state=8))
     assert not compile_loss(model, acc) and model.loss_function is ForCausalLMLoss
 
 
 def test_the_mixture_of_experts_model_and_a_peft_base_model_get_it_other_models_are_left_alone():
     peft = pytest.importorskip("peft")
-    acc = accelerator_for(["train.compile=true"])
+    acc = recipe_accelerator(["train.compile=true"])
     moe = MoEForCausalLM(MoEConfig(vocab_size=V, d_model=16, n_layer=1, n_head=2, d_ffn=32, num_experts=2,
                                    num_experts_per_tok=1))
     assert compile_loss(moe, acc) and is_compiled(moe.loss_function)

@@ -6,27 +6,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import TINY
+from helpers import TINY, recipe_accelerator
 from s4accel.config import load_recipe
 from s4accel.training.devices import graphs
 from s4accel.training.step import backward_window
-
-
-def accelerator_for(overrides):
-    from accelerate.state import AcceleratorState, GradientState
-
-    from s4accel.training.setup import make_accelerator
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return make_accelerator(load_recipe(TINY, overrides), trackers=False)
 
 
 @pytest.mark.parametrize("mode, whole", [("default", False), ("max-autotune-no-cudagraphs", False),
                                          ("reduce-overhead", True), ("max-autotune", True)])
 def test_graph_modes_compile_the_whole_model_and_the_others_block_by_block(mode, whole):
     """One graph should cover the embedding, the blocks and the head: regional compilation leaves those eager."""
-    acc = accelerator_for(["train.compile=true", f"train.compile_mode={mode}"])
+    acc = recipe_accelerator(["train.compile=true", f"train.compile_mode={mode}"])
     assert acc.state.dynamo_plugin.mode == mode
     assert acc.state.dynamo_plugin.use_regional_compilation is (not whole)
     assert not graphs.captures_graphs(acc)  # no CUDA device here
