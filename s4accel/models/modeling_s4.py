@@ -46,8 +46,8 @@ from .configuration_s4 import S4Config
 from .context_parallel import ChunkRows, ContextParallel
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
-from .s4d_chunked import (chunk_matrices, conv_channels_first, from_channels_first, project_channels_first,
-                          to_channels_first)
+from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, from_channels_first,
+                          project_channels_first, to_channels_first)
 from .s4d_fused import fused_conv_channels_first, fused_matrices, ieee_products, why_not_fused
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -377,23 +377,8 @@ class S4DKernel(_SSMKernel):
         dt = torch.exp(_fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
         Ar = self._per_channel(-torch.exp(_fp32_or_wider(self.log_A_real)))  # (H, N/2), < 0
         Ai = self._per_channel(_fp32_or_wider(self.A_imag))
-        ar, ai = dt * Ar, dt * Ai  # dt A
-        if self.config.disc == "zoh":  # log dA = dt A; dB = (exp(dt A) - 1) / A
-            cos = torch.cos(ai)
-            num_r = torch.expm1(ar) * cos + (cos - 1)  # Re(exp(dt A) - 1) without cancelling for small dt A
-            num_i = torch.exp(ar) * torch.sin(ai)
-            norm = Ar * Ar + Ai * Ai
-            dBr, dBi = (num_r * Ar + num_i * Ai) / norm, (num_i * Ar - num_r * Ai) / norm
-            log_dA = (ar, ai)
-        else:  # bilinear: dA = (1 + dt A/2) / (1 - dt A/2), dB = dt / (1 - dt A/2)
-            pr, pi, qr, qi = 1 + ar / 2, ai / 2, 1 - ar / 2, -ai / 2
-            q2 = qr * qr + qi * qi
-            log_dA = (0.5 * (torch.log(pr * pr + pi * pi) - torch.log(q2)),
-                      torch.atan2(pi, pr) - torch.atan2(qi, qr))  # log|dA|, arg dA (any branch: integer powers)
-            dBr, dBi = dt * qr / q2, -dt * qi / q2
         C = _fp32_or_wider(self.C)  # (c, H, N/2, 2)
-        Cr, Ci = C[..., 0], C[..., 1]
-        return log_dA, (Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr)
+        return discretize_pairs(dt, (Ar, Ai), (C[..., 0], C[..., 1]), self.config.disc == "zoh")
 
     def forward(self, L: int) -> torch.Tensor:
         """Kernels `K (c, H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n dA_n^l)`."""

@@ -25,7 +25,10 @@ bfloat16 for the products (accumulated in float32) and the scan across chunks ru
 within about 1e-2 (relative to its largest value) of the float64 reference, as a bfloat16 matmul is (tests check it).
 
 The slow, obviously correct references beside it: `fft_conv` of the kernel, and the kernel's step-by-step
-`recurrence` (tests/models/test_s4d_chunked.py checks this against both, values and gradients, in every dtype).
+`recurrence` (tests/models/test_s4d_chunked.py checks this against both, values and gradients, in every dtype). The
+discretization and the matrices are each one autograd node with a hand-written backward, so that eager PyTorch
+launches few kernels for them; `reference_discretize_pairs` and `reference_matrices` are the same under plain
+autograd (checked against each other, and against finite differences).
 
 Copied into Hub repositories with `modeling_s4.py`: it imports only torch.
 """
@@ -42,6 +45,96 @@ def powers(log_dA: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> tuple[
     return magnitude * torch.cos(angle), magnitude * torch.sin(angle)
 
 
+def discretize_pairs(dt: torch.Tensor, A: tuple, C: tuple, zoh: bool):
+    """S4D's discretization in real arithmetic: `dt (H, 1)`, `A (H, n)` and `C (c, H, n)` as (real, imaginary)
+    pairs -> `log dA (H, n)` and `C~ = C dB (c, H, n)` as pairs. ZOH: `log dA = dt A`, `dB = (exp(dt A) - 1) / A`;
+    bilinear: `dA = (1 + dt A/2) / (1 - dt A/2)`, `dB = dt / (1 - dt A/2)`. One autograd node with the chain rule
+    written out (`_Discretize`); `reference_discretize_pairs` is the same under plain autograd."""
+    ar, ai, cr, ci = _Discretize.apply(dt, *A, *C, zoh)
+    return (ar, ai), (cr, ci)
+
+
+def reference_discretize_pairs(dt: torch.Tensor, A: tuple, C: tuple, zoh: bool):
+    """`discretize_pairs` written plainly under autograd: the slow, obviously correct reference."""
+    log_dA, (dBr, dBi), _ = _log_dA_dB(dt, *A, zoh)
+    Cr, Ci = C
+    return log_dA, (Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr)
+
+
+def _log_dA_dB(dt, Ar, Ai, zoh: bool):
+    """`log dA`, `dB` and (ZOH) `exp(dt A)` as pairs `(H, n)` (see `discretize_pairs`)."""
+    ar, ai = dt * Ar, dt * Ai  # dt A
+    if zoh:  # log dA = dt A; dB = (exp(dt A) - 1) / A
+        cos, e = torch.cos(ai), torch.exp(ar)
+        num_r = torch.expm1(ar) * cos + (cos - 1)  # Re(exp(dt A) - 1) without cancelling for small dt A
+        num_i = e * torch.sin(ai)
+        norm = Ar * Ar + Ai * Ai
+        return (ar, ai), ((num_r * Ar + num_i * Ai) / norm, (num_i * Ar - num_r * Ai) / norm), (e * cos, num_i)
+    # bilinear: dA = (1 + dt A/2) / (1 - dt A/2), dB = dt / (1 - dt A/2)
+    pr, pi, qr, qi = 1 + ar / 2, ai / 2, 1 - ar / 2, -ai / 2
+    q2 = qr * qr + qi * qi
+    log_dA = (0.5 * (torch.log(pr * pr + pi * pi) - torch.log(q2)),
+              torch.atan2(pi, pr) - torch.atan2(qi, qr))  # log|dA|, arg dA (any branch: integer powers)
+    return log_dA, (dt * qr / q2, -dt * qi / q2), None
+
+
+class _Discretize(torch.autograd.Function):
+    """`reference_discretize_pairs` as one autograd node: the same forward (bit for bit), and a backward of fewer
+    operations (each a kernel launch on a GPU; see `_Matrices`).
+
+    With `z = dt A` and gradients written as complex numbers `g = dL/dRe + i dL/dIm`, a holomorphic `w = f(u)` passes
+    `g_u = conj(f'(u)) g_w`. So `g_C = conj(dB) g_C~`, `g_dB = sum_c conj(C) g_C~`, and
+      ZOH:      g_z = g_logdA + conj(exp(z) / A) g_dB,                  g_A = dt g_z - conj(dB / A) g_dB
+      bilinear: g_z = conj(1 / (p q)) g_logdA + conj(dB / (2 q)) g_dB,   g_A = dt g_z        (p, q = 1 +- z/2)
+    and `g_dt = sum_n Re(conj(A) g_z)`, plus `Re(conj(1 / q) g_dB)` for bilinear, whose dB reads dt itself."""
+
+    @staticmethod
+    def forward(ctx, dt, Ar, Ai, Cr, Ci, zoh: bool):
+        (ar, ai), (dBr, dBi), ez = _log_dA_dB(dt, Ar, Ai, zoh)
+        ctx.zoh = zoh
+        ctx.save_for_backward(dt, Ar, Ai, Cr, Ci, dBr, dBi, *(ez or ()))
+        return ar, ai, Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr
+
+    @staticmethod
+    def backward(ctx, g_ar, g_ai, g_cr, g_ci):
+        dt, Ar, Ai, Cr, Ci, dBr, dBi, *ez = ctx.saved_tensors
+        g_Cr, g_Ci = _mul_conj((dBr, dBi), (g_cr, g_ci))
+        gB = ((Cr * g_cr + Ci * g_ci).sum(0), (Cr * g_ci - Ci * g_cr).sum(0))  # conj(C) g_C~, over the c kernels
+        if ctx.zoh:
+            norm = Ar * Ar + Ai * Ai
+            h = _mul_conj((Ar / norm, -Ai / norm), gB)  # conj(1 / A) g_dB
+            t, s = _mul_conj(ez, h), _mul_conj((dBr, dBi), h)
+            gz = (g_ar + t[0], g_ai + t[1])
+            gAr, gAi = dt * gz[0] - s[0], dt * gz[1] - s[1]
+            g_dt = (Ar * gz[0] + Ai * gz[1]).sum(-1, keepdim=True)
+        else:
+            ar, ai = dt * Ar, dt * Ai
+            q = (1 - ar / 2, -ai / 2)
+            dlog = _inverse(_mul((1 + ar / 2, ai / 2), q))  # d log dA / dz = 1 / (p q)
+            inv_q = _inverse(q)
+            u, t = _mul_conj(dlog, (g_ar, g_ai)), _mul_conj(_mul((dBr / 2, dBi / 2), inv_q), gB)  # dB / (2 q)
+            gz = (u[0] + t[0], u[1] + t[1])
+            gAr, gAi = dt * gz[0], dt * gz[1]
+            g_dt = (Ar * gz[0] + Ai * gz[1] + inv_q[0] * gB[0] + inv_q[1] * gB[1]).sum(-1, keepdim=True)
+        return g_dt, gAr, gAi, g_Cr, g_Ci, None
+
+
+def _mul(a: tuple, b: tuple) -> tuple:
+    """a b for complex numbers as real pairs."""
+    return a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]
+
+
+def _mul_conj(a: tuple, b: tuple) -> tuple:
+    """conj(a) b for complex numbers as real pairs."""
+    return a[0] * b[0] + a[1] * b[1], a[0] * b[1] - a[1] * b[0]
+
+
+def _inverse(a: tuple) -> tuple:
+    """1 / a for a complex number as a real pair."""
+    norm = a[0] * a[0] + a[1] * a[1]
+    return a[0] / norm, -a[1] / norm
+
+
 def chunk_matrices(log_dA, C_tilde, D, T: int, nc: int, shift: int = 0):
     """The per-channel matrices of the chunked convolution, in the parameters' dtype (float32 or float64).
 
@@ -54,7 +147,29 @@ def chunk_matrices(log_dA, C_tilde, D, T: int, nc: int, shift: int = 0):
         to_state (H, N, T)       [(m, re/im), j] = dA_m^(T-1-j)
         scan (H, n, nc, 2 nc)    [c', c] = (dA^T)^(c-1-c') for c' < c, else 0; real parts, then imaginary parts
         from_state (H, N, T)     [(m, re), i] = 2 Re(Q), [(m, im), i] = -2 Im(Q), Q = C~_m dA_m^(i+1-shift)
+    The first, second and fourth come from `matrices` (one autograd node); the scan from `powers`.
     """
+    if nc == 1:  # the taps alone
+        return reference_matrices(log_dA, C_tilde, D, T, shift, taps_only=True), None, None, None
+    taps, to_state, from_state, _ = matrices(log_dA, C_tilde, D, T, shift)
+    # the scan: (dA^T)^(c - 1 - c') strictly above the diagonal, a Toeplitz matrix of the powers of dA^T too
+    ar = log_dA[0]
+    gr, gi = powers(log_dA, T * torch.arange(nc - 1, device=ar.device, dtype=ar.dtype))  # (H, n, nc - 1)
+    scan = torch.cat([_toeplitz(gr, 1), _toeplitz(gi, 1)], dim=-1)  # (H, n, nc, 2 nc)
+    return taps, to_state, scan, from_state
+
+
+def matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
+    """`chunk_matrices`' taps, to_state and from_state, and `dA^T` as `step (H, n, 2)` (real, imaginary), with
+    a hand-written backward (`_Matrices`); `reference_matrices` is the same under plain autograd."""
+    ar, ai = log_dA
+    cr, ci = C_tilde
+    return _Matrices.apply(ar, ai, cr, ci, D, T, shift)
+
+
+def reference_matrices(log_dA, C_tilde, D, T: int, shift: int = 0, taps_only: bool = False):
+    """`matrices` written plainly under autograd: the slow, obviously correct reference its tests compare with.
+    `taps_only`: the taps alone (a sequence of one chunk needs nothing else)."""
     ar, ai = log_dA
     cr, ci = C_tilde
     H, n = ar.shape
@@ -64,18 +179,63 @@ def chunk_matrices(log_dA, C_tilde, D, T: int, nc: int, shift: int = 0):
     if D is not None:  # the skip is the tap at lag 0
         taps = torch.cat([taps[:, :1] + D[:, None], taps[:, 1:]], dim=-1)
     taps = taps[:, :T - shift]
-    if nc == 1:
-        return taps, None, None, None
+    if taps_only:
+        return taps
     # slices and flips rather than index lists: their backward is a copy, not an index_put with accumulation
     to_state = torch.stack([pr[..., :T].flip(-1), pi[..., :T].flip(-1)], dim=2).reshape(H, 2 * n, T)  # dA^(T-1-j)
     er, ei = pr[..., 1 - shift: T + 1 - shift], pi[..., 1 - shift: T + 1 - shift]  # dA^(i + 1 - shift)
     qr = cr[..., None] * er - ci[..., None] * ei
     qi = cr[..., None] * ei + ci[..., None] * er
     from_state = torch.stack([2 * qr, -2 * qi], dim=2).reshape(H, 2 * n, T)
-    # the scan: (dA^T)^(c - 1 - c') strictly above the diagonal, a Toeplitz matrix of the powers of dA^T too
-    gr, gi = powers(log_dA, T * torch.arange(nc - 1, device=ar.device, dtype=ar.dtype))  # (H, n, nc - 1)
-    scan = torch.cat([_toeplitz(gr, 1), _toeplitz(gi, 1)], dim=-1)  # (H, n, nc, 2 nc)
-    return taps, to_state, scan, from_state
+    return taps, to_state, from_state, torch.stack([pr[..., T], pi[..., T]], dim=-1)
+
+
+class _Matrices(torch.autograd.Function):
+    """`reference_matrices` as one autograd node. Eager PyTorch launches a kernel for every operation, and the kernel's
+    generation is about 200 operations a layer under plain autograd (the discretization and these matrices, forward
+    and backward), all on tiny `(H, N)` tensors: with a small model or short sequences the host launching them, not
+    the GPU, sets the layer's pace (bench/launches.py counts them). Here the forward is 24 operations and the
+    backward 38 (against 27 and 65), from the powers `P = dA^t, t = 0..T` and `Q = C~ P` (both `(H, n, T + 1)`), with
+    the chain rule written out below. `torch.compile` traces both like any other code."""
+
+    @staticmethod
+    def forward(ctx, ar, ai, cr, ci, D, T: int, shift: int):
+        H, n = ar.shape
+        t = torch.arange(T + 1, device=ar.device, dtype=ar.dtype)
+        pr, pi = powers((ar, ai), t)  # (H, n, T + 1)
+        qr, qi = cr[..., None] * pr - ci[..., None] * pi, cr[..., None] * pi + ci[..., None] * pr  # Q = C~ P
+        taps = 2 * qr[..., :T].sum(1)  # (H, T): K[l] = 2 Re(sum_m Q[m, l])
+        if D is not None:
+            taps[:, 0].add_(D)  # add_ on the view: `+=` on an index would copy it back again
+        to_state = torch.stack([pr[..., :T].flip(-1), pi[..., :T].flip(-1)], dim=2).view(H, 2 * n, T)
+        inner = slice(1 - shift, T + 1 - shift)  # Q[i + 1 - shift]
+        from_state = torch.stack([2 * qr[..., inner], -2 * qi[..., inner]], dim=2).view(H, 2 * n, T)
+        ctx.save_for_backward(pr, pi, cr, ci, t)
+        ctx.shift, ctx.with_D = shift, D is not None
+        return taps[:, :T - shift].contiguous(), to_state, from_state, torch.stack([pr[..., T], pi[..., T]], -1)
+
+    @staticmethod
+    def backward(ctx, g_taps, g_to, g_from, g_step):
+        pr, pi, cr, ci, t = ctx.saved_tensors
+        H, n, T1 = pr.shape
+        T, shift = T1 - 1, ctx.shift
+        # dL/dQ (real, imaginary) from the taps and from_state, then through Q = C~ P
+        dqr, dqi = pr.new_zeros(H, n, T1), pr.new_zeros(H, n, T1)
+        dqr[..., :T - shift].add_(g_taps[:, None, :], alpha=2)  # add_ on views: `+=` would copy each back
+        g_from = g_from.view(H, n, 2, T)
+        dqr[..., 1 - shift: T1 - shift].add_(g_from[:, :, 0], alpha=2)
+        dqi[..., 1 - shift: T1 - shift].add_(g_from[:, :, 1], alpha=-2)
+        d_cr, d_ci = (pr * dqr + pi * dqi).sum(-1), (pr * dqi - pi * dqr).sum(-1)
+        dpr, dpi = cr[..., None] * dqr + ci[..., None] * dqi, cr[..., None] * dqi - ci[..., None] * dqr
+        # ... plus what reaches P directly: to_state (reversed), dA^T
+        g_to = g_to.view(H, n, 2, T)
+        dpr[..., :T].add_(g_to[:, :, 0].flip(-1))
+        dpi[..., :T].add_(g_to[:, :, 1].flip(-1))
+        dpr[..., T].add_(g_step[..., 0])
+        dpi[..., T].add_(g_step[..., 1])
+        # P = exp(t (ar + i ai)): dP/d ar = t P, dP/d ai = i t P
+        d_ar, d_ai = ((pr * dpr + pi * dpi) * t).sum(-1), ((pr * dpi - pi * dpr) * t).sum(-1)
+        return d_ar, d_ai, d_cr, d_ci, g_taps[:, 0] if ctx.with_D else None, None, None
 
 
 def _toeplitz(taps: torch.Tensor, shift: int = 0) -> torch.Tensor:

@@ -18,7 +18,7 @@ Against the batched-matmul form this removes the `(H, N, B nc)` state tensors' r
 float32 copies and the strided adds of their gradients (the profile of that form on an H200 gave them about a
 third of the layer's kernel time).
 
-The matrices come from `s4d_chunked.chunk_matrices` (float32, differentiable: the gradients this kernel returns for
+The matrices come from `s4d_chunked.matrices` (float32, differentiable: the gradients this kernel returns for
 them flow on to `log_dt`, `A` and `C` through PyTorch's autograd). Products take the operands' dtype (bfloat16 under
 autocast) with float32 accumulation, as `tl.dot` does; the state recurrence is float32.
 
@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from .s4d_chunked import chunk_matrices, powers
+from .s4d_chunked import matrices
 
 try:
     import triton
@@ -311,6 +311,4 @@ def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str |
 def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
     """`chunk_matrices`' taps, to_state and from_state for chunks of T steps, and `dA^T` as `(H, N/2, 2)` (the
     kernel carries the state across chunks one step of `dA^T` at a time rather than by the scan matrix)."""
-    taps, to_state, _, from_state = chunk_matrices(log_dA, C_tilde, D, T, 2, shift)
-    gr, gi = powers(log_dA, torch.full((1,), float(T), dtype=log_dA[0].dtype, device=log_dA[0].device))
-    return taps, to_state, from_state, torch.cat([gr, gi], dim=-1)
+    return matrices(log_dA, C_tilde, D, T, shift)

@@ -10,7 +10,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError  # the config classes are strict dataclasses
 
 from s4accel import S4Config, S4ForCausalLM
-from s4accel.models import s4d_fused
+from s4accel.models import s4d_chunked, s4d_fused
 from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan, fft_conv
 from s4accel.models.s4d_chunked import (chunked_conv, from_channels_first, project_channels_first,
                                         to_channels_first, toeplitz, transpose_into)
@@ -104,6 +104,43 @@ def test_chunked_values_and_gradients_equal_the_float64_reference(dtype, disc):
         results[name] = {"y": y, "u": grads[0], **dict(zip(params, grads[1:]))}
     for key, ref in results["ref"].items():
         assert rel(results["fast"][key], ref) < TOL[dtype], key
+
+
+def generation_inputs(dtype, c=1, H=5, n=4, seed=0):
+    """dt (H, 1), A and C as pairs, D: as a layer hands them to `discretize_pairs` (dt from 1e-3 to 0.5, Re A < 0)."""
+    torch.manual_seed(seed)
+    dt = torch.exp(torch.empty(H, 1, dtype=torch.float64).uniform_(-7, -0.7))
+    Ar, Ai = -torch.rand(H, n, dtype=torch.float64) - 0.05, 4 * torch.randn(H, n, dtype=torch.float64)
+    Cr, Ci = torch.randn(c, H, n, dtype=torch.float64), torch.randn(c, H, n, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (dt, Ar, Ai, Cr, Ci, torch.randn(H, dtype=torch.float64))]
+
+
+def generation(fast, dt, Ar, Ai, Cr, Ci, D, zoh=True, T=8, shift=0):
+    """discretize + the chunk matrices, the hand-written nodes (`fast`) or the plain-autograd references."""
+    discretize = s4d_chunked.discretize_pairs if fast else s4d_chunked.reference_discretize_pairs
+    matrices = s4d_chunked.matrices if fast else s4d_chunked.reference_matrices
+    log_dA, (cr, ci) = discretize(dt, (Ar, Ai), (Cr, Ci), zoh)
+    return (*log_dA, cr, ci, *matrices(log_dA, (cr[shift], ci[shift]), D if shift == 0 else None, T, shift))
+
+
+@pytest.mark.parametrize("zoh", [True, False], ids=["zoh", "bilinear"])
+@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "anti-causal"])
+def test_the_hand_written_backwards_of_the_kernel_generation_are_exact(zoh, shift):
+    """`discretize_pairs` and `matrices` (one autograd node each, their chain rule written out) against finite
+    differences in float64 (gradcheck), and against their plain-autograd references: the same values (the
+    discretization bit for bit) and, in float32, gradients within float32 rounding of the float64 ones. Two kernels
+    (a bidirectional layer), the second read strictly causally without D."""
+    inputs = generation_inputs(torch.float64, c=2)
+    assert torch.autograd.gradcheck(lambda *a: generation(True, *a, zoh=zoh, shift=shift), inputs)
+    fast, ref = generation(True, *inputs, zoh=zoh, shift=shift), generation(False, *inputs, zoh=zoh, shift=shift)
+    for i, (a, b) in enumerate(zip(fast, ref)):
+        assert torch.equal(a, b) if i < 4 else rel(a, b) < 1e-14, i
+    want = torch.autograd.grad(ref, inputs, [torch.ones_like(t) for t in ref], allow_unused=True)
+    low = generation_inputs(torch.float32, c=2)
+    out = generation(True, *low, zoh=zoh, shift=shift)
+    got = torch.autograd.grad(out, low, [torch.ones_like(t) for t in out], allow_unused=True)
+    for name, g, w in zip(["dt", "A.real", "A.imag", "C.real", "C.imag", "D"], got, want):
+        assert (g is None) == (w is None) and (g is None or rel(g, w) < 1e-5), name
 
 
 @pytest.mark.parametrize("where", ["autocast", "bf16-model"])

@@ -1,0 +1,159 @@
+"""What the S4 layer launches per training pass in eager PyTorch, and what that costs the host. Prints one JSON object.
+
+    python bench/launches.py [--rounds 41] [--out-dir bench/results]   (also a dated file naming commit and versions)
+
+On a GPU every PyTorch operation is a kernel launch that the host pays for (the dispatcher, autograd's bookkeeping,
+the launch itself: several microseconds each). The S4 kernel's generation (discretization, then the chunked form's
+matrices) is a few hundred operations on tiny `(H, N)` tensors, so for a small model or short sequences in eager mode
+the host, not the GPU, sets the layer's pace. `s4d_chunked` writes both as single autograd nodes with their chain
+rule by hand (`discretize_pairs`, `matrices`); the baseline is the same code under plain autograd
+(`reference_discretize_pairs`, `reference_matrices`, patched in), measured in the same run:
+
+launches   operations that run a kernel (views left out) in one eager forward + backward of `S4Layer` under bf16
+           autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (the same, chunks
+           of 64; its Triton kernels count one launch each, run here by Triton's interpreter when there is no GPU);
+           and of the generation alone (both discretizations, ZOH and bilinear). Exact, and the same on any machine.
+host_ms    one eager forward + backward of the chunked layer at a shape where the arithmetic is negligible (B 1, L 512,
+           H 16): what the host spends per pass. Paired rounds (one pass of each variant per round, rotating order),
+           medians and the median of the per-round ratios. A CPU figure: the host side of a GPU pass is the same code
+           and the same count of operations, plus the launches themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused path's kernels on the CPU when there is no GPU
+
+import torch  # noqa: E402
+from s4_layer import paired_rounds, ratio_summary  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from s4accel.models import s4d_chunked, s4d_fused  # noqa: E402
+from s4accel.models.configuration_s4 import S4Config  # noqa: E402
+from s4accel.models.modeling_s4 import S4Layer  # noqa: E402
+
+VIEWS = {"view", "unsqueeze", "squeeze", "select", "slice", "expand", "permute", "transpose", "t", "detach", "alias",
+         "as_strided", "unfold", "_unsafe_view", "split", "unbind", "split_with_sizes"}
+
+
+class CountLaunches(TorchDispatchMode):
+    """Operations that run a kernel, views left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.launches += func.__name__.split(".")[0] not in VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def generation(variant: str):
+    """`fast`: the code as it is; `reference`: the discretization and matrices under plain autograd."""
+    if variant == "fast":
+        yield
+        return
+    saved = (s4d_chunked.discretize_pairs, s4d_chunked.matrices)
+    modeling = sys.modules[S4Layer.__module__]
+    s4d_chunked.matrices = s4d_chunked.reference_matrices
+    s4d_fused.matrices = s4d_chunked.reference_matrices
+    modeling.discretize_pairs = s4d_chunked.reference_discretize_pairs
+    try:
+        yield
+    finally:
+        s4d_chunked.discretize_pairs, s4d_chunked.matrices = saved
+        s4d_fused.matrices = saved[1]
+        modeling.discretize_pairs = saved[0]
+
+
+def layer_pass(path: str, B: int, L: int, H: int, chunk: int, disc: str = "zoh"):
+    torch.manual_seed(0)
+    layer = S4Layer(S4Config(d_model=H, d_state=64, conv_path=path, conv_chunk=chunk, disc=disc))
+    x = torch.randn(B, L, H, requires_grad=True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)[0]
+        y.float().sum().backward()
+    return run
+
+
+def count(fn) -> int:
+    fn()  # warm-up (Triton's interpreter, autocast caches)
+    with CountLaunches() as mode:
+        fn()
+    return mode.launches
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=41)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (1: the host's single dispatching "
+                                                           "thread, as a GPU run has)")
+    ap.add_argument("--out-dir", type=Path, help="also write the report to a dated JSON file in this folder")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    launches = {}
+    passes = {"chunked": ("chunked", 2, 512, 16, 128), "fused": ("fused", 2, 128, 16, 64)}
+    for name, (path, B, L, H, chunk) in passes.items():
+        if s4d_fused.why_not_fused("cpu", torch.float32, chunk, 64) and name == "fused":
+            continue  # no Triton here
+        for disc in ("zoh", "bilinear"):
+            for variant in ("fast", "reference"):
+                with generation(variant):
+                    launches[f"layer/{name}/{disc}/{variant}"] = count(layer_pass(path, B, L, H, chunk, disc))
+    for disc in ("zoh", "bilinear"):
+        for variant in ("fast", "reference"):
+            layer = S4Layer(S4Config(d_model=16, d_state=64, disc=disc))
+
+            def gen():
+                log_dA, (cr, ci) = layer.kernel.discretize_pairs()
+                out = s4d_chunked.matrices(log_dA, (cr[0], ci[0]), layer.D, 64)
+                torch.autograd.grad(out, list(layer.parameters())[:4], [torch.ones_like(t) for t in out],
+                                    allow_unused=True)
+            with generation(variant):
+                launches[f"generation/{disc}/{variant}"] = count(gen)
+    fns = {}
+    for variant in ("fast", "reference"):
+        run = layer_pass("chunked", 1, 512, 16, 128)
+
+        def timed_pass(run=run, variant=variant):
+            with generation(variant):
+                run()
+        timed_pass()
+        fns[variant] = timed_pass
+    times = paired_rounds(fns, {name: args.rounds for name in fns})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip() or "unknown"
+    report = {"date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
+              "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "threads": args.threads, "command": "python bench/launches.py "
+              + " ".join(argv if argv is not None else sys.argv[1:]),
+              "launches": launches,
+              "host_ms": {name: round(1000 * statistics.median(t), 3) for name, t in times.items()},
+              "host_fast_over_reference": ratio_summary(times, "fast", "reference"),
+              "samples_ms": {name: [round(1000 * s, 3) for s in t] for name, t in times.items()}}
+    print(json.dumps({k: v for k, v in report.items() if k != "samples_ms"}, indent=1))
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        path = args.out_dir / f"{report['date']}-launches-cpu-{commit}.json"
+        path.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

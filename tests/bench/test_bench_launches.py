@@ -1,0 +1,23 @@
+"""bench/launches.py prints the launch counts and host times it promises, the baseline beside them (the harness)."""
+
+import json
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_launches_bench_counts_both_variants_and_writes_a_dated_file(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "launches.py"), "--rounds", "3", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    # Exact counts: the hand-written generation launches fewer operations than plain autograd on every path, and
+    # alone at most 80% of them (measured: 147 against 198 with ZOH, 177 against 226 bilinear)
+    for key, n in out["launches"].items():
+        if key.endswith("/fast"):
+            reference = out["launches"][key.replace("/fast", "/reference")]
+            assert 0 < n < (0.8 if key.startswith("generation/") else 1) * reference, key
+    assert set(out["host_ms"]) == {"fast", "reference"} and out["host_fast_over_reference"]["paired_median"] > 0
+    (written,) = tmp_path.glob("*-launches-cpu-*.json")
+    assert len(json.loads(written.read_text())["samples_ms"]["fast"]) == 3
