@@ -4,8 +4,10 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
 #         the S4D and dense language models at L 2K and 8K compiled (the compiled loss's effect on the ratio and
-#         MFU; their eager code has not changed since the last table), where a compiled step's kernel time goes
-#         (profile), and the float32 layer (issue 39 item 3)
+#         MFU; their eager code has not changed since the last table), the fused layer eager and compiled (its
+#         kernel generation now launches a third fewer kernels), where the time goes (profile: the layer at L 1K
+#         eager and compiled, kernel time against wall time; the compiled models' steps), and the float32 layer
+#         (issue 39 item 3)
 #   PYTEST_S=0 SECTIONS="moe_models" bash bench/gpu_session.sh
 #         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
@@ -34,10 +36,10 @@ if [ "${PYTEST_S:-110}" -gt 0 ]; then
     tests/test_compiled_loss.py \
     2>&1 | tail -25 | tee "$OUT/pytest.txt"
 fi
-# 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled), the profiles, and the
-#    float32 layer
+# 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled), the fused layer, the
+#    profiles, and the float32 layer
 timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
-  --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-s4d_vs_dense profile fp32} \
+  --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-s4d_vs_dense layer_fused profile fp32} \
   --model-lengths ${LENGTHS:-2048 8192} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then

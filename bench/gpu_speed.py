@@ -27,8 +27,9 @@ models  a training step (forward, backward, fused AdamW, bf16 autocast, 32,768 t
         and the loss compiled beside them).
         Tokens/s, MFU as `s4accel.training.observe.flops` counts it (against the GPU's published bf16 peak), peak
         memory.
-profile the CUDA kernels of one compiled pass of the layer and of a training step of the S4D and the dense models
-        at L 2,048, summed by kind (the fused kernels, matmuls, inductor's fusions, attention, the loss...).
+profile the CUDA kernels of one pass of the layer at L 1K (eager and compiled) and of a compiled training step of
+        the S4D and the dense models at L 2,048, summed by kind (the fused kernels, matmuls, inductor's fusions,
+        attention, the loss...), beside the pass's wall time and the number of kernels launched.
 
 Everything runs in priority order within `--budget-s` seconds (the lease of a GPU is short): what did not fit is
 listed in the file as not measured. The JSON holds every sample.
@@ -466,14 +467,17 @@ def kernel_kind(name: str) -> str:
 
 def section_profile(bench: Bench, s):
     """The CUDA kernels of one pass, by total time and by kind (where the time goes, for whoever speeds it up next):
-    the S4 layer (conv_path auto: the fused kernels on CUDA) compiled at the middle layer length, and a compiled
-    training step (as `train.compile` compiles it) of the S4D and of the dense language model at L 2,048."""
+    the S4 layer (conv_path auto: the fused kernels on CUDA) at the shortest layer length, eager and compiled, and a
+    compiled training step (as `train.compile` compiles it) of the S4D and of the dense language model at L 2,048.
+    Beside each, the pass's wall time (CUDA events, without the profiler): where it is well above the kernels' sum,
+    the GPU waits for the host to launch them."""
     from torch.profiler import ProfilerActivity, profile
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
-    L = s["layer_lengths"][len(s["layer_lengths"]) // 2]
+    L = s["layer_lengths"][0]
     Lm = 2048 if 2048 in s["model_lengths"] else s["model_lengths"][0]
-    targets = {f"layer_compiled_L{L}": lambda: layer_pass(bench, s4_layer(H, N), B, L, H, True, compiled=True),
+    targets = {f"layer_eager_L{L}": lambda: layer_pass(bench, s4_layer(H, N), B, L, H, True),
+               f"layer_compiled_L{L}": lambda: layer_pass(bench, s4_layer(H, N), B, L, H, True, compiled=True),
                f"s4d_lm_compiled_L{Lm}": lambda: lm_pass(bench, "s4d", Lm, True, s),
                f"dense_lm_compiled_L{Lm}": lambda: lm_pass(bench, "dense", Lm, True, s)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device == "cuda" else [])
@@ -484,9 +488,7 @@ def section_profile(bench: Bench, s):
             continue
         try:
             run = build()
-            for _ in range(3):  # compiles, then warms up
-                run()
-            bench.sync()
+            wall = bench.time_pass(run, warmup=3, seconds=0.5, most=10)["ms"]  # compiles, warms up, times
             with profile(activities=activities) as prof:
                 run()
                 bench.sync()
@@ -500,7 +502,8 @@ def section_profile(bench: Bench, s):
             for e in rows:
                 kind = kernel_kind(e.key)
                 kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr) / 1000
-            out[name] = {"total_ms": round(total / 1000, 3),
+            out[name] = {"total_ms": round(total / 1000, 3), "wall_ms": round(wall, 3),
+                         "launches": sum(e.count for e in rows),
                          "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
                          "kernels": [{"name": e.key[:120], "ms": round(getattr(e, attr) / 1000, 3), "calls": e.count,
                                       "kind": kernel_kind(e.key)} for e in rows[:40]]}
@@ -524,6 +527,9 @@ def profile_lines(R: dict) -> list:
     lines += [f"| {kind} | " + " | ".join(f"{v['by_kind_ms'].get(kind, 0):.2f}" for v in prof.values()) + " |"
               for kind in kinds]
     lines.append("| **total** | " + " | ".join(f"{v['total_ms']:.2f}" for v in prof.values()) + " |")
+    if all("wall_ms" in v for v in prof.values()):
+        lines.append("| wall time of the pass | " + " | ".join(f"{v['wall_ms']:.2f}" for v in prof.values()) + " |")
+        lines.append("| kernels launched | " + " | ".join(str(v["launches"]) for v in prof.values()) + " |")
     return lines
 
 
