@@ -34,6 +34,7 @@ Copied into Hub repositories with `modeling_s4.py`: it imports only torch.
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 def powers(log_dA: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +97,7 @@ class _Discretize(torch.autograd.Function):
         return ar, ai, Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr
 
     @staticmethod
+    @once_differentiable  # dB and exp(z) are saved outside the graph: a second derivative would miss them
     def backward(ctx, g_ar, g_ai, g_cr, g_ci):
         dt, Ar, Ai, Cr, Ci, dBr, dBi, *ez = ctx.saved_tensors
         g_Cr, g_Ci = _mul_conj((dBr, dBi), (g_cr, g_ci))
@@ -215,6 +217,7 @@ class _Matrices(torch.autograd.Function):
         return taps[:, :T - shift].contiguous(), to_state, from_state, torch.stack([pr[..., T], pi[..., T]], -1)
 
     @staticmethod
+    @once_differentiable  # the powers are saved outside the graph: a second derivative would miss them
     def backward(ctx, g_taps, g_to, g_from, g_step):
         pr, pi, cr, ci, t = ctx.saved_tensors
         H, n, T1 = pr.shape

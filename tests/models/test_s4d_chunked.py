@@ -143,6 +143,16 @@ def test_the_hand_written_backwards_of_the_kernel_generation_are_exact(zoh, shif
         assert (g is None) == (w is None) and (g is None or rel(g, w) < 1e-5), name
 
 
+def test_a_second_derivative_through_the_kernel_generation_is_refused_not_wrong():
+    """The hand-written backwards read tensors saved outside the autograd graph (dB, the powers of dA): a gradient of
+    their gradient would miss those paths, so asking for one raises instead of returning a wrong number."""
+    inputs = generation_inputs(torch.float64)
+    out = generation(True, *inputs)
+    (g_dt, *_) = torch.autograd.grad(sum((t * t).sum() for t in out), inputs, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g_dt.sum().backward()
+
+
 @pytest.mark.parametrize("where", ["autocast", "bf16-model"])
 def test_under_autocast_or_in_bfloat16_the_chunked_path_computes_in_bfloat16(where):
     """A float32 model under bf16 autocast, and a model loaded in bfloat16: the chunked path's products run in
