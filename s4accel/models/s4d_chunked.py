@@ -34,7 +34,6 @@ Copied into Hub repositories with `modeling_s4.py`: it imports only torch.
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 
 
 def powers(log_dA: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +96,11 @@ class _Discretize(torch.autograd.Function):
         return ar, ai, Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr
 
     @staticmethod
-    @once_differentiable  # dB and exp(z) are saved outside the graph: a second derivative would miss them
     def backward(ctx, g_ar, g_ai, g_cr, g_ci):
         dt, Ar, Ai, Cr, Ci, dBr, dBi, *ez = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
+            return *_through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], ctx.zoh)
+                                         for t in pair], (dt, Ar, Ai, Cr, Ci), (g_ar, g_ai, g_cr, g_ci)), None
         g_Cr, g_Ci = _mul_conj((dBr, dBi), (g_cr, g_ci))
         gB = ((Cr * g_cr + Ci * g_ci).sum(0), (Cr * g_ci - Ci * g_cr).sum(0))  # conj(C) g_C~, over the c kernels
         if ctx.zoh:
@@ -119,6 +120,21 @@ class _Discretize(torch.autograd.Function):
             gAr, gAi = dt * gz[0], dt * gz[1]
             g_dt = (Ar * gz[0] + Ai * gz[1] + inv_q[0] * gB[0] + inv_q[1] * gB[1]).sum(-1, keepdim=True)
         return g_dt, gAr, gAi, g_Cr, g_Ci, None
+
+
+def _through(reference, inputs: tuple, grads: tuple) -> list:
+    """The gradients of `reference(*inputs)` for the output gradients `grads`, themselves differentiable: a node's
+    backward under `create_graph`. The hand-written backwards read tensors their forward saved outside the graph, so
+    a gradient of their gradient would miss those paths; the reference's graph has them all. None for an input that
+    needs no gradient."""
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    with torch.enable_grad():
+        got = torch.autograd.grad(reference(*inputs), [inputs[i] for i in wanted], grads, create_graph=True,
+                                  allow_unused=True)
+    out = [None] * len(inputs)
+    for i, g in zip(wanted, got):
+        out[i] = g
+    return out
 
 
 def _mul(a: tuple, b: tuple) -> tuple:
@@ -198,7 +214,8 @@ class _Matrices(torch.autograd.Function):
     and backward), all on tiny `(H, N)` tensors: with a small model or short sequences the host launching them, not
     the GPU, sets the layer's pace (bench/launches.py counts them). Here the forward is 24 operations and the
     backward 38 (against 27 and 65), from the powers `P = dA^t, t = 0..T` and `Q = C~ P` (both `(H, n, T + 1)`), with
-    the chain rule written out below. `torch.compile` traces both like any other code."""
+    the chain rule written out below; under `create_graph` (a second derivative) the backward takes the reference's
+    graph instead (`_through`). `torch.compile` traces both like any other code."""
 
     @staticmethod
     def forward(ctx, ar, ai, cr, ci, D, T: int, shift: int):
@@ -212,14 +229,18 @@ class _Matrices(torch.autograd.Function):
         to_state = torch.stack([pr[..., :T].flip(-1), pi[..., :T].flip(-1)], dim=2).view(H, 2 * n, T)
         inner = slice(1 - shift, T + 1 - shift)  # Q[i + 1 - shift]
         from_state = torch.stack([2 * qr[..., inner], -2 * qi[..., inner]], dim=2).view(H, 2 * n, T)
-        ctx.save_for_backward(pr, pi, cr, ci, t)
+        ctx.save_for_backward(pr, pi, cr, ci, t, ar, ai, D)
         ctx.shift, ctx.with_D = shift, D is not None
         return taps[:, :T - shift].contiguous(), to_state, from_state, torch.stack([pr[..., T], pi[..., T]], -1)
 
     @staticmethod
-    @once_differentiable  # the powers are saved outside the graph: a second derivative would miss them
     def backward(ctx, g_taps, g_to, g_from, g_step):
-        pr, pi, cr, ci, t = ctx.saved_tensors
+        pr, pi, cr, ci, t, ar, ai, D = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
+            inputs = (ar, ai, cr, ci) + ((D,) if ctx.with_D else ())
+            grads = _through(lambda *a: reference_matrices(a[:2], a[2:4], a[4] if ctx.with_D else None, t.numel() - 1,
+                                                           ctx.shift), inputs, (g_taps, g_to, g_from, g_step))
+            return *grads[:4], grads[4] if ctx.with_D else None, None, None
         H, n, T1 = pr.shape
         T, shift = T1 - 1, ctx.shift
         # dL/dQ (real, imaginary) from the taps and from_state, then through Q = C~ P
