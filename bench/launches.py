@@ -10,9 +10,10 @@ rule by hand (`discretize_pairs`, `matrices`); the baseline is the same code und
 (`reference_discretize_pairs`, `reference_matrices`, patched in), measured in the same run:
 
 launches   operations that run a kernel (views left out) in one eager forward + backward of `S4Layer` under bf16
-           autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (the same, chunks
-           of 64; its Triton kernels count one launch each, run here by Triton's interpreter when there is no GPU);
-           and of the generation alone (both discretizations, ZOH and bilinear). Exact, and the same on any machine.
+           autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (B 2, L 128,
+           H 16, chunks of 64; its Triton kernels count one launch each, run here by Triton's interpreter when there
+           is no GPU); and of the generation alone (both discretizations, ZOH and bilinear). Exact: the same counts on
+           any machine and at any shape (launches do not grow with B, H or, past one chunk, L).
 host_ms    one eager forward + backward of the chunked layer at a shape where the arithmetic is negligible (B 1, L 512,
            H 16): what the host spends per pass. Paired rounds (one pass of each variant per round, rotating order),
            medians and the median of the per-round ratios. A CPU figure: the host side of a GPU pass is the same code
