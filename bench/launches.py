@@ -68,17 +68,15 @@ def generation(variant: str):
     if variant == "fast":
         yield
         return
-    saved = (s4d_chunked.discretize_pairs, s4d_chunked.matrices)
     modeling = sys.modules[S4Layer.__module__]
-    s4d_chunked.matrices = s4d_chunked.reference_matrices
-    s4d_fused.matrices = s4d_chunked.reference_matrices
+    saved = (modeling.discretize_pairs, s4d_chunked.matrices)  # what the layer and chunk_matrices call by name
     modeling.discretize_pairs = s4d_chunked.reference_discretize_pairs
+    s4d_chunked.matrices = s4d_fused.matrices = s4d_chunked.reference_matrices
     try:
         yield
     finally:
-        s4d_chunked.discretize_pairs, s4d_chunked.matrices = saved
+        modeling.discretize_pairs, s4d_chunked.matrices = saved
         s4d_fused.matrices = saved[1]
-        modeling.discretize_pairs = saved[0]
 
 
 def layer_pass(path: str, B: int, L: int, H: int, chunk: int, disc: str = "zoh"):
