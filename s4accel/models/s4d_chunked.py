@@ -93,7 +93,7 @@ class _Discretize(torch.autograd.Function):
         (ar, ai), (dBr, dBi), ez = _log_dA_dB(dt, Ar, Ai, zoh)
         ctx.zoh = zoh
         ctx.save_for_backward(dt, Ar, Ai, Cr, Ci, dBr, dBi, *(ez or ()))
-        return ar, ai, Cr * dBr - Ci * dBi, Cr * dBi + Ci * dBr
+        return ar, ai, *_mul((Cr, Ci), (dBr, dBi))
 
     @staticmethod
     def backward(ctx, g_ar, g_ai, g_cr, g_ci):
@@ -102,7 +102,7 @@ class _Discretize(torch.autograd.Function):
             return *_through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], ctx.zoh)
                                          for t in pair], (dt, Ar, Ai, Cr, Ci), (g_ar, g_ai, g_cr, g_ci)), None
         g_Cr, g_Ci = _mul_conj((dBr, dBi), (g_cr, g_ci))
-        gB = ((Cr * g_cr + Ci * g_ci).sum(0), (Cr * g_ci - Ci * g_cr).sum(0))  # conj(C) g_C~, over the c kernels
+        gB = tuple(g.sum(0) for g in _mul_conj((Cr, Ci), (g_cr, g_ci)))  # conj(C) g_C~, over the c kernels
         if ctx.zoh:
             norm = Ar * Ar + Ai * Ai
             h = _mul_conj((Ar / norm, -Ai / norm), gB)  # conj(1 / A) g_dB
@@ -222,7 +222,8 @@ class _Matrices(torch.autograd.Function):
         H, n = ar.shape
         t = torch.arange(T + 1, device=ar.device, dtype=ar.dtype)
         pr, pi = powers((ar, ai), t)  # (H, n, T + 1)
-        qr, qi = cr[..., None] * pr - ci[..., None] * pi, cr[..., None] * pi + ci[..., None] * pr  # Q = C~ P
+        C = (cr[..., None], ci[..., None])
+        qr, qi = _mul(C, (pr, pi))  # Q = C~ P
         taps = 2 * qr[..., :T].sum(1)  # (H, T): K[l] = 2 Re(sum_m Q[m, l])
         if D is not None:
             taps[:, 0].add_(D)  # add_ on the view: `+=` on an index would copy it back again
@@ -249,8 +250,8 @@ class _Matrices(torch.autograd.Function):
         g_from = g_from.view(H, n, 2, T)
         dqr[..., 1 - shift: T1 - shift].add_(g_from[:, :, 0], alpha=2)
         dqi[..., 1 - shift: T1 - shift].add_(g_from[:, :, 1], alpha=-2)
-        d_cr, d_ci = (pr * dqr + pi * dqi).sum(-1), (pr * dqi - pi * dqr).sum(-1)
-        dpr, dpi = cr[..., None] * dqr + ci[..., None] * dqi, cr[..., None] * dqi - ci[..., None] * dqr
+        d_cr, d_ci = (g.sum(-1) for g in _mul_conj((pr, pi), (dqr, dqi)))
+        dpr, dpi = _mul_conj((cr[..., None], ci[..., None]), (dqr, dqi))
         # ... plus what reaches P directly: to_state (reversed), dA^T
         g_to = g_to.view(H, n, 2, T)
         dpr[..., :T].add_(g_to[:, :, 0].flip(-1))
@@ -258,7 +259,7 @@ class _Matrices(torch.autograd.Function):
         dpr[..., T].add_(g_step[..., 0])
         dpi[..., T].add_(g_step[..., 1])
         # P = exp(t (ar + i ai)): dP/d ar = t P, dP/d ai = i t P
-        d_ar, d_ai = ((pr * dpr + pi * dpi) * t).sum(-1), ((pr * dpi - pi * dpr) * t).sum(-1)
+        d_ar, d_ai = ((g * t).sum(-1) for g in _mul_conj((pr, pi), (dpr, dpi)))
         return d_ar, d_ai, d_cr, d_ci, g_taps[:, 0] if ctx.with_D else None, None, None
 
 
