@@ -65,8 +65,7 @@ LAYER_LENGTHS = (1024, 4096, 16384)
 MODEL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 CHUNKS = (64, 128, 256, 512)
 # (T, (rows, warps) of the forward, (rows, warps) of the backward)
-FUSED_CONFIGS = tuple((T, f, b) for T in (32, 64, 128) for f, b in (((16, 4), (16, 8)), ((32, 4), (16, 8)),
-                                                                    ((32, 4), (32, 8)), ((16, 4), (16, 16))))
+FUSED_CONFIGS = tuple((T, (16, 4), b) for T in (64, 128) for b in ((16, 4), (16, 8), (32, 8)))
 TOKENS = 32768
 
 

@@ -9,10 +9,11 @@ walks the chunks in order, carrying the state across them in registers:
     X_(c+1) = dA^T X_c + S_c                          complex, elementwise in float32
 
 The backward walks the chunks in reverse with the adjoint of the state, `A_c = dL/dX_c`
-(`A_c = from_state-part of g_c + conj-free real-pair product of dA^T and A_(c+1)`), writes the input's gradient and
-sums the matrices' gradients on chip, one partial sum per program (reduced in PyTorch: a deterministic sum, no
-atomics). The entering states `X_c` are kept from the forward (`(H, B, nc, N)` in the operands' dtype, `N / T` of
-an activation), so the backward reads `x`, `g` and the states once and writes `dx` once.
+(`A_c = from_state-part of g_c + conj-free real-pair product of dA^T and A_(c+1)`): it reads `g` and the states once,
+writes the input's gradient and the adjoints once (both `(H, B, nc, N)` in the operands' dtype, `N / T` of an
+activation; the entering states `X_c` are kept from the forward). The matrices' gradients are then sums over every
+(row, chunk) of products of what is stored, one batched matmul each (deterministic, no atomics); only dA^T's,
+elementwise, is summed in the kernel, one partial sum per program.
 
 Against the batched-matmul form this removes the `(H, N, B nc)` state tensors' round trips through memory, their
 float32 copies and the strided adds of their gradients (the profile of that form on an H200 gave them about a
@@ -47,11 +48,11 @@ except ImportError:  # CPU builds of PyTorch: this path is for GPUs
 # Triton's interpreter runs a kernel on CPU tensors with NumPy, which has no bfloat16 products: there the operands
 # are widened to float32 first (exact: a product of two bfloat16 numbers fits in float32's mantissa).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Batch rows (`BB`) and warps per program of each kernel. The backward holds five gradient accumulators besides the
-# matrices, so it takes fewer rows per warp: at chunks of 64 steps and N 64, compiled for sm_90 (H100/H200), both
-# fit in registers without spilling (tests/models/test_s4d_fused.py checks it; 32 rows spill in the backward).
-# bench/gpu_speed.py --sections fused_sweep times the alternatives on a GPU.
-LAUNCH = {"forward": (16, 4), "backward": (16, 8)}
+# Batch rows (`BB`) and warps per program of each kernel. Both hold the chunk's matrices and a (BB, n) complex state;
+# at chunks of 64 steps and N 64, compiled for sm_90 (H100/H200), 16 rows in 4 warps fit in registers without
+# spilling, 32 rows spill (tests/models/test_s4d_fused.py checks it). bench/gpu_speed.py --sections fused_sweep
+# times the alternatives on a GPU.
+LAUNCH = {"forward": (16, 4), "backward": (16, 4)}
 
 
 if triton is not None:
@@ -101,10 +102,12 @@ if triton is not None:
             x_r, x_i = x_r * g_r - x_i * g_i + s_r, x_r * g_i + x_i * g_r + s_i
 
     @triton.jit
-    def _backward_kernel(x, g, states, taps, to_state, from_state, step, dx, d_toep, d_to, d_from, d_step,
+    def _backward_kernel(g, states, taps, to_state, from_state, step, dx, adjoints, d_step,
                          B, Lp, NC, n_taps, T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr,
                          SHIFT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """dx (H, B, Lp) and, per program, its partial sums of the matrices' gradients (float32)."""
+        """The serial half of the backward: dx (H, B, Lp), the adjoints `A_(c+1)` each chunk's state update sends
+        back (H, B, nc, N) in the operand dtype, and per program its partial sum of dA^T's gradient (float32). The
+        matrices' gradients are batched matmuls of what is stored (`_backward`): no chain runs through them."""
         h = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1).to(tl.int64)
         nblk = tl.num_programs(1)
@@ -124,46 +127,29 @@ if triton is not None:
         g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
         a_r = tl.zeros((BB, n), dtype=tl.float32)  # dL/dX_(c+1): zero after the last chunk
         a_i = tl.zeros((BB, n), dtype=tl.float32)
-        acc_toep = tl.zeros((T, T), dtype=tl.float32)
-        acc_to_r = tl.zeros((n, T), dtype=tl.float32)
-        acc_to_i = tl.zeros((n, T), dtype=tl.float32)
-        acc_from_r = tl.zeros((n, T), dtype=tl.float32)
-        acc_from_i = tl.zeros((n, T), dtype=tl.float32)
         acc_g_r = tl.zeros((n,), dtype=tl.float32)
         acc_g_i = tl.zeros((n,), dtype=tl.float32)
         at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]
         kept = h * B * NC * 2 * n + rows[:, None].to(tl.int64) * NC * 2 * n + m[None, :]
         for cc in tl.range(0, NC):
             c = NC - 1 - cc
-            xc = tl.load(x + at + c * T, mask=keep, other=0.0)
             gc = tl.load(g + at + c * T, mask=keep, other=0.0)
-            s_r = tl.load(states + kept + c * 2 * n, mask=keep, other=0.0)  # X_c, operand dtype
-            s_i = tl.load(states + kept + c * 2 * n + n, mask=keep, other=0.0)
             ad_r = a_r.to(dt)
             ad_i = a_i.to(dt)
+            tl.store(adjoints + kept + c * 2 * n, ad_r, mask=keep)
+            tl.store(adjoints + kept + c * 2 * n + n, ad_i, mask=keep)
             dxc = _dot(gc, toep_t, UPCAST, IEEE)
             dxc += _dot(ad_r, to_r, UPCAST, IEEE)  # through S_c = x_c to_state^T, whose gradient is A_(c+1)
             dxc += _dot(ad_i, to_i, UPCAST, IEEE)
             tl.store(dx + at + c * T, dxc.to(dt), mask=keep)
-            acc_toep += _dot(tl.trans(xc), gc, UPCAST, IEEE)
-            acc_to_r += _dot(tl.trans(ad_r), xc, UPCAST, IEEE)
-            acc_to_i += _dot(tl.trans(ad_i), xc, UPCAST, IEEE)
-            acc_from_r += _dot(tl.trans(s_r), gc, UPCAST, IEEE)
-            acc_from_i += _dot(tl.trans(s_i), gc, UPCAST, IEEE)
-            x_r = s_r.to(tl.float32)
-            x_i = s_i.to(tl.float32)
+            x_r = tl.load(states + kept + c * 2 * n, mask=keep, other=0.0).to(tl.float32)  # X_c
+            x_i = tl.load(states + kept + c * 2 * n + n, mask=keep, other=0.0).to(tl.float32)
             acc_g_r += tl.sum(a_r * x_r + a_i * x_i, axis=0)  # X_(c+1) = dA^T X_c + S_c, complex
             acc_g_i += tl.sum(a_i * x_r - a_r * x_i, axis=0)
             e_r = _dot(gc, from_r, UPCAST, IEEE)  # dL/dX_c through y_c
             e_i = _dot(gc, from_i, UPCAST, IEEE)
             a_r, a_i = e_r + a_r * g_r + a_i * g_i, e_i - a_r * g_i + a_i * g_r
         part = h * nblk + blk
-        tl.store(d_toep + part * T * T + t[:, None] * T + t[None, :], acc_toep)
-        rows_nt = part * 2 * n * T + 2 * m[:, None] * T + t[None, :]
-        tl.store(d_to + rows_nt, acc_to_r)
-        tl.store(d_to + rows_nt + T, acc_to_i)
-        tl.store(d_from + rows_nt, acc_from_r)
-        tl.store(d_from + rows_nt + T, acc_from_i)
         tl.store(d_step + part * 2 * n + 2 * m, acc_g_r)
         tl.store(d_step + part * 2 * n + 2 * m + 1, acc_g_i)
 
@@ -208,24 +194,48 @@ def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee):
 def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor,
               from_state: torch.Tensor, step: torch.Tensor, T: int, shift: int,
               ieee: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx and the matrices' gradients: taps (H, m), to_state and from_state (H, N, T), step (H, n, 2), float32."""
+    """dx and the matrices' gradients: taps (H, m), to_state and from_state (H, N, T), step (H, n, 2), float32.
+    The kernel walks the chunks backwards for dx and the adjoints; the matrices' gradients are then sums over every
+    (row, chunk) pair, one batched matmul each (cuBLAS, float32 accumulation and output):
+
+        d Toep       = sum x_c^T g_c      d to_state = sum A_(c+1)^T x_c      d from_state = sum X_c^T g_c
+
+    (they were accumulated in the kernel's registers before: five more products a chunk, on tiles with 16 rows, in
+    a program that must also carry the serial chain; this way the chain's kernel is as light as the forward's)."""
     H, B, Lp = x.shape
-    n = step.shape[1]
+    nc, n = Lp // T, step.shape[1]
     rows, warps = LAUNCH["backward"]
     nblk = triton.cdiv(B, rows)
     dx = torch.empty_like(x)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    d_toep = torch.empty((H, nblk, T, T), **f32)
-    d_to = torch.empty((H, nblk, 2 * n, T), **f32)
-    d_from = torch.empty((H, nblk, 2 * n, T), **f32)
-    d_step = torch.empty((H, nblk, n, 2), **f32)
+    adjoints = torch.empty_like(states)  # (H, B, nc, N), as the states
+    d_step = torch.empty((H, nblk, n, 2), dtype=torch.float32, device=x.device)
     with _on(x):
         _backward_kernel[(H, nblk)](
-            x, g, states, taps, to_state, from_state, step, dx, d_toep, d_to, d_from, d_step,
-            B, Lp, Lp // T, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
+            g, states, taps, to_state, from_state, step, dx, adjoints, d_step,
+            B, Lp, nc, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
             num_warps=warps)
-    d_taps = diagonal_sums(d_toep.sum(1), shift, taps.shape[-1])
-    return dx, d_taps, d_to.sum(1), d_from.sum(1), d_step.sum(1)
+    xs, gs = x.view(H, B * nc, T), g.view(H, B * nc, T)  # one row per (batch row, chunk)
+    d_toep = _sum_of_products(xs, gs, ieee)  # (H, T, T)
+    d_to = _sum_of_products(adjoints.view(H, B * nc, 2 * n), xs, ieee)  # (H, N, T): real rows, then imaginary
+    d_from = _sum_of_products(states.view(H, B * nc, 2 * n), gs, ieee)
+
+    def interleave(d):  # to the matrices' row order: (m, real), (m, imaginary)
+        return d.view(H, 2, n, T).transpose(1, 2).reshape(H, 2 * n, T)
+    d_taps = diagonal_sums(d_toep, shift, taps.shape[-1]).contiguous()
+    return dx, d_taps, interleave(d_to), interleave(d_from), d_step.sum(1)
+
+
+def _sum_of_products(a: torch.Tensor, b: torch.Tensor, ieee: bool) -> torch.Tensor:
+    """`a^T b` for `a (H, K, P)`, `b (H, K, Q)` -> `(H, P, Q)` in float32: half-precision operands with float32
+    accumulation and output on CUDA (`out_dtype`, as the kernels' `tl.dot`), widened first elsewhere (CPU matmuls
+    have no `out_dtype`; the product of two bfloat16 numbers is exact in float32, so the sums agree). float32
+    operands: IEEE products where `ieee`, else TF32 where PyTorch allows it, as the kernels."""
+    a = a.transpose(1, 2)
+    if a.dtype != torch.float32:
+        if a.is_cuda:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        return torch.bmm(a.float(), b.float())
+    return torch.bmm(a, b)  # `ieee` is TF32 off, which torch.bmm follows itself
 
 
 @_backward.register_fake

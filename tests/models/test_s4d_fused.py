@@ -190,7 +190,7 @@ from s4accel.models import s4d_fused
 
 which, dtype, constexprs, cubin = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4])
 fn = s4d_fused._forward_kernel if which == "forward" else s4d_fused._backward_kernel
-operand = {"x", "y", "states", "g", "dx"}
+operand = {"x", "y", "states", "g", "dx", "adjoints"}
 signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps")
              else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
 warps = constexprs.pop("num_warps")
