@@ -384,7 +384,7 @@ def op_syncs(B: int, L: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn import functional as F
 
-    from s4accel.models.modeling_moe import rotate
+    from s4accel.models.modeling_moe import rotate, rotation
 
     D, h, V = 128, 4, 259
     ids = torch.randint(3, V, (B, L), device=DEVICE)
@@ -398,7 +398,7 @@ def op_syncs(B: int, L: int) -> dict:
         "embedding_tied_head": lambda: F.cross_entropy((emb(ids) @ emb.weight.T).float().flatten(0, 1),
                                                        ids.flatten()),
         "rms_norm": lambda: norm(leaf(B, L, D)).sum(),
-        "rotary": lambda: rotate(leaf(B, h, L, D // h), positions, 10000.0).sum(),
+        "rotary": lambda: rotate(leaf(B, h, L, D // h), rotation(positions, D // h, 10000.0)).sum(),
         "sdpa_default": lambda: F.scaled_dot_product_attention(*(leaf(B, h, L, D // h) for _ in range(3)),
                                                                is_causal=True).sum(),
     }

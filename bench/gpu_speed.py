@@ -740,14 +740,15 @@ def merge(paths: list[Path]) -> dict:
     says which commit and command measured which cells, and each cell carries its commit."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
     merged = {**reports[-1], "results": {}, "skipped": [], "runs": []}
-    for report in reports:
-        cells = {k: {**v, "commit": report["commit"]} for k, v in report["results"].items() if k != "profile"}
+    for report in reports:  # (an input that is itself a merge keeps each cell's commit and its list of runs)
+        cells = {k: {"commit": report["commit"], **v} for k, v in report["results"].items() if k != "profile"}
         merged["results"].update(cells)
         if "profile" in report["results"]:
             merged["results"]["profile"] = report["results"]["profile"]
-        merged["runs"].append({"commit": report["commit"], "command": report["command"], "keys": sorted(cells)})
+        merged["runs"] += report.get("runs") or [{"commit": report["commit"], "command": report["command"],
+                                                  "keys": sorted(cells)}]
     merged["skipped"] = sorted({k for r in reports for k in r["skipped"]} - set(merged["results"]))
-    merged["commit"] = ", ".join(dict.fromkeys(r["commit"] for r in reports))
+    merged["commit"] = ", ".join(dict.fromkeys(run["commit"] for run in merged["runs"]))
     merged["command"] = "python bench/gpu_speed.py --merge " + " ".join(Path(p).name for p in paths)
     merged["shapes"] = {**reports[0]["shapes"], "model_lengths": sorted(
         {L for r in reports for L in r["shapes"]["model_lengths"]}), "layer_lengths": reports[0]["shapes"][

@@ -34,13 +34,20 @@ from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding: x (B, h, L, d), positions (B, L) -> x with each pair (x_i, x_{i + d/2}) rotated by
-    `position * theta^(-2i/d)`. Computed in float32."""
-    d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (d/2,)
+def rotation(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's angles for heads of size `d`: positions (B, L) -> cos and sin (B, 1, L, d/2) of
+    `position * theta^(-2i/d)`, float32. Computed once per forward and shared by every layer: computed inside each
+    layer, `torch.compile` fused the cos and sin into the kernels that rotate q and k, for every element (a 100M
+    transformer at L 2,048 on an H200: 8.5 ms of its 70 ms compiled step in those kernels)."""
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d)  # (d/2,)
     angle = positions[:, None, :, None].float() * inv_freq  # (B, 1, L, d/2)
-    cos, sin = angle.cos(), angle.sin()
+    return angle.cos(), angle.sin()
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding: x (B, h, L, d) with each pair (x_i, x_{i + d/2}) rotated by the angles of `rotation`
+    (cos, sin (B, 1, L, d/2)). Computed in float32."""
+    cos, sin = cos_sin
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -60,19 +67,19 @@ def eager_attention(q, k, v, attn_mask, dropout_p: float = 0.0) -> tuple[torch.T
 class MoEAttention(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.n_head, self.theta = layer_idx, config.n_head, config.rope_theta
+        self.layer_idx, self.n_head = layer_idx, config.n_head
         self.dropout = config.dropout
         self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x, positions, attn_mask, cache, eager=False, documents: Documents | None = None):
-        """x (B, L, D), positions (B, L), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None.
+    def forward(self, x, cos_sin, attn_mask, cache, eager=False, documents: Documents | None = None):
+        """x (B, L, D), cos_sin the rotary angles of the positions (`rotation`), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None.
         -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None). `documents` (packed, no
         cached prefix): each document's causal attention on its own, in one batched call per length bucket (the
         work grows with the sum of the squared lengths, not with L^2)."""
         B, L, D = x.shape
         q, k, v = self.qkv_proj(x).view(B, L, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, h, L, d)
-        q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
+        q, k = rotate(q, cos_sin), rotate(k, cos_sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, h, S, d)
         dropout_p = self.dropout if self.training else 0.0
@@ -100,9 +107,9 @@ class MoEBlock(GradientCheckpointingLayer):
         self.ffn = MoELayer(config, config.d_model) if self.is_moe else SwiGLUMLP(config.d_model, config.d_ffn)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, attn_mask, cache, token_mask, eager=False, documents=None):
+    def forward(self, x, cos_sin, attn_mask, cache, token_mask, eager=False, documents=None):
         """-> x, MoE aux dict or None, attention weights or None (see `MoEAttention`)."""
-        a, weights = self.attn(self.attn_norm(x), positions, attn_mask, cache, eager, documents)
+        a, weights = self.attn(self.attn_norm(x), cos_sin, attn_mask, cache, eager, documents)
         x = x + self.dropout(a)
         h = self.ffn_norm(x)
         aux = None
@@ -268,10 +275,11 @@ class MoEModel(MoEPreTrainedModel):
         token_mask = attention_mask[:, past:] if attention_mask is not None else None  # (B, L): route real tokens
         hidden, auxes = [] if output_hidden_states else None, []
         attentions = [] if output_attentions else None
+        cos_sin = rotation(position_ids, self.config.d_model // self.config.n_head, self.config.rope_theta)
         for block in self.layers:
             if hidden is not None:
                 hidden.append(x)
-            x, aux, weights = block(x, position_ids, mask4, cache, token_mask, eager, documents)
+            x, aux, weights = block(x, cos_sin, mask4, cache, token_mask, eager, documents)
             if aux is not None:
                 auxes.append(aux)
             if attentions is not None:

@@ -329,6 +329,36 @@ def test_attention_is_causal(moe_lm):
     assert not torch.allclose(a[:, 6:], b[:, 6:])
 
 
+def test_the_rotary_angles_are_computed_once_a_forward_and_rotate_by_position(moe_lm):
+    """One cos and one sin per forward, shared by every layer (inside each layer, torch.compile recomputed them
+    for every element of q and k); the rotation turns each pair (x_i, x_{i + d/2}) by position * theta^(-2i/d)."""
+    from torch.overrides import TorchFunctionMode
+
+    from s4accel.models.modeling_moe import rotate, rotation
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        moe_lm(torch.randint(2, 40, (2, 9)))
+    assert moe_lm.config.n_layer > 1 and (count.calls.count("cos"), count.calls.count("sin")) == (1, 1)
+    d, theta, p = 8, 100.0, 5
+    x = torch.randn(1, 1, p + 1, d, dtype=torch.float64)
+    y = rotate(x, rotation(torch.arange(p + 1)[None], d, theta))
+    for i in range(d // 2):
+        a = p * theta ** (-2 * i / d)
+        u, v = x[0, 0, p, i].item(), x[0, 0, p, i + d // 2].item()
+        want = (u * math.cos(a) - v * math.sin(a), v * math.cos(a) + u * math.sin(a))
+        assert y[0, 0, p, i].item() == pytest.approx(want[0], abs=1e-5)
+        assert y[0, 0, p, i + d // 2].item() == pytest.approx(want[1], abs=1e-5)
+
+
 def test_greedy_generate_with_kv_cache_equals_without(moe_lm):
     ids = torch.randint(2, 40, (2, 6))
     kw = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
