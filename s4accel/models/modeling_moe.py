@@ -73,8 +73,8 @@ class MoEAttention(nn.Module):
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x, cos_sin, attn_mask, cache, eager=False, documents: Documents | None = None):
-        """x (B, L, D), cos_sin the rotary angles of the positions (`rotation`), attn_mask (B, 1, L, S) bool or None (then plain causal), cache or None.
-        -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None). `documents` (packed, no
+        """x (B, L, D), cos_sin the rotary angles of its positions (`rotation`), attn_mask (B, 1, L, S) bool or None
+        (then plain causal), cache or None. -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None). `documents` (packed, no
         cached prefix): each document's causal attention on its own, in one batched call per length bucket (the
         work grows with the sum of the squared lengths, not with L^2)."""
         B, L, D = x.shape
