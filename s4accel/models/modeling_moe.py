@@ -74,9 +74,9 @@ class MoEAttention(nn.Module):
 
     def forward(self, x, cos_sin, attn_mask, cache, eager=False, documents: Documents | None = None):
         """x (B, L, D), cos_sin the rotary angles of its positions (`rotation`), attn_mask (B, 1, L, S) bool or None
-        (then plain causal), cache or None. -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S) (else None). `documents` (packed, no
-        cached prefix): each document's causal attention on its own, in one batched call per length bucket (the
-        work grows with the sum of the squared lengths, not with L^2)."""
+        (then plain causal), cache or None. -> (B, L, D) and, with `eager`, the attention weights (B, h, L, S)
+        (else None). `documents` (packed, no cached prefix): each document's causal attention on its own, in one
+        batched call per length bucket (the work grows with the sum of the squared lengths, not with L^2)."""
         B, L, D = x.shape
         q, k, v = self.qkv_proj(x).view(B, L, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)  # (B, h, L, d)
         q, k = rotate(q, cos_sin), rotate(k, cos_sin)
