@@ -743,11 +743,12 @@ def merge(paths: list[Path]) -> dict:
     for report in reports:  # (an input that is itself a merge keeps each cell's commit and its list of runs)
         cells = {k: {"commit": report["commit"], **v} for k, v in report["results"].items() if k != "profile"}
         merged["results"].update(cells)
-        if "profile" in report["results"]:
-            merged["results"]["profile"] = report["results"]["profile"]
+        if "profile" in report["results"]:  # each profiled pass from the last run that profiled it
+            merged["results"]["profile"] = {**merged["results"].get("profile", {}), **report["results"]["profile"]}
         merged["runs"] += report.get("runs") or [{"commit": report["commit"], "command": report["command"],
                                                   "keys": sorted(cells)}]
-    merged["skipped"] = sorted({k for r in reports for k in r["skipped"]} - set(merged["results"]))
+    measured = set(merged["results"]) | {f"profile/{k}" for k in merged["results"].get("profile", {})}
+    merged["skipped"] = sorted({k for r in reports for k in r["skipped"]} - measured)
     merged["commit"] = ", ".join(dict.fromkeys(run["commit"] for run in merged["runs"]))
     merged["command"] = "python bench/gpu_speed.py --merge " + " ".join(Path(p).name for p in paths)
     merged["shapes"] = {**reports[0]["shapes"], "model_lengths": sorted(

@@ -43,6 +43,12 @@ def test_a_dry_run_writes_the_table_and_a_merge_names_each_cells_commit(tmp_path
     assert "two runs" in text and "commit `aaaa`" in text and "commit `bbbb`" in text
     assert "| S4Layer, chunked (TF32 allowed: `train.tf32`) | " in text
     assert "| S4Layer, fused (the same, chunks of 64: they spill) | " in text
+    # a merged file merged again (a later session's runs added to a day's table) keeps each cell's commit
+    again = tmp_path / "again"
+    gpu_speed("--merge", str(merged_dir / report_b.name), str(report_b), "--out-dir", str(again))
+    twice = json.loads((again / report_b.name).read_text())
+    assert twice["results"]["layer/chunked/L128"]["commit"] == "aaaa"
+    assert [run["commit"] for run in twice["runs"]] == ["aaaa", "bbbb", "bbbb"]
 
 
 def test_the_moe_layer_rows_time_this_layer_beside_a_baseline_file(tmp_path):
