@@ -215,9 +215,9 @@ def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torc
             B, Lp, nc, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
             num_warps=warps)
     xs, gs = x.view(H, B * nc, T), g.view(H, B * nc, T)  # one row per (batch row, chunk)
-    d_toep = _sum_of_products(xs, gs, ieee)  # (H, T, T)
-    d_to = _sum_of_products(adjoints.view(H, B * nc, 2 * n), xs, ieee)  # (H, N, T): real rows, then imaginary
-    d_from = _sum_of_products(states.view(H, B * nc, 2 * n), gs, ieee)
+    d_toep = _sum_of_products(xs, gs)  # (H, T, T)
+    d_to = _sum_of_products(adjoints.view(H, B * nc, 2 * n), xs)  # (H, N, T): real rows, then imaginary
+    d_from = _sum_of_products(states.view(H, B * nc, 2 * n), gs)
 
     def interleave(d):  # to the matrices' row order: (m, real), (m, imaginary)
         return d.view(H, 2, n, T).transpose(1, 2).reshape(H, 2 * n, T)
@@ -225,17 +225,17 @@ def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torc
     return dx, d_taps, interleave(d_to), interleave(d_from), d_step.sum(1)
 
 
-def _sum_of_products(a: torch.Tensor, b: torch.Tensor, ieee: bool) -> torch.Tensor:
+def _sum_of_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a^T b` for `a (H, K, P)`, `b (H, K, Q)` -> `(H, P, Q)` in float32: half-precision operands with float32
     accumulation and output on CUDA (`out_dtype`, as the kernels' `tl.dot`), widened first elsewhere (CPU matmuls
     have no `out_dtype`; the product of two bfloat16 numbers is exact in float32, so the sums agree). float32
-    operands: IEEE products where `ieee`, else TF32 where PyTorch allows it, as the kernels."""
+    operands: TF32 where PyTorch allows it, IEEE products otherwise, as the kernels (`ieee_products`)."""
     a = a.transpose(1, 2)
     if a.dtype != torch.float32:
         if a.is_cuda:
             return torch.bmm(a, b, out_dtype=torch.float32)
         return torch.bmm(a.float(), b.float())
-    return torch.bmm(a, b)  # `ieee` is TF32 off, which torch.bmm follows itself
+    return torch.bmm(a, b)
 
 
 @_backward.register_fake
