@@ -260,8 +260,8 @@ class _Matrices(torch.autograd.Function):
         dpi[..., T].add_(g_step[..., 1])
         # P = exp(t (ar + i ai)): dP/d ar = t P, dP/d ai = i t P
         d_ar, d_ai = ((g * t).sum(-1) for g in _mul_conj((pr, pi), (dpr, dpi)))
-        # D's gradient is a copy, not a view of g_taps: returned as a view, inductor's CUDA code (the fused path, where
-        # g_taps is a custom operator's output) handed back zeros (tests/models/test_s4d_chunked.py, on CUDA)
+        # D's gradient a copy, not a view of g_taps: with the view, the compiled step on CUDA (fused path, where g_taps
+        # is a custom operator's output) gave D a zero gradient (the CUDA test in tests/models/test_s4d_chunked.py)
         return d_ar, d_ai, d_cr, d_ci, g_taps[:, 0].clone() if ctx.with_D else None, None, None
 
 
