@@ -231,7 +231,7 @@ def _sum_of_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     have no `out_dtype`; the product of two bfloat16 numbers is exact in float32, so the sums agree). float32
     operands: TF32 where PyTorch allows it, IEEE products otherwise, as the kernels (`ieee_products`)."""
     a = a.transpose(1, 2)
-    if a.dtype != torch.float32:
+    if a.dtype in (torch.bfloat16, torch.float16):  # (the kernels take no other dtype but float32)
         if a.is_cuda:
             return torch.bmm(a, b, out_dtype=torch.float32)
         return torch.bmm(a.float(), b.float())
