@@ -5,8 +5,12 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
 #         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
 #         graph on both paths, whose compiled step once gave D a zero gradient on CUDA alone), then the S4D and dense
-#         language models at L 2K and 8K compiled (the split backward kernel; the dense model's rotary angles now
-#         computed once a forward), the profiles, the fused layer eager and compiled, and the float32 layer
+#         language models at L 2K and 8K compiled, the profiles, the fused layer eager and compiled, and the float32
+#         layer
+#   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
+#     bash bench/gpu_session.sh
+#         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer
+#         replayed as CUDA graphs
 #   PYTEST_S=0 SECTIONS="moe_models" bash bench/gpu_session.sh
 #         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
@@ -31,9 +35,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 # 1. correctness: the fused layer against the float64 CPU reference, and a fullgraph-compiled training step
 if [ "${PYTEST_S:-200}" -gt 0 ]; then
-  timeout "${PYTEST_S:-200}" python3 -m pytest -q -x -p no:cacheprovider -p no:logging --tb=short -m gpu tests/models/test_s4d_fused.py \
-    "tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does" \
-    tests/test_compiled_loss.py \
+  # (the fused path's compiled step first: the chunked one's compile may take minutes, so it runs last)
+  lm=tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does
+  timeout "${PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -m gpu "$lm[fused]" \
+    tests/models/test_s4d_fused.py tests/test_compiled_loss.py "$lm[chunked]" \
     2>&1 | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi
 # 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled), the profiles, the

@@ -146,13 +146,14 @@ def s4_layer(H: int, N: int, **config) -> S4Layer:
 
 
 def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast: bool, layout: str = "blh",
-               compiled: bool = False):
-    """forward + backward of `module` on a float32 input with a random output gradient."""
+               compiled: bool = False, mode: str | None = None):
+    """forward + backward of `module` on a float32 input with a random output gradient; `compiled` under
+    `torch.compile(mode=mode)` (reduce-overhead: CUDA graphs, as `train.compile_mode: reduce-overhead`)."""
     device = bench.device
     module = module.to(device)
     shape = (B, L, H) if layout == "blh" else (B, H, L)
     x = torch.randn(*shape, device=device, requires_grad=True)
-    forward = torch.compile(module) if compiled else module
+    forward = torch.compile(module, mode=mode) if compiled else module
 
     def out():
         with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
@@ -195,6 +196,17 @@ def section_layer_compiled(bench: Bench, s, paths=("fused", "chunked")):
             bench.run(f"layer/{path}_compiled/L{L}",
                       lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True, compiled=True),
                       need_s=60)
+
+
+def section_layer_graphs(bench: Bench, s):
+    """The fused layer compiled in mode reduce-overhead: its forward and backward replayed as CUDA graphs, so a short
+    layer no longer waits on the host's launches (what `train.compile_mode: reduce-overhead` runs)."""
+    B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+    for L in s["layer_lengths"]:
+        torch._dynamo.reset()
+        bench.run(f"layer/fused_graphs/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused"), B, L, H,
+                                                                 True, compiled=True, mode="reduce-overhead"),
+                  need_s=60, warmup=4)
 
 
 def section_fused_sweep(bench: Bench, s):
@@ -290,13 +302,19 @@ def build_lm(family: str, s) -> nn.Module:
                                     **common))
 
 
-def lm_pass(bench: Bench, family: str, L: int, compiled: bool, s):
+def lm_pass(bench: Bench, family: str, L: int, compiled: bool | str, s):
+    """A training step; `compiled` True: as `train.compile: true` compiles it; "graphs": as `train.compile_mode:
+    reduce-overhead` does, the whole model compiled and replayed as CUDA graphs."""
     device = bench.device
     torch.manual_seed(0)
     model = build_lm(family, s).to(device)
     batch = max(1, s["tokens"] // L)
     ids = torch.randint(3, s["vocab"], (batch, L), device=device)
-    if compiled:
+    forward = model
+    if compiled == "graphs":
+        torch._dynamo.reset()
+        forward = torch.compile(model, mode="reduce-overhead")
+    elif compiled:
         from accelerate.utils import compile_regions
 
         torch._dynamo.reset()
@@ -306,7 +324,7 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool, s):
 
     def run():
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -318,7 +336,7 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool, s):
 def section_models(bench: Bench, s, plan):
     peak = peak_tflops(torch.device(bench.device), "bf16")[0] if bench.device == "cuda" else None
     for family, L, compiled in plan:
-        key = f"models/{family}/{'compiled' if compiled else 'eager'}/L{L}"
+        key = f"models/{family}/{MODES[compiled]}/L{L}"
         if key in bench.results:
             continue
         holder = {}
@@ -326,8 +344,8 @@ def section_models(bench: Bench, s, plan):
         def build():
             holder["run"] = lm_pass(bench, family, L, compiled, s)
             return holder["run"]
-        result = bench.run(key, build, need_s=90 if compiled else 15, warmup=3 if compiled else 2, seconds=2.0,
-                           most=10)
+        result = bench.run(key, build, need_s={False: 15, True: 90, "graphs": 150}[compiled],
+                           warmup=2 if not compiled else 3 if compiled is True else 4, seconds=2.0, most=10)
         if result and "ms" in result:
             meta = holder["run"].meta
             result.update(meta)
@@ -337,12 +355,22 @@ def section_models(bench: Bench, s, plan):
             result["mfu"] = round(tflops / peak, 4) if peak else None
 
 
+MODES = {False: "eager", True: "compiled", "graphs": "graphs"}
+"""How a language-model cell ran, by lm_pass's `compiled`: its key's mode and its table row."""
+
+
+def first_lengths(s) -> list:
+    """The model lengths, the issue's two (2K, 8K) first."""
+    first = [L for L in (2048, 8192) if L in s["model_lengths"]]
+    return first + [L for L in s["model_lengths"] if L not in first]
+
+
 def model_plan(s) -> list:
     """Eager first (every family, the issue's lengths first), then the compiled runs the comparison needs, then the
     rest."""
-    first = [L for L in (2048, 8192) if L in s["model_lengths"]]
-    rest = [L for L in s["model_lengths"] if L not in first]
-    eager = [(f, L, False) for L in first + rest for f in ("s4d", "dense", "moe")]
+    lengths = first_lengths(s)
+    first, rest = [L for L in lengths if L in (2048, 8192)], [L for L in lengths if L not in (2048, 8192)]
+    eager = [(f, L, False) for L in lengths for f in ("s4d", "dense", "moe")]
     compiled = [(f, L, True) for L in first for f in ("s4d", "dense")]
     later = [(f, L, True) for L in rest for f in ("s4d", "dense")] + [("moe", L, True) for L in first + rest]
     return eager, compiled, later
@@ -464,12 +492,13 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def section_profile(bench: Bench, s):
+def section_profile(bench: Bench, s, compiled_only: bool = False):
     """The CUDA kernels of one pass, by total time and by kind (where the time goes, for whoever speeds it up next):
     the S4 layer (conv_path auto: the fused kernels on CUDA) at the shortest layer length, eager and compiled, and a
     compiled training step (as `train.compile` compiles it) of the S4D and of the dense language model at L 2,048.
-    Beside each, the pass's wall time (CUDA events, without the profiler): where it is well above the kernels' sum,
-    the GPU waits for the host to launch them."""
+    `compiled_only`: the compiled layer at the two shortest lengths and the S4D model. Beside each, the pass's wall
+    time (CUDA events, without the profiler): where it is well above the kernels' sum, the GPU waits for the host to
+    launch them."""
     from torch.profiler import ProfilerActivity, profile
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
@@ -479,6 +508,10 @@ def section_profile(bench: Bench, s):
                f"layer_compiled_L{L}": lambda: layer_pass(bench, s4_layer(H, N), B, L, H, True, compiled=True),
                f"s4d_lm_compiled_L{Lm}": lambda: lm_pass(bench, "s4d", Lm, True, s),
                f"dense_lm_compiled_L{Lm}": lambda: lm_pass(bench, "dense", Lm, True, s)}
+    if compiled_only:
+        L2 = s["layer_lengths"][1]
+        targets = {f"layer_compiled_L{L2}": lambda: layer_pass(bench, s4_layer(H, N), B, L2, H, True, compiled=True),
+                   **{k: v for k, v in targets.items() if k.startswith(("layer_compiled", "s4d_lm"))}}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device == "cuda" else [])
     out = bench.results.setdefault("profile", {})
     for name, build in targets.items():
@@ -563,6 +596,7 @@ def layer_tables(R: dict, s) -> list[str]:
               "bf16 autocast, float32 input)", "", "Time (peak memory of the pass, inputs included).", "", head, sep]
     rows = [("S4Layer, fused path (eager)", "layer/fused"),
             ("S4Layer, fused path (`torch.compile`)", "layer/fused_compiled"),
+            ("S4Layer, fused path (`torch.compile`, CUDA graphs: mode reduce-overhead)", "layer/fused_graphs"),
             ("S4Layer, chunked path (eager)", "layer/chunked"),
             ("S4Layer, chunked path (`torch.compile`)", "layer/chunked_compiled"),
             ("S4Layer, FFT path (float32 FFTs at 2L; the CPU path)", "layer/fft"),
@@ -626,7 +660,9 @@ def model_table(R: dict, s) -> list[str]:
                          ("moe", "MoE transformer")):
         if family == "s4d_chunked" and not any(k.startswith("models/s4d_chunked/") for k in R):
             continue
-        for mode in ("eager", "compiled"):
+        for mode in MODES.values():
+            if mode == "graphs" and not any(k.startswith(f"models/{family}/graphs/") for k in R):
+                continue
             cells = [fmt_lm(R.get(f"models/{family}/{mode}/L{L}")) for L in Ms]
             params = next((R[k]["params_m"] for k in R if k.startswith(f"models/{family}/") and "params_m" in R[k]),
                           None)
@@ -636,7 +672,7 @@ def model_table(R: dict, s) -> list[str]:
     for L in Ms:
         best = {}
         for family in ("s4d", "dense"):
-            rates = [R[k]["tokens_per_s"] for k in (f"models/{family}/eager/L{L}", f"models/{family}/compiled/L{L}")
+            rates = [R[k]["tokens_per_s"] for k in (f"models/{family}/{mode}/L{L}" for mode in MODES.values())
                      if k in R and "tokens_per_s" in R[k]]
             best[family] = max(rates) if rates else None
         if best["s4d"] and best["dense"]:
@@ -782,7 +818,8 @@ def main(argv=None) -> int:
                                                        "models_later"],
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
-                             "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models"])
+                             "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
+                             "layer_graphs", "profile_compiled"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -837,7 +874,12 @@ def main(argv=None) -> int:
                 # the issue's comparison at its lengths in the models' best mode: S4D (auto path) and dense, compiled
                 # (their eager rows: `models`)
                 "s4d_vs_dense": lambda: section_models(bench, s, [
-                    (f, L, True) for L in s["model_lengths"] for f in ("s4d", "dense")]),
+                    (f, L, True) for L in first_lengths(s) for f in ("s4d", "dense")]),
+                # the same whole-model compiled and replayed as CUDA graphs (`train.compile_mode: reduce-overhead`)
+                "models_graphs": lambda: section_models(bench, s, [
+                    (f, L, "graphs") for L in first_lengths(s) for f in ("s4d", "dense")]),
+                "layer_graphs": lambda: section_layer_graphs(bench, s),
+                "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
                 "s4d_paths": lambda: section_models(bench, s, [
                     ("s4d_chunked", L, c) for c in (True, False) for L in s["model_lengths"]]),
                 "moe_models": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
