@@ -318,7 +318,7 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool | str, s):
         from accelerate.utils import compile_regions
 
         torch._dynamo.reset()
-        model = compile_regions(model)
+        model = forward = compile_regions(model)
         model.loss_function = torch.compile(model.loss_function)  # as train.compile does (compiled_loss.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
