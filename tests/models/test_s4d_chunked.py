@@ -336,15 +336,20 @@ def test_an_adapted_projection_keeps_its_adapter_on_the_chunked_path():
 
 
 @pytest.mark.slow
-def test_the_chunked_layer_compiles_as_one_graph_without_complex_code():
-    """`torch.compile(fullgraph=True)` of the layer on the chunked path: no graph break, no "complex operators"
-    fallback, and the compiled forward and backward equal eager's."""
+@pytest.mark.parametrize("path", ["chunked", "fused"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidirectional"])
+def test_the_chunked_layer_compiles_as_one_graph_without_complex_code(path, bidirectional):
+    """`torch.compile(fullgraph=True)` of the layer on the chunked and the fused path (the kernels in Triton's
+    interpreter here): no graph break, no "complex operators" fallback, and the compiled forward and backward equal
+    eager's, every parameter's gradient included (the compiled step writes the kernel's gradients its own way)."""
     torch.manual_seed(0)
-    layer = S4Layer(S4Config(d_model=16, d_state=16, conv_path="chunked", conv_chunk=16))
+    layer = S4Layer(S4Config(d_model=16, d_state=32, conv_path=path, conv_chunk=16, bidirectional=bidirectional))
     layer.kernel.reset_parameters()
+    torch.nn.init.normal_(layer.D)
     u = torch.randn(2, 64, 16, requires_grad=True)
+    g = torch.randn(2, 64, 16)
     y, _ = layer(u)
-    y.sum().backward()
+    (y * g).sum().backward()
     eager = [u.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
     u.grad = None
     layer.zero_grad()
@@ -352,7 +357,7 @@ def test_the_chunked_layer_compiles_as_one_graph_without_complex_code():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yc, _ = compiled(u)
-        yc.sum().backward()
+        (yc * g).sum().backward()
     assert not [w for w in caught if "complex" in str(w.message)]
     torch.testing.assert_close(yc, y, rtol=1e-5, atol=1e-5)
     for a, b in zip([u.grad, *(p.grad for p in layer.parameters())], eager):
