@@ -2,6 +2,7 @@
 writes the dated Markdown and JSON files with every row, and `--merge` joins runs, saying which commit measured each
 cell."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -80,3 +81,21 @@ def test_a_profile_is_summed_by_kind_of_kernel_in_the_report():
     table = gpu_speed.profile_lines(results)
     assert "| kind | layer | lm |" in table and "| matmul | 1.00 | 5.00 |" in table
     assert "| s4d_fused | 2.00 | 0.00 |" in table and "| **total** | 3.00 | 5.00 |" in table
+
+
+def test_the_language_model_table_shows_cuda_graph_rows_and_takes_each_models_best_mode():
+    """A model timed replayed as CUDA graphs (`train.compile_mode: reduce-overhead`) gets its own row, and the S4D /
+    dense ratio compares each model's fastest mode, whichever it is; a family never timed so has no such row."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_speed
+
+    s = gpu_speed.shapes(argparse.Namespace(quick=True))
+    L = s["model_lengths"][0]
+    cell = lambda rate: {"ms": 1.0, "tokens_per_s": rate, "mfu": 0.1, "peak_gib": 1.0, "params_m": 1.0}  # noqa: E731
+    R = {f"models/s4d/eager/L{L}": cell(100), f"models/s4d/compiled/L{L}": cell(200),
+         f"models/s4d/graphs/L{L}": cell(300), f"models/dense/eager/L{L}": cell(150),
+         f"models/dense/compiled/L{L}": cell(120)}
+    lines = gpu_speed.model_table(R, s)
+    assert [line.split(" | ")[1] for line in lines if line.startswith("| S4D")] == ["eager", "compiled", "graphs"]
+    assert not any(line.startswith("| dense") and " graphs " in line for line in lines)
+    assert f"- L {L:,}: 2.00x" in lines  # 300k (S4D, graphs) against 150k (dense, eager)
