@@ -4,9 +4,9 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
 #         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
-#         graph on both paths, whose compiled step once gave D a zero gradient on CUDA alone), then the S4D and dense
-#         language models at L 2K and 8K compiled, the profiles, the fused layer eager and compiled, and the float32
-#         layer
+#         graph on both paths, whose compiled step lost the kernel taps' gradient on CUDA alone until 0ecd7de), then
+#         the S4D model compiled at every length with short batches cut into segments (s4d_segments.py) and without,
+#         the dense model beside it, and the profiles
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
 #     bash bench/gpu_session.sh
 #         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer
@@ -37,15 +37,16 @@ python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', t
 if [ "${PYTEST_S:-200}" -gt 0 ]; then
   # (the fused path's compiled step first: the chunked one's compile may take minutes, so it runs last)
   lm=tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does
-  timeout "${PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -m gpu "$lm[fused]" \
-    tests/models/test_s4d_fused.py tests/test_compiled_loss.py "$lm[chunked]" \
-    2>&1 | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
+  # (every test of the fused kernels runs on the GPU when there is one: the segments of short batches too)
+  timeout "${PYTEST_S:-200}" bash -c "python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short '$lm[fused]' \
+    tests/models/test_s4d_fused.py; python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -m gpu \
+    tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi
 # 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled), the profiles, the
 #    fused layer, and the float32 layer
 timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
-  --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-s4d_vs_dense profile layer_fused fp32} \
-  --model-lengths ${LENGTHS:-2048 8192} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
+  --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-s4d_vs_dense whole_rows profile} \
+  --model-lengths ${LENGTHS:-1024 2048 4096 8192 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then
   timeout "$NOSYNC_S" python3 bench/gpu_check.py --only no_sync 2>&1 | tail -40 | tee "$OUT/no_sync.txt"

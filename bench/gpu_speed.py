@@ -293,7 +293,7 @@ def import_reference(ref_dir):
 
 def build_lm(family: str, s) -> nn.Module:
     common = dict(vocab_size=s["vocab"], d_model=s["d_model"], n_layer=s["n_layer"])
-    if family in ("s4d", "s4d_chunked"):  # s4d: the path `auto` takes; s4d_chunked: the batched matmuls
+    if family in ("s4d", "s4d_chunked", "s4d_rows"):  # s4d: the path `auto` takes; s4d_chunked: the batched matmuls
         path = "chunked" if family == "s4d_chunked" else "auto"
         return S4ForCausalLM(S4Config(d_state=s["d_state"], ffn="mlp", d_ffn=s["d_ffn"], conv_path=path, **common))
     if family == "dense":
@@ -331,6 +331,19 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool | str, s):
     run.meta = {"batch": batch, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                 "flops": sum(step_flops(model.config, batch, L).values())}
     return run
+
+
+def section_whole_rows(bench: Bench, s):
+    """The S4D model compiled with every row read whole by the fused kernels (no segments: `s4d_segments.py` cuts the
+    rows of batches shorter than a program's tile), beside the default, at the lengths whose batches are short."""
+    from s4accel.models import s4d_segments
+
+    cut = s4d_segments.segments
+    s4d_segments.segments = lambda B, nc, rows=None: 1
+    try:
+        section_models(bench, s, [("s4d_rows", L, True) for L in first_lengths(s) if s["tokens"] // L < 16])
+    finally:
+        s4d_segments.segments = cut
 
 
 def section_models(bench: Bench, s, plan):
@@ -647,7 +660,7 @@ def layer_tables(R: dict, s) -> list[str]:
 def model_table(R: dict, s) -> list[str]:
     """The language models by length, eager and compiled, and S4D against the dense model."""
     lines = []
-    Ms = s["model_lengths"]
+    Ms = sorted(s["model_lengths"])
     lines += [f"## Language models, a training step of {s['tokens']:,} tokens (bf16 autocast, fused AdamW)", "",
               f"d_model {s['d_model']}, {s['n_layer']} blocks, vocabulary {s['vocab']:,}. S4D: N {s['d_state']}, "
               f"SwiGLU {s['d_ffn']} in each block. Dense: the MoE family with use_moe false, {s['heads']} heads. MoE: "
@@ -656,9 +669,10 @@ def model_table(R: dict, s) -> list[str]:
               "Accelerate's regional compilation of the blocks, and the loss compiled beside them since commits that "
               "have s4accel/training/devices/compiled_loss.py.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
-    for family, name in (("s4d", "S4D"), ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
+    for family, name in (("s4d", "S4D"), ("s4d_rows", "S4D, whole rows (no segments)"),
+                         ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
                          ("moe", "MoE transformer")):
-        if family == "s4d_chunked" and not any(k.startswith("models/s4d_chunked/") for k in R):
+        if family in ("s4d_chunked", "s4d_rows") and not any(k.startswith(f"models/{family}/") for k in R):
             continue
         for mode in MODES.values():
             if mode == "graphs" and not any(k.startswith(f"models/{family}/graphs/") for k in R):
@@ -819,7 +833,7 @@ def main(argv=None) -> int:
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
-                             "layer_graphs", "profile_compiled"])
+                             "layer_graphs", "profile_compiled", "whole_rows"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -879,6 +893,7 @@ def main(argv=None) -> int:
                 "models_graphs": lambda: section_models(bench, s, [
                     (f, L, "graphs") for L in first_lengths(s) for f in ("s4d", "dense")]),
                 "layer_graphs": lambda: section_layer_graphs(bench, s),
+                "whole_rows": lambda: section_whole_rows(bench, s),
                 "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
                 "s4d_paths": lambda: section_models(bench, s, [
                     ("s4d_chunked", L, c) for c in (True, False) for L in s["model_lengths"]]),

@@ -48,7 +48,8 @@ from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, from_channels_first,
                           project_channels_first, to_channels_first)
-from .s4d_fused import fused_conv_channels_first, fused_matrices, ieee_products, why_not_fused
+from .s4d_fused import ieee_products, why_not_fused
+from .s4d_segments import fused_conv
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -743,8 +744,8 @@ class S4Layer(nn.Module):
         log_dA, (Cr, Ci) = pairs or self.kernel.discretize_pairs()
 
         def conv(x, C, D, shift=0):  # (H, B, nc T) -> the same
-            if fused:
-                return fused_conv_channels_first(x, *fused_matrices(log_dA, C, D, T, shift), shift)
+            if fused:  # (short batches: their rows cut into segments, s4d_segments.py)
+                return fused_conv(x, log_dA, C, D, T, shift)
             return conv_channels_first(x, *chunk_matrices(log_dA, C, D, T, nc, shift), nc=nc, shift=shift)
 
         y = conv(to_channels_first(u, dtype, nc * T), (Cr[0], Ci[0]), D)  # zeros past L

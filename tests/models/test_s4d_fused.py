@@ -11,7 +11,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from s4accel import S4Config, S4ForCausalLM, S4ForSequenceClassification
-from s4accel.models import modeling_s4, s4d_fused
+from s4accel.models import modeling_s4, s4d_fused, s4d_segments
 from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan
 from s4accel.models.s4d_chunked import chunk_matrices, conv_channels_first
 
@@ -62,6 +62,40 @@ def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dt
     matrices = s4d_fused.fused_matrices((ours[1], ours[2]), (ours[3], ours[4]), ours[5] if D is not None else None,
                                         T, shift)
     y = s4d_fused.fused_conv_channels_first(ours[0].to(dtype), *matrices, shift)
+    assert y.dtype == dtype and y.shape == ref.shape
+    grads = torch.autograd.grad(y, ours, g.to(DEVICE, dtype))
+    assert rel(y, ref) < TOL[dtype]
+    for name, got, want in zip(["x", "log_dA.real", "log_dA.imag", "C.real", "C.imag", "D"], grads, ref_grads):
+        assert rel(got, want) < TOL[dtype], name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "strictly-causal"])
+@pytest.mark.parametrize(("B", "S"), [(1, 4), (3, 2), (2, None)], ids=["1x4", "3x2", "2-default"])
+def test_short_batches_cut_into_segments_equal_the_float64_reference_values_and_every_gradient(dtype, shift, B, S):
+    """Rows cut into S segments (`s4d_segments.py`: what a program's empty rows would have cost, spent on later
+    parts of the same rows; each segment's starting state added after) against the batched-matmul form in float64:
+    the output and the gradients of the input, log dA, C~ and D. 5 chunks in 4 segments pad to 8 chunks; the
+    default S for 2 rows of 5 chunks is 4."""
+    H, N, T, L = 3, 32, 16, 70
+    nc = -(-L // T)
+    assert s4d_segments.segments(2, nc) == 4 and s4d_segments.segments(40, nc) == 1
+    ar, ai, cr, ci, cr1, ci1 = kernel_params(H, N)
+    if shift:
+        cr, ci = cr1, ci1
+    D = torch.randn(H, dtype=torch.float64, requires_grad=True) if shift == 0 else None
+    x = torch.zeros(H, B, nc * T, dtype=torch.float64)
+    x[..., :L] = torch.randn(H, B, L, dtype=torch.float64)
+    x.requires_grad_()
+    params = [x, ar, ai, cr, ci] + ([D] if D is not None else [])
+    ref = conv_channels_first(x, *chunk_matrices((ar, ai), (cr, ci), D, T, nc, shift), nc=nc, shift=shift)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, params, g)
+
+    ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
+    y = s4d_segments.fused_conv(ours[0].to(dtype), (ours[1], ours[2]), (ours[3], ours[4]),
+                                ours[5] if D is not None else None, T, shift, S=S)
     assert y.dtype == dtype and y.shape == ref.shape
     grads = torch.autograd.grad(y, ours, g.to(DEVICE, dtype))
     assert rel(y, ref) < TOL[dtype]
