@@ -389,9 +389,11 @@ def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
         _transpose_kernel[grid](src, dst, R, C, *src.stride(), *dst.stride(), BLOCK_R=64, BLOCK_C=64, num_warps=4)
 
 
-# Under `torch.compile` both directions are written without mutation: the compiled step on CUDA gave the fused path's
-# taps (and so D) a zero gradient (tests/models/test_s4d_chunked.py's CUDA test; CPU compiles gave the right one) where
-# these wrote into a fresh buffer through a permuted view. Inductor fuses the plain form into one kernel anyway.
+# Under `torch.compile` both directions are written without mutation. The compiled step on CUDA gave the fused path's
+# taps (and so D) a zero gradient (tests/models/test_s4d_chunked.py's CUDA test, also with the `aot_eager` backend;
+# CPU compiles gave the right one), and these writes into a fresh buffer through a permuted view, like the in-place
+# adds of `_Matrices`, were the suspects: the plain forms have not yet run on a GPU. Inductor fuses them into one
+# kernel anyway.
 def _to_channels_first(u: torch.Tensor, dtype: torch.dtype, Lp: int) -> torch.Tensor:
     B, L, H = u.shape
     if torch.compiler.is_compiling():
