@@ -6,7 +6,8 @@
 #         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
 #         graph on both paths, whose compiled step lost the kernel taps' gradient on CUDA alone until 0ecd7de), then
 #         the S4D model compiled at every length with short batches cut into segments (s4d_segments.py) and without,
-#         the dense model beside it, and the profiles
+#         the dense model beside it, the attention layer compiled (the compiled S4 layer's fair opponent), and the
+#         profiles
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
 #     bash bench/gpu_session.sh
 #         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer
@@ -45,7 +46,7 @@ fi
 # 2. speed: by default the S4D model against the dense one at the issue's lengths (compiled), the profiles, the
 #    fused layer, and the float32 layer
 timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
-  --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-s4d_vs_dense whole_rows profile} \
+  --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-s4d_vs_dense whole_rows attention_compiled profile} \
   --model-lengths ${LENGTHS:-1024 2048 4096 8192 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then

@@ -189,13 +189,17 @@ def section_layer(bench: Bench, s):
 
 
 def section_layer_compiled(bench: Bench, s, paths=("fused", "chunked")):
+    """The layer on these paths compiled; "attention": the attention layer compiled, the fair opponent of a compiled
+    S4 layer."""
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
+
+    def module(path):
+        return CausalSelfAttention(H, s["heads"]) if path == "attention" else s4_layer(H, N, conv_path=path)
     for L in s["layer_lengths"]:
         for path in paths:
             torch._dynamo.reset()
             bench.run(f"layer/{path}_compiled/L{L}",
-                      lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True, compiled=True),
-                      need_s=60)
+                      lambda: layer_pass(bench, module(path), B, L, H, True, compiled=True), need_s=60)
 
 
 def section_layer_graphs(bench: Bench, s):
@@ -613,16 +617,17 @@ def layer_tables(R: dict, s) -> list[str]:
             ("S4Layer, chunked path (eager)", "layer/chunked"),
             ("S4Layer, chunked path (`torch.compile`)", "layer/chunked_compiled"),
             ("S4Layer, FFT path (float32 FFTs at 2L; the CPU path)", "layer/fft"),
-            ("causal attention (SDPA) with qkv and output projections", "layer/attention")]
+            ("causal attention (SDPA) with qkv and output projections", "layer/attention"),
+            ("the same attention layer (`torch.compile`)", "layer/attention_compiled")]
     for name, key in rows:
         lines.append(f"| {name} | " + " | ".join(fmt_ms(R.get(f"{key}/L{L}")) for L in Ls) + " |")
-    for path in ("fused", "chunked"):
+    for path, mode, suffix in (("fused", "eager", ""), ("chunked", "eager", ""), ("fused", "compiled", "_compiled")):
         ratios = []
         for L in Ls:
-            a, c = R.get(f"layer/attention/L{L}"), R.get(f"layer/{path}/L{L}")
+            a, c = R.get(f"layer/attention{suffix}/L{L}"), R.get(f"layer/{path}{suffix}/L{L}")
             ratios.append(f"{a['ms'] / c['ms']:.2f}x" if a and c and "ms" in a and "ms" in c else "-")
         if any(r != "-" for r in ratios):
-            lines += [f"| attention / {path} (eager) | " + " | ".join(ratios) + " |"]
+            lines += [f"| attention / {path} ({mode}) | " + " | ".join(ratios) + " |"]
     lines += [""]
     sweep = [k for k in R if k.startswith("fused_sweep/")]
     if sweep:
@@ -833,7 +838,7 @@ def main(argv=None) -> int:
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
-                             "layer_graphs", "profile_compiled", "whole_rows"])
+                             "layer_graphs", "profile_compiled", "whole_rows", "attention_compiled"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -894,6 +899,7 @@ def main(argv=None) -> int:
                     (f, L, "graphs") for L in first_lengths(s) for f in ("s4d", "dense")]),
                 "layer_graphs": lambda: section_layer_graphs(bench, s),
                 "whole_rows": lambda: section_whole_rows(bench, s),
+                "attention_compiled": lambda: section_layer_compiled(bench, s, ("attention",)),
                 "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
                 "s4d_paths": lambda: section_models(bench, s, [
                     ("s4d_chunked", L, c) for c in (True, False) for L in s["model_lengths"]]),

@@ -99,3 +99,17 @@ def test_the_language_model_table_shows_cuda_graph_rows_and_takes_each_models_be
     assert [line.split(" | ")[1] for line in lines if line.startswith("| S4D")] == ["eager", "compiled", "graphs"]
     assert not any(line.startswith("| dense") and " graphs " in line for line in lines)
     assert f"- L {L:,}: 2.00x" in lines  # 300k (S4D, graphs) against 150k (dense, eager)
+
+
+def test_the_layer_table_sets_the_compiled_s4_layer_against_compiled_attention():
+    """The compiled S4 layer is compared with the compiled attention layer (not the eager one), length by length."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_speed
+
+    s = gpu_speed.shapes(argparse.Namespace(quick=True))
+    L1, L2 = s["layer_lengths"]
+    R = {f"layer/attention_compiled/L{L1}": {"ms": 3.0}, f"layer/fused_compiled/L{L1}": {"ms": 2.0},
+         f"layer/attention/L{L1}": {"ms": 4.0}}
+    lines = gpu_speed.layer_tables(R, s)
+    assert any(line.startswith("| the same attention layer (`torch.compile`) | 3.00 ms") for line in lines)
+    assert "| attention / fused (compiled) | 1.50x | - |" in lines
