@@ -35,15 +35,11 @@ def kernel_params(H, N, seed=0):
     return [t.detach().requires_grad_() for t in (ar, ai, Cr[0], Ci[0], Cr[1], Ci[1])]
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "strictly-causal"])
-@pytest.mark.parametrize("B", [3, 40], ids=["one-row-block", "two-row-blocks"])
-def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dtype, shift, B):
-    """The kernel on `dtype` operands against the batched-matmul form in float64 (itself checked against the FFT
-    convolution and the recurrence in test_s4d_chunked.py): the output, and the gradients of the input, log dA
-    (real and imaginary), C~ and D. B 40 spans two blocks of rows (the backward's partial sums are added); L 70 pads
-    the last of 5 chunks."""
+def check_against_the_float64_reference(conv, dtype, shift: int, B: int):
+    """`conv(x, log_dA, C~, D, T, shift)` on `dtype` operands (x `(H, B, nc T)`, zeros past L 70 in the last of 5
+    chunks of 16) against the batched-matmul form in float64 (itself checked against the FFT convolution and the
+    recurrence in test_s4d_chunked.py): the output, and the gradients of the input, log dA (real and imaginary), C~
+    and D (shift 0; shift 1, strictly causal, has none)."""
     H, N, T, L = 3, 32, 16, 70
     nc = -(-L // T)
     ar, ai, cr, ci, cr1, ci1 = kernel_params(H, N)
@@ -59,14 +55,24 @@ def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dt
     ref_grads = torch.autograd.grad(ref, params, g)
 
     ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
-    matrices = s4d_fused.fused_matrices((ours[1], ours[2]), (ours[3], ours[4]), ours[5] if D is not None else None,
-                                        T, shift)
-    y = s4d_fused.fused_conv_channels_first(ours[0].to(dtype), *matrices, shift)
+    y = conv(ours[0].to(dtype), (ours[1], ours[2]), (ours[3], ours[4]), ours[5] if D is not None else None, T, shift)
     assert y.dtype == dtype and y.shape == ref.shape
     grads = torch.autograd.grad(y, ours, g.to(DEVICE, dtype))
     assert rel(y, ref) < TOL[dtype]
     for name, got, want in zip(["x", "log_dA.real", "log_dA.imag", "C.real", "C.imag", "D"], grads, ref_grads):
         assert rel(got, want) < TOL[dtype], name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "strictly-causal"])
+@pytest.mark.parametrize("B", [3, 40], ids=["one-row-block", "two-row-blocks"])
+def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dtype, shift, B):
+    """The kernels against the float64 reference (`check_against_the_float64_reference`). B 40 spans two blocks of
+    rows (the backward's partial sums are added)."""
+    def conv(x, log_dA, C, D, T, shift):
+        return s4d_fused.fused_conv_channels_first(x, *s4d_fused.fused_matrices(log_dA, C, D, T, shift), shift)
+    check_against_the_float64_reference(conv, dtype, shift, B)
 
 
 @needs_triton
@@ -75,32 +81,11 @@ def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dt
 @pytest.mark.parametrize(("B", "S"), [(1, 4), (3, 2), (2, None)], ids=["1x4", "3x2", "2-default"])
 def test_short_batches_cut_into_segments_equal_the_float64_reference_values_and_every_gradient(dtype, shift, B, S):
     """Rows cut into S segments (`s4d_segments.py`: what a program's empty rows would have cost, spent on later
-    parts of the same rows; each segment's starting state added after) against the batched-matmul form in float64:
-    the output and the gradients of the input, log dA, C~ and D. 5 chunks in 4 segments pad to 8 chunks; the
-    default S for 2 rows of 5 chunks is 4."""
-    H, N, T, L = 3, 32, 16, 70
-    nc = -(-L // T)
-    assert s4d_segments.segments(2, nc) == 4 and s4d_segments.segments(40, nc) == 1
-    ar, ai, cr, ci, cr1, ci1 = kernel_params(H, N)
-    if shift:
-        cr, ci = cr1, ci1
-    D = torch.randn(H, dtype=torch.float64, requires_grad=True) if shift == 0 else None
-    x = torch.zeros(H, B, nc * T, dtype=torch.float64)
-    x[..., :L] = torch.randn(H, B, L, dtype=torch.float64)
-    x.requires_grad_()
-    params = [x, ar, ai, cr, ci] + ([D] if D is not None else [])
-    ref = conv_channels_first(x, *chunk_matrices((ar, ai), (cr, ci), D, T, nc, shift), nc=nc, shift=shift)
-    g = torch.randn_like(ref)
-    ref_grads = torch.autograd.grad(ref, params, g)
-
-    ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
-    y = s4d_segments.fused_conv(ours[0].to(dtype), (ours[1], ours[2]), (ours[3], ours[4]),
-                                ours[5] if D is not None else None, T, shift, S=S)
-    assert y.dtype == dtype and y.shape == ref.shape
-    grads = torch.autograd.grad(y, ours, g.to(DEVICE, dtype))
-    assert rel(y, ref) < TOL[dtype]
-    for name, got, want in zip(["x", "log_dA.real", "log_dA.imag", "C.real", "C.imag", "D"], grads, ref_grads):
-        assert rel(got, want) < TOL[dtype], name
+    parts of the same rows; each segment's starting state added after) against the float64 reference. 5 chunks in
+    4 segments pad to 8 chunks; the default S for 2 rows of 5 chunks is 4."""
+    assert s4d_segments.segments(2, 5) == 4 and s4d_segments.segments(40, 5) == 1
+    check_against_the_float64_reference(
+        lambda *args: s4d_segments.fused_conv(*args, S=S), dtype, shift, B)
 
 
 @needs_triton
