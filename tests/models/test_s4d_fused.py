@@ -256,3 +256,20 @@ def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(wh
         usage = sm90_usage(which, dtype, tmp_path, IEEE=ieee, T=T, **common)
         assert usage["spilled_bytes"] == 0, (dtype, ieee, usage)
         assert usage["shared_bytes"] <= 228 * 1024, usage
+
+
+@needs_triton
+def test_the_run_says_when_it_cuts_short_batches_into_segments():
+    """The start-of-run line about the convolution says when the fused path will cut a micro-batch's rows into
+    segments (fewer rows than a kernel program takes), and not otherwise."""
+    from types import SimpleNamespace
+
+    from s4accel.training.devices.precision import convolution_line
+
+    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=16, n_layer=1, d_state=32, conv_path="fused",
+                                   conv_chunk=16))
+    accelerator = SimpleNamespace(device=torch.device(DEVICE), mixed_precision="no")
+    assert convolution_line(model, accelerator, rows=2).endswith(
+        "; batches of 2 rows: each row cut into segments, read as rows by the kernels")
+    assert "segments" not in convolution_line(model, accelerator, rows=16)
+    assert "segments" not in convolution_line(model, accelerator)

@@ -70,10 +70,12 @@ def apply_fsdp_precision(accelerator, model: torch.nn.Module) -> list[str]:
     return [name for name, _ in units]
 
 
-def convolution_line(model: torch.nn.Module, accelerator) -> str | None:
+def convolution_line(model: torch.nn.Module, accelerator, rows: int | None = None) -> str | None:
     """The line a run prints about its S4 layers' convolution (the path, its operand dtype and chunk, as the model
-    chooses them for this device and precision), or None for a model without S4 layers."""
+    chooses them for this device and precision), or None for a model without S4 layers. `rows`: a micro-batch's
+    rows, when known (the fused path cuts the rows of short batches into segments)."""
     from ...models.modeling_s4 import conv_plan
+    from ...models.s4d_segments import segments
 
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "s4accel-s4":
@@ -85,4 +87,7 @@ def convolution_line(model: torch.nn.Module, accelerator) -> str | None:
     except ValueError as e:  # a path forced where it cannot run: one line naming the key
         raise RecipeError(f"model.overrides.{e}") from None  # e: "conv_path='fused' cannot run here: ..."
     how = "forced by" if config.conv_path != "auto" else "chosen for " + device + " by"
-    return f"S4 convolution: {plan.describe()}, {how} model.overrides.conv_path={config.conv_path}"
+    line = f"S4 convolution: {plan.describe()}, {how} model.overrides.conv_path={config.conv_path}"
+    if plan.path == "fused" and rows and segments(rows, nc=2 ** 30) > 1:
+        line += f"; batches of {rows} rows: each row cut into segments, read as rows by the kernels"
+    return line
