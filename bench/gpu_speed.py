@@ -343,7 +343,7 @@ def section_whole_rows(bench: Bench, s):
     from s4accel.models import s4d_segments
 
     cut = s4d_segments.segments
-    s4d_segments.segments = lambda B, nc, rows=None: 1
+    s4d_segments.segments = lambda *args, **kwargs: 1
     try:
         section_models(bench, s, [("s4d_rows", L, True) for L in first_lengths(s) if s["tokens"] // L < 16])
     finally:
@@ -361,8 +361,8 @@ def section_models(bench: Bench, s, plan):
         def build():
             holder["run"] = lm_pass(bench, family, L, compiled, s)
             return holder["run"]
-        result = bench.run(key, build, need_s={False: 15, True: 90, "graphs": 150}[compiled],
-                           warmup=2 if not compiled else 3 if compiled is True else 4, seconds=2.0, most=10)
+        need_s, warmup = {False: (15, 2), True: (90, 3), "graphs": (150, 4)}[compiled]  # graphs: capture, then replay
+        result = bench.run(key, build, need_s=need_s, warmup=warmup, seconds=2.0, most=10)
         if result and "ms" in result:
             meta = holder["run"].meta
             result.update(meta)
@@ -376,9 +376,13 @@ MODES = {False: "eager", True: "compiled", "graphs": "graphs"}
 """How a language-model cell ran, by lm_pass's `compiled`: its key's mode and its table row."""
 
 
+ISSUE_LENGTHS = (2048, 8192)
+"""The language-model lengths the speed issue sets its targets at: measured first."""
+
+
 def first_lengths(s) -> list:
-    """The model lengths, the issue's two (2K, 8K) first."""
-    first = [L for L in (2048, 8192) if L in s["model_lengths"]]
+    """The model lengths, the issue's two first."""
+    first = [L for L in ISSUE_LENGTHS if L in s["model_lengths"]]
     return first + [L for L in s["model_lengths"] if L not in first]
 
 
@@ -386,7 +390,7 @@ def model_plan(s) -> list:
     """Eager first (every family, the issue's lengths first), then the compiled runs the comparison needs, then the
     rest."""
     lengths = first_lengths(s)
-    first, rest = [L for L in lengths if L in (2048, 8192)], [L for L in lengths if L not in (2048, 8192)]
+    first, rest = [L for L in lengths if L in ISSUE_LENGTHS], [L for L in lengths if L not in ISSUE_LENGTHS]
     eager = [(f, L, False) for L in lengths for f in ("s4d", "dense", "moe")]
     compiled = [(f, L, True) for L in first for f in ("s4d", "dense")]
     later = [(f, L, True) for L in rest for f in ("s4d", "dense")] + [("moe", L, True) for L in first + rest]

@@ -25,12 +25,13 @@ from .s4d_chunked import _mul, powers
 from .s4d_fused import LAUNCH, fused_conv_channels_first, fused_matrices
 
 
-def segments(B: int, nc: int, rows: int | None = None) -> int:
+def segments(B: int, nc: int | None = None, rows: int | None = None) -> int:
     """How many segments each of B rows of nc chunks is cut into: the smallest power of two that fills a program's
-    `rows` (default: the kernels' `LAUNCH`), at most nc's largest power of two; 1: the rows as they are."""
+    `rows` (default: the kernels' `LAUNCH`), at most nc's largest power of two (None: rows of any length); 1: the
+    rows as they are."""
     rows = rows or min(LAUNCH["forward"][0], LAUNCH["backward"][0])
     S = 1
-    while B * S < rows and 2 * S <= nc:
+    while B * S < rows and (nc is None or 2 * S <= nc):
         S *= 2
     return S
 

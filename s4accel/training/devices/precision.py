@@ -88,6 +88,6 @@ def convolution_line(model: torch.nn.Module, accelerator, rows: int | None = Non
         raise RecipeError(f"model.overrides.{e}") from None  # e: "conv_path='fused' cannot run here: ..."
     how = "forced by" if config.conv_path != "auto" else "chosen for " + device + " by"
     line = f"S4 convolution: {plan.describe()}, {how} model.overrides.conv_path={config.conv_path}"
-    if plan.path == "fused" and rows and segments(rows, nc=2 ** 30) > 1:
+    if plan.path == "fused" and rows and segments(rows) > 1:
         line += f"; batches of {rows} rows: each row cut into segments, read as rows by the kernels"
     return line
