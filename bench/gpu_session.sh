@@ -4,8 +4,8 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
 #         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
-#         graph on both paths, whose compiled step lost the kernel taps' gradient on CUDA alone: 0ecd7de's fix awaits
-#         this test), then the S4D model compiled at every length with short batches cut into segments
+#         graph on both paths, whose compiled step lost the kernel taps' gradient on torch 2.11, the GPU machines':
+#         fixed, and checked there on CPU by make test-gpu-torch), then the S4D model compiled at every length with short batches cut into segments
 #         (s4d_segments.py) and without, the dense model beside it, the attention layer compiled (the compiled S4
 #         layer's fair opponent), and the profiles
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \

@@ -30,6 +30,13 @@ discretization and the matrices are each one autograd node with a hand-written b
 launches few kernels for them; `reference_discretize_pairs` and `reference_matrices` are the same under plain
 autograd (checked against each other, and against finite differences).
 
+Under `torch.compile`, torch 2.11 (fixed in 2.12: pytorch/pytorch#180642) sends the gradient of an autograd.Function's
+output to the wrong place when the forward returns a tensor that its graph also holds as an intermediate: `t` after
+`t.contiguous()` of an already contiguous `t` (the same tensor), or a buffer after an in-place copy into it. The
+compiled step then gave the kernel's taps, D with them, no gradient (tests/models/test_s4d_chunked.py checks each
+path's compiled gradients; `make test-torch-gpu` runs those tests on the GPU machines' torch). So no forward here
+returns such a tensor: each output is made by its last operation.
+
 Copied into Hub repositories with `modeling_s4.py`: it imports only torch.
 """
 
@@ -225,17 +232,15 @@ class _Matrices(torch.autograd.Function):
         C = (cr[..., None], ci[..., None])
         qr, qi = _mul(C, (pr, pi))  # Q = C~ P
         taps = 2 * qr[..., :T].sum(1)  # (H, T): K[l] = 2 Re(sum_m Q[m, l])
-        if D is not None and torch.compiler.is_compiling():  # no in-place write into a view (`_to_channels_first`)
-            taps = taps + torch.nn.functional.pad(D[:, None], (0, T - 1))
-        elif D is not None:
+        if D is not None:
             taps[:, 0].add_(D)  # add_ on the view: `+=` on an index would copy it back again
         to_state = torch.stack([pr[..., :T].flip(-1), pi[..., :T].flip(-1)], dim=2).view(H, 2 * n, T)
         inner = slice(1 - shift, T + 1 - shift)  # Q[i + 1 - shift]
         from_state = torch.stack([2 * qr[..., inner], -2 * qi[..., inner]], dim=2).view(H, 2 * n, T)
         ctx.save_for_backward(pr, pi, cr, ci, t, ar, ai, D)
         ctx.shift, ctx.with_D = shift, D is not None
-        taps = taps[:, :T - shift] if shift else taps  # (a fresh tensor, never a view of one)
-        return taps.contiguous(), to_state, from_state, torch.stack([pr[..., T], pi[..., T]], -1)
+        taps = taps[:, :T - shift].contiguous() if shift else taps  # (never `.contiguous()` of itself: module docs)
+        return taps, to_state, from_state, torch.stack([pr[..., T], pi[..., T]], -1)
 
     @staticmethod
     def backward(ctx, g_taps, g_to, g_from, g_step):
@@ -248,8 +253,6 @@ class _Matrices(torch.autograd.Function):
         H, n, T1 = pr.shape
         T, shift = T1 - 1, ctx.shift
         g_from, g_to = g_from.view(H, n, 2, T), g_to.view(H, n, 2, T)
-        if torch.compiler.is_compiling():
-            return _matrices_grads_compiled(ctx, g_taps, g_to, g_from, g_step)
         # dL/dQ (real, imaginary) from the taps and from_state, then through Q = C~ P
         dqr, dqi = pr.new_zeros(H, n, T1), pr.new_zeros(H, n, T1)
         dqr[..., :T - shift].add_(g_taps[:, None, :], alpha=2)  # add_ on views: `+=` would copy each back
@@ -264,26 +267,7 @@ class _Matrices(torch.autograd.Function):
         dpi[..., T].add_(g_step[..., 1])
         # P = exp(t (ar + i ai)): dP/d ar = t P, dP/d ai = i t P
         d_ar, d_ai = ((g * t).sum(-1) for g in _mul_conj((pr, pi), (dpr, dpi)))
-        # D's gradient a copy, not a view of g_taps
-        return d_ar, d_ai, d_cr, d_ci, g_taps[:, 0].clone() if ctx.with_D else None, None, None
-
-
-def _matrices_grads_compiled(ctx, g_taps, g_to, g_from, g_step):
-    """`_Matrices.backward` as `torch.compile` traces it: the same sums written without in-place writes into views
-    (see `_to_channels_first`; inductor fuses these few small kernels, so eager's launch count does not matter here).
-    `g_to`, `g_from (H, n, 2, T)`."""
-    pr, pi, cr, ci, t, ar, ai, D = ctx.saved_tensors
-    T, shift, pad = pr.shape[-1] - 1, ctx.shift, torch.nn.functional.pad
-    # dL/dQ: the taps reach Q[0 .. T-1-shift], from_state Q[1-shift .. T-shift]
-    dqr = pad(2 * g_taps[:, None, :], (0, 1 + shift)) + pad(2 * g_from[:, :, 0], (1 - shift, shift))
-    dqi = pad(-2 * g_from[:, :, 1], (1 - shift, shift))
-    d_cr, d_ci = (g.sum(-1) for g in _mul_conj((pr, pi), (dqr, dqi)))
-    dpr, dpi = _mul_conj((cr[..., None], ci[..., None]), (dqr, dqi))
-    # to_state (reversed) reaches P at t < T, dA^T at t = T
-    dpr = dpr + pad(g_to[:, :, 0].flip(-1), (0, 1)) + pad(g_step[..., 0, None], (T, 0))
-    dpi = dpi + pad(g_to[:, :, 1].flip(-1), (0, 1)) + pad(g_step[..., 1, None], (T, 0))
-    d_ar, d_ai = ((g * t).sum(-1) for g in _mul_conj((pr, pi), (dpr, dpi)))
-    return d_ar, d_ai, d_cr, d_ci, g_taps[:, 0].clone() if ctx.with_D else None, None, None
+        return d_ar, d_ai, d_cr, d_ci, g_taps[:, 0] if ctx.with_D else None, None, None
 
 
 def _toeplitz(taps: torch.Tensor, shift: int = 0) -> torch.Tensor:
@@ -305,7 +289,7 @@ class _Toeplitz(torch.autograd.Function):
     def forward(ctx, taps, shift: int, dtype):
         ctx.shift, ctx.m = shift, taps.shape[-1]
         ctx.dtype = taps.dtype
-        return _toeplitz(taps.to(dtype), shift).contiguous()
+        return _toeplitz(taps.to(dtype), shift)  # (flip's result: a fresh, contiguous tensor)
 
     @staticmethod
     def backward(ctx, G):
@@ -389,15 +373,8 @@ def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
         _transpose_kernel[grid](src, dst, R, C, *src.stride(), *dst.stride(), BLOCK_R=64, BLOCK_C=64, num_warps=4)
 
 
-# Under `torch.compile` both directions are written without mutation. The compiled step on CUDA gave the fused path's
-# taps (and so D) a zero gradient (tests/models/test_s4d_chunked.py's CUDA test, also with the `aot_eager` backend;
-# CPU compiles gave the right one), and these writes into a fresh buffer through a permuted view, like the in-place
-# adds of `_Matrices`, were the suspects: the plain forms have not yet run on a GPU. Inductor fuses them into one
-# kernel anyway.
 def _to_channels_first(u: torch.Tensor, dtype: torch.dtype, Lp: int) -> torch.Tensor:
     B, L, H = u.shape
-    if torch.compiler.is_compiling():
-        return torch.nn.functional.pad(u.permute(2, 0, 1).to(dtype), (0, Lp - L)).contiguous()
     out = u.new_empty((H, B, Lp), dtype=dtype)
     if Lp > L:
         out[..., L:].zero_()
@@ -407,7 +384,7 @@ def _to_channels_first(u: torch.Tensor, dtype: torch.dtype, Lp: int) -> torch.Te
 
 def _from_channels_first(y: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
     H, B, _ = y.shape
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # not `out` after a copy into it (torch 2.11: see the module's docs)
         return y[..., :L].permute(1, 2, 0).to(dtype).contiguous()
     out = y.new_empty((B, L, H), dtype=dtype)
     transpose_into(y[..., :L].permute(1, 0, 2), out)  # [b, h, l] -> [b, l, h]
