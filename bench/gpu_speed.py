@@ -146,13 +146,17 @@ def s4_layer(H: int, N: int, **config) -> S4Layer:
 
 
 def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast: bool, layout: str = "blh",
-               compiled: bool = False, mode: str | None = None):
+               compiled: bool = False, mode: str | None = None, static_input: bool = False):
     """forward + backward of `module` on a float32 input with a random output gradient; `compiled` under
-    `torch.compile(mode=mode)` (reduce-overhead: CUDA graphs, as `train.compile_mode: reduce-overhead`)."""
+    `torch.compile(mode=mode)` (reduce-overhead: CUDA graphs, as `train.compile_mode: reduce-overhead`).
+    `static_input`: the input's address marked static, so that CUDA graphs read it where it is rather than copy it
+    into their own buffer on every replay (inside a model a layer's input is made in the graph: no copy either)."""
     device = bench.device
     module = module.to(device)
     shape = (B, L, H) if layout == "blh" else (B, H, L)
     x = torch.randn(*shape, device=device, requires_grad=True)
+    if static_input:
+        torch._dynamo.mark_static_address(x)
     forward = torch.compile(module, mode=mode) if compiled else module
 
     def out():
@@ -204,13 +208,14 @@ def section_layer_compiled(bench: Bench, s, paths=("fused", "chunked")):
 
 def section_layer_graphs(bench: Bench, s):
     """The fused layer compiled in mode reduce-overhead: its forward and backward replayed as CUDA graphs, so a short
-    layer no longer waits on the host's launches (what `train.compile_mode: reduce-overhead` runs)."""
+    layer no longer waits on the host's launches (what `train.compile_mode: reduce-overhead` runs); its input read in
+    place (`layer_pass`'s `static_input`). Earlier runs' `layer/fused_graphs` cells copied it on every replay."""
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     for L in s["layer_lengths"]:
         torch._dynamo.reset()
-        bench.run(f"layer/fused_graphs/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused"), B, L, H,
-                                                                 True, compiled=True, mode="reduce-overhead"),
-                  need_s=60, warmup=4)
+        bench.run(f"layer/fused_graphs_static/L{L}",
+                  lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused"), B, L, H, True, compiled=True,
+                                     mode="reduce-overhead", static_input=True), need_s=60, warmup=4)
 
 
 def section_fused_sweep(bench: Bench, s):
@@ -618,6 +623,8 @@ def layer_tables(R: dict, s) -> list[str]:
     rows = [("S4Layer, fused path (eager)", "layer/fused"),
             ("S4Layer, fused path (`torch.compile`)", "layer/fused_compiled"),
             ("S4Layer, fused path (`torch.compile`, CUDA graphs: mode reduce-overhead)", "layer/fused_graphs"),
+            ("S4Layer, fused path (CUDA graphs, the input read in place: not copied into the graph each pass)",
+             "layer/fused_graphs_static"),
             ("S4Layer, chunked path (eager)", "layer/chunked"),
             ("S4Layer, chunked path (`torch.compile`)", "layer/chunked_compiled"),
             ("S4Layer, FFT path (float32 FFTs at 2L; the CPU path)", "layer/fft"),
