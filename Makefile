@@ -23,7 +23,8 @@ ARGS   ?=
 # torch.compile makes of our autograd Functions, Triton kernels (in Triton's interpreter) and MoE dispatch run on it.
 GPU_TORCH ?= torch==2.11.0
 GPU_TORCH_TESTS := tests/models/test_s4d_chunked.py tests/models/test_s4d_fused.py tests/models/test_moe.py \
-	tests/test_graphs.py tests/test_compiled_loss.py
+	tests/test_graphs.py tests/test_compiled_loss.py \
+	tests/test_switches.py::test_compiled_run_matches_eager_and_exports_plain_parameter_names
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

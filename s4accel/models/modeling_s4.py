@@ -212,7 +212,9 @@ def vandermonde_tables(log_dA: torch.Tensor, L: int) -> tuple[torch.Tensor, torc
     matmuls: O(n sqrt L) exponentials per channel, and nothing of size (n, L) is built, forward or backward. Each
     power is one exp of an exact multiple of log dA, so rounding is as for `exp(l log dA)`. `lo` is (I, n) per
     channel so that its real view is a (I, 2n) matrix too (`_DiagonalBlock.end_state`)."""
-    I = 1 << max(0, math.ceil(math.log2(L) / 2))
+    I = 1
+    while I * I < L:  # I = 2^ceil(log2(L)/2) in integers: under torch.compile with a dynamic L, a guard per power of 4
+        I *= 2
     J = -(-L // I)
     l = torch.arange(max(I, J), device=log_dA.device, dtype=log_dA.real.dtype)
     return _cexp(log_dA[..., None, :] * l[:I, None]), _cexp(log_dA[..., None, :] * (I * l[:J, None]))
