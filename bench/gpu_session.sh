@@ -17,6 +17,8 @@
 #         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
 #         the MoE layer eager and compiled, CUDA graphs of the small model, host syncs
+#   PYTEST_S=0 SECTIONS="profile_moe moe_layer" bash bench/gpu_session.sh
+#         where the eager E 8, k 2 MoE layer's time goes (issue 40's last unmet figure), then the layer again
 #
 # The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
 # manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,

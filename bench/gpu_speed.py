@@ -415,20 +415,16 @@ def section_moe_layer(bench: Bench, s):
     `--moe-baseline` (an earlier moe.py) on the same weights and input, the dense SwiGLU of width k F, the expert
     matmuls alone and the routing alone; on a GPU also the layer and the dense SwiGLU under `torch.compile`."""
     import importlib.util
-    from types import SimpleNamespace
-
-    import moe as moe_bench  # bench/moe.py
 
     T, D, Fh = s["moe_tokens"], s["moe_d_model"], s["moe_d_ffn"]
-    args = SimpleNamespace(tokens=T, d_model=D, d_ffn=Fh, device=bench.device,
-                           dtype="bfloat16" if bench.device == "cuda" else "float32")
+    args = moe_args(bench, s)
     baseline = None
     if bench.args.moe_baseline:
         spec = importlib.util.spec_from_file_location("moe_baseline", bench.args.moe_baseline)
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for E, k in s["moe_configs"]:
-        fns = moe_bench.build(args, E, k, compiled=bench.device == "cuda")  # compiling: a GPU run only
+        fns = moe_passes(bench, s, E, k, compiled=bench.device == "cuda")  # compiling: a GPU run only
         for name in ("moe", "dense", "matmuls_only", "routing_only", "harness", "moe_compiled", "dense_compiled"):
             if name not in fns:
                 continue
@@ -444,6 +440,18 @@ def section_moe_layer(bench: Bench, s):
         del fns
         if bench.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def moe_args(bench: Bench, s):
+    from types import SimpleNamespace
+    return SimpleNamespace(tokens=s["moe_tokens"], d_model=s["moe_d_model"], d_ffn=s["moe_d_ffn"],
+                           device=bench.device, dtype="bfloat16" if bench.device == "cuda" else "float32")
+
+
+def moe_passes(bench: Bench, s, E: int, k: int, compiled: bool = False) -> dict:
+    """bench/moe.py's passes (name -> a forward + backward) at this run's MoE layer shape."""
+    import moe as moe_bench  # bench/moe.py
+    return moe_bench.build(moe_args(bench, s), E, k, compiled=compiled)
 
 
 def baseline_pass(bench: Bench, module, args, E: int, k: int):
@@ -518,13 +526,14 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def section_profile(bench: Bench, s, compiled_only: bool = False):
+def section_profile(bench: Bench, s, compiled_only: bool = False, moe: bool = False):
     """The CUDA kernels of one pass, by total time and by kind (where the time goes, for whoever speeds it up next):
     the S4 layer (conv_path auto: the fused kernels on CUDA) at the shortest layer length, eager and compiled, and a
     compiled training step (as `train.compile` compiles it) of the S4D and of the dense language model at L 2,048.
-    `compiled_only`: the compiled layer at the two shortest lengths and the S4D model. Beside each, the pass's wall
-    time (CUDA events, without the profiler): where it is well above the kernels' sum, the GPU waits for the host to
-    launch them."""
+    `compiled_only`: the compiled layer at the two shortest lengths and the S4D model. `moe`: instead, the first MoE
+    layer shape of `section_moe_layer` (issue 40's E 8, k 2) eager, and the dense SwiGLU beside it. Beside each, the
+    pass's wall time (CUDA events, without the profiler): where it is well above the kernels' sum, the GPU waits for
+    the host to launch them."""
     from torch.profiler import ProfilerActivity, profile
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
@@ -538,6 +547,10 @@ def section_profile(bench: Bench, s, compiled_only: bool = False):
         L2 = s["layer_lengths"][1]
         targets = {f"layer_compiled_L{L2}": lambda: layer_pass(bench, s4_layer(H, N), B, L2, H, True, compiled=True),
                    **{k: v for k, v in targets.items() if k.startswith(("layer_compiled", "s4d_lm"))}}
+    if moe:
+        E, k = s["moe_configs"][0]
+        targets = {f"moe_layer_eager_E{E}k{k}": lambda: moe_passes(bench, s, E, k)["moe"],
+                   f"moe_dense_eager_E{E}k{k}": lambda: moe_passes(bench, s, E, k)["dense"]}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device == "cuda" else [])
     out = bench.results.setdefault("profile", {})
     for name, build in targets.items():
@@ -849,7 +862,7 @@ def main(argv=None) -> int:
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
-                             "layer_graphs", "profile_compiled", "whole_rows", "attention_compiled"])
+                             "layer_graphs", "profile_compiled", "whole_rows", "attention_compiled", "profile_moe"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -912,6 +925,7 @@ def main(argv=None) -> int:
                 "whole_rows": lambda: section_whole_rows(bench, s),
                 "attention_compiled": lambda: section_layer_compiled(bench, s, ("attention",)),
                 "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
+                "profile_moe": lambda: section_profile(bench, s, moe=True),
                 "s4d_paths": lambda: section_models(bench, s, [
                     ("s4d_chunked", L, c) for c in (True, False) for L in s["model_lengths"]]),
                 "moe_models": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
