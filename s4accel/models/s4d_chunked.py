@@ -30,12 +30,13 @@ discretization and the matrices are each one autograd node with a hand-written b
 launches few kernels for them; `reference_discretize_pairs` and `reference_matrices` are the same under plain
 autograd (checked against each other, and against finite differences).
 
-Under `torch.compile`, torch 2.11 (fixed in 2.12: pytorch/pytorch#180642) sends the gradient of an autograd.Function's
-output to the wrong place when the forward returns a tensor that its graph also holds as an intermediate: `t` after
-`t.contiguous()` of an already contiguous `t` (the same tensor), or a buffer after an in-place copy into it. The
-compiled step then gave the kernel's taps, D with them, no gradient (tests/models/test_s4d_chunked.py checks each
-path's compiled gradients; `make test-torch-gpu` runs those tests on the GPU machines' torch). So no forward here
-returns such a tensor: each output is made by its last operation.
+Under `torch.compile`, torch 2.11 (fixed in 2.12: pytorch/pytorch#180642) sends the gradient of an
+autograd.Function's output to the wrong place when the forward returns a tensor that its graph also holds as an
+intermediate: `t` after `t.contiguous()` of an already contiguous `t` (the same tensor), or a buffer after an
+in-place copy into it. The compiled step then gave the kernel's taps, D with them, no gradient
+(tests/models/test_s4d_chunked.py checks each path's compiled gradients; `make test-gpu-torch` runs those tests on
+the GPU machines' torch). So no forward here returns such a tensor under `torch.compile`: each output is made by its
+last operation (eager, the layouts are copied into fresh buffers, by a Triton kernel on CUDA).
 
 Copied into Hub repositories with `modeling_s4.py`: it imports only torch.
 """
@@ -375,6 +376,8 @@ def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def _to_channels_first(u: torch.Tensor, dtype: torch.dtype, Lp: int) -> torch.Tensor:
     B, L, H = u.shape
+    if torch.compiler.is_compiling():  # not `out` after copies into it (torch 2.11: see the module's docs)
+        return torch.nn.functional.pad(u.permute(2, 0, 1).to(dtype), (0, Lp - L))  # (pad's result: fresh, contiguous)
     out = u.new_empty((H, B, Lp), dtype=dtype)
     if Lp > L:
         out[..., L:].zero_()
