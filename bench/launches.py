@@ -12,7 +12,9 @@ rule by hand (`discretize_pairs`, `matrices`); the baseline is the same code und
 launches   operations that run a kernel (views left out) in one eager forward + backward of `S4Layer` under bf16
            autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (B 2, L 128,
            H 16, chunks of 64; its Triton kernels count one launch each, run here by Triton's interpreter when there
-           is no GPU); and of the generation alone (both discretizations, ZOH and bilinear). Exact: the same counts on
+           is no GPU; the fused path makes its matrices with two more Triton kernels, `fused_matrices`, and its
+           `reference` variant with the reference under autograd); and of the generation alone (both
+           discretizations, ZOH and bilinear; `kernels`: with the fused path's matrices). Exact: the same counts on
            any machine and at any shape (launches do not grow with B, H or, past one chunk, L).
 host_ms    one eager forward + backward of the chunked layer at a shape where the arithmetic is negligible (B 1, L 512,
            H 16): what the host spends per pass. Paired rounds (one pass of each variant per round, rotating order),
@@ -42,7 +44,7 @@ import torch  # noqa: E402
 from s4_layer import paired_rounds, ratio_summary  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from s4accel.models import s4d_chunked, s4d_fused  # noqa: E402
+from s4accel.models import s4d_chunked, s4d_fused, s4d_segments  # noqa: E402
 from s4accel.models.configuration_s4 import S4Config  # noqa: E402
 from s4accel.models.modeling_s4 import S4Layer  # noqa: E402
 
@@ -69,14 +71,14 @@ def generation(variant: str):
         yield
         return
     modeling = sys.modules[S4Layer.__module__]
-    saved = (modeling.discretize_pairs, s4d_chunked.matrices)  # what the layer and chunk_matrices call by name
+    # what the layer, chunk_matrices and the fused path's segments call by name
+    saved = (modeling.discretize_pairs, s4d_chunked.matrices, s4d_segments.fused_matrices)
     modeling.discretize_pairs = s4d_chunked.reference_discretize_pairs
-    s4d_chunked.matrices = s4d_fused.matrices = s4d_chunked.reference_matrices
+    s4d_chunked.matrices = s4d_segments.fused_matrices = s4d_chunked.reference_matrices
     try:
         yield
     finally:
-        modeling.discretize_pairs, s4d_chunked.matrices = saved
-        s4d_fused.matrices = saved[1]
+        modeling.discretize_pairs, s4d_chunked.matrices, s4d_segments.fused_matrices = saved
 
 
 def layer_pass(path: str, B: int, L: int, H: int, chunk: int, disc: str = "zoh"):
@@ -119,13 +121,15 @@ def main(argv=None) -> int:
         for variant in ("fast", "reference"):
             layer = S4Layer(S4Config(d_model=16, d_state=64, disc=disc))
 
-            def gen():
+            def gen(make=None):  # (s4d_chunked.matrices looked up when called: `generation` patches it)
                 log_dA, (cr, ci) = layer.kernel.discretize_pairs()
-                out = s4d_chunked.matrices(log_dA, (cr[0], ci[0]), layer.D, 64)
+                out = (make or s4d_chunked.matrices)(log_dA, (cr[0], ci[0]), layer.D, 64)
                 torch.autograd.grad(out, list(layer.parameters())[:4], [torch.ones_like(t) for t in out],
                                     allow_unused=True)
             with generation(variant):
                 launches[f"generation/{disc}/{variant}"] = count(gen)
+        if not s4d_fused.why_not_fused("cpu", torch.float32, 64, 64):  # the fused path's matrices: its kernels
+            launches[f"generation/{disc}/kernels"] = count(lambda: gen(s4d_fused.fused_matrices))
     fns = {}
     for variant in ("fast", "reference"):
         run = layer_pass("chunked", 1, 512, 16, 128)

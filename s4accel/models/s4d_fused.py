@@ -19,9 +19,10 @@ Against the batched-matmul form this removes the `(H, N, B nc)` state tensors' r
 float32 copies and the strided adds of their gradients (the profile of that form on an H200 gave them about a
 third of the layer's kernel time).
 
-The matrices come from `s4d_chunked.matrices` (float32, differentiable: the gradients this kernel returns for
-them flow on to `log_dt`, `A` and `C` through PyTorch's autograd). Products take the operands' dtype (bfloat16 under
-autocast) with float32 accumulation, as `tl.dot` does; the state recurrence is float32.
+The matrices (float32, differentiable: the gradients this kernel returns for them flow on to `log_dt`, `A` and `C`
+through PyTorch's autograd) are `s4d_chunked.matrices`, made here by two more small kernels, one launch each way
+(`fused_matrices`, at the end). Products take the operands' dtype (bfloat16 under autocast) with float32
+accumulation, as `tl.dot` does; the state recurrence is float32.
 
 The slow references beside it are those of the chunked form: `s4d_chunked.conv_channels_first` (tests check this
 kernel against it and against the float64 FFT convolution, values and every gradient). Without a GPU the tests run
@@ -37,7 +38,7 @@ import re
 
 import torch
 
-from .s4d_chunked import matrices
+from .s4d_chunked import _through, matrices, reference_matrices
 
 try:
     import triton
@@ -320,5 +321,190 @@ def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str |
 
 def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
     """`chunk_matrices`' taps, to_state and from_state for chunks of T steps, and `dA^T` as `(H, N/2, 2)` (the
-    kernel carries the state across chunks one step of `dA^T` at a time rather than by the scan matrix)."""
-    return matrices(log_dA, C_tilde, D, T, shift)
+    kernel carries the state across chunks one step of `dA^T` at a time rather than by the scan matrix). Where the
+    Triton kernels run (float32 parameters, T and N/2 as `supports` wants), one launch each way (`_KernelMatrices`);
+    elsewhere `s4d_chunked.matrices`, their reference."""
+    ar = log_dA[0]
+    if (triton is None or ar.dtype != torch.float32 or not (ar.is_cuda or INTERPRETED)
+            or not supports(T, 2 * ar.shape[-1])):
+        return matrices(log_dA, C_tilde, D, T, shift)
+    return _KernelMatrices.apply(*log_dA, *C_tilde, D, T, shift)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The matrices themselves. `s4d_chunked.matrices` writes them, forward and backward, in about 60 PyTorch operations
+# on (H, N/2, T) tensors: in eager mode 60 kernel launches a layer, which the host pays for while the GPU, done with
+# such small tensors at once, waits (bench/launches.py counts them; at L 1,024 the eager layer took 6.4 ms of wall
+# time for 2.4 ms of kernels on an H200). Here each direction is one program per channel, the powers `P_e = dA^e`
+# computed in registers where an output needs them:
+#
+#     taps[j]            = 2 Re(sum_m C~_m P_j)     (+ D at j = 0), j < T - shift
+#     to_state[(m,.), j] = P_(T-1-j)               (real, imaginary rows)
+#     from_state[(m,.), i] = (2 Re, -2 Im) of C~_m P_(i+1-shift)
+#     step[m]            = P_T
+#
+# The backward sums, per mode, what each output sends back to `Q = C~ P` and to `P` at each exponent e, then
+# `g_C~ = sum_e conj(P_e) g_Q(e)` and `g_(log dA) = sum_e e conj(P_e) (conj(C~) g_Q(e) + g_P(e))` (the chain rule of
+# `_Matrices.backward`, grouped by output rather than by exponent).
+
+if triton is not None:
+    @triton.jit
+    def _powers(ar, ai, e):
+        """dA^e = exp(e log dA) for modes `(n, 1)` and exponents `e (1, T)` -> real and imaginary `(n, T)`."""
+        magnitude = tl.exp(ar * e)
+        return magnitude * tl.cos(ai * e), magnitude * tl.sin(ai * e)
+
+    @triton.jit
+    def _matrices_forward_kernel(ar, ai, cr, ci, D, taps, to_state, from_state, step, T: tl.constexpr,
+                                 n: tl.constexpr, TB: tl.constexpr, SHIFT: tl.constexpr, HAS_D: tl.constexpr):
+        """One channel per program, its steps in blocks of TB (an (n, TB) tile stays in registers)."""
+        h = tl.program_id(0).to(tl.int64)
+        m = tl.arange(0, n)
+        a_r = tl.load(ar + h * n + m)[:, None]  # (n, 1)
+        a_i = tl.load(ai + h * n + m)[:, None]
+        c_r = tl.load(cr + h * n + m)[:, None]
+        c_i = tl.load(ci + h * n + m)[:, None]
+        for j0 in tl.range(0, T, TB):
+            j = j0 + tl.arange(0, TB)
+            t = j[None, :].to(tl.float32)  # (1, TB)
+            p_r, p_i = _powers(a_r, a_i, t)  # the taps: P_j
+            k = 2 * tl.sum(c_r * p_r - c_i * p_i, axis=0)  # (TB,)
+            if HAS_D:
+                k += tl.where(j == 0, tl.load(D + h), 0.0)
+            tl.store(taps + h * (T - SHIFT) + j, k, mask=j < T - SHIFT)
+            rows = h * 2 * n * T + 2 * m[:, None] * T + j[None, :]  # (m, real) rows; (m, imaginary): T further
+            p_r, p_i = _powers(a_r, a_i, (T - 1) - t)
+            tl.store(to_state + rows, p_r)
+            tl.store(to_state + rows + T, p_i)
+            p_r, p_i = _powers(a_r, a_i, t + (1 - SHIFT))
+            tl.store(from_state + rows, 2 * (c_r * p_r - c_i * p_i))
+            tl.store(from_state + rows + T, -2 * (c_r * p_i + c_i * p_r))
+        p_r, p_i = _powers(a_r, a_i, tl.full((1, 1), T, tl.float32))
+        tl.store(step + h * 2 * n + 2 * m[:, None], p_r)
+        tl.store(step + h * 2 * n + 2 * m[:, None] + 1, p_i)
+
+    @triton.jit
+    def _matrices_backward_kernel(ar, ai, cr, ci, g_taps, g_to, g_from, g_step, d_ar, d_ai, d_cr, d_ci,
+                                  T: tl.constexpr, n: tl.constexpr, TB: tl.constexpr, SHIFT: tl.constexpr):
+        """One channel per program: the sums over its steps, in blocks of TB, of what each output sends back."""
+        h = tl.program_id(0).to(tl.int64)
+        m = tl.arange(0, n)
+        a_r = tl.load(ar + h * n + m)[:, None]
+        a_i = tl.load(ai + h * n + m)[:, None]
+        c_r = tl.load(cr + h * n + m)[:, None]
+        c_i = tl.load(ci + h * n + m)[:, None]
+        ga_r = tl.zeros((n,), tl.float32)  # the gradient of log dA
+        ga_i = tl.zeros((n,), tl.float32)
+        gc_r = tl.zeros((n,), tl.float32)  # of C~
+        gc_i = tl.zeros((n,), tl.float32)
+        for j0 in tl.range(0, T, TB):
+            j = j0 + tl.arange(0, TB)
+            t = j[None, :].to(tl.float32)
+            rows = h * 2 * n * T + 2 * m[:, None] * T + j[None, :]
+            # the taps: g_Q(e) = 2 g_taps[e] (real), e = j
+            gq_r = 2 * tl.load(g_taps + h * (T - SHIFT) + j, mask=j < T - SHIFT, other=0.0)[None, :]  # (1, TB)
+            p_r, p_i = _powers(a_r, a_i, t)
+            gc_r += tl.sum(p_r * gq_r, axis=1)  # conj(P) g_Q
+            gc_i += tl.sum(-p_i * gq_r, axis=1)
+            w_r, w_i = c_r * gq_r, -c_i * gq_r  # conj(C~) g_Q
+            ga_r += tl.sum(t * (p_r * w_r + p_i * w_i), axis=1)  # e conj(P) w
+            ga_i += tl.sum(t * (p_r * w_i - p_i * w_r), axis=1)
+            # from_state: g_Q(e) = (2 g_re, -2 g_im), e = i + 1 - SHIFT
+            e = t + (1 - SHIFT)
+            gq_r = 2 * tl.load(g_from + rows)
+            gq_i = -2 * tl.load(g_from + rows + T)
+            p_r, p_i = _powers(a_r, a_i, e)
+            gc_r += tl.sum(p_r * gq_r + p_i * gq_i, axis=1)
+            gc_i += tl.sum(p_r * gq_i - p_i * gq_r, axis=1)
+            w_r, w_i = c_r * gq_r + c_i * gq_i, c_r * gq_i - c_i * gq_r
+            ga_r += tl.sum(e * (p_r * w_r + p_i * w_i), axis=1)
+            ga_i += tl.sum(e * (p_r * w_i - p_i * w_r), axis=1)
+            # to_state: g_P(e) directly, e = T - 1 - j
+            e = (T - 1) - t
+            w_r = tl.load(g_to + rows)
+            w_i = tl.load(g_to + rows + T)
+            p_r, p_i = _powers(a_r, a_i, e)
+            ga_r += tl.sum(e * (p_r * w_r + p_i * w_i), axis=1)
+            ga_i += tl.sum(e * (p_r * w_i - p_i * w_r), axis=1)
+        # dA^T: g_P(T)
+        w_r = tl.load(g_step + h * 2 * n + 2 * m)
+        w_i = tl.load(g_step + h * 2 * n + 2 * m + 1)
+        p_r, p_i = _powers(a_r, a_i, tl.full((1, 1), T, tl.float32))
+        p_r, p_i = tl.sum(p_r, axis=1), tl.sum(p_i, axis=1)  # (n,)
+        ga_r += T * (p_r * w_r + p_i * w_i)
+        ga_i += T * (p_r * w_i - p_i * w_r)
+        tl.store(d_ar + h * n + m, ga_r)
+        tl.store(d_ai + h * n + m, ga_i)
+        tl.store(d_cr + h * n + m, gc_r)
+        tl.store(d_ci + h * n + m, gc_i)
+
+
+def _steps_a_block(T: int, n: int) -> int:
+    """The matrices kernels' block of steps: an (n, TB) float32 tile of 512 values at most, which 4 warps hold
+    without spilling on sm_90 (whole (n, T) tiles spill at T 128, N 64, and 1,024-value ones a little;
+    tests/models/test_s4d_fused.py compiles them for it)."""
+    return max(1, min(T, 512 // n))
+
+
+@torch.library.custom_op(f"{_NS}::matrices", mutates_args=())
+def _matrices_forward(ar: torch.Tensor, ai: torch.Tensor, cr: torch.Tensor, ci: torch.Tensor, D: torch.Tensor,
+                      T: int, shift: int, has_D: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
+    """taps (H, T - shift), to_state and from_state (H, N, T), step (H, n, 2), float32, from `(H, n)` float32 pairs
+    and D (H,) (read only with `has_D`)."""
+    H, n = ar.shape
+    taps, step = ar.new_empty(H, T - shift), ar.new_empty(H, n, 2)
+    to_state, from_state = ar.new_empty(H, 2 * n, T), ar.new_empty(H, 2 * n, T)
+    with _on(ar):
+        _matrices_forward_kernel[(H,)](ar, ai, cr, ci, D, taps, to_state, from_state, step, T=T, n=n,
+                                       TB=_steps_a_block(T, n), SHIFT=shift, HAS_D=has_D, num_warps=4)
+    return taps, to_state, from_state, step
+
+
+@_matrices_forward.register_fake
+def _matrices_forward_fake(ar, ai, cr, ci, D, T, shift, has_D):
+    H, n = ar.shape
+    return ar.new_empty(H, T - shift), ar.new_empty(H, 2 * n, T), ar.new_empty(H, 2 * n, T), ar.new_empty(H, n, 2)
+
+
+@torch.library.custom_op(f"{_NS}::matrices_backward", mutates_args=())
+def _matrices_backward(ar: torch.Tensor, ai: torch.Tensor, cr: torch.Tensor, ci: torch.Tensor, g_taps: torch.Tensor,
+                       g_to: torch.Tensor, g_from: torch.Tensor, g_step: torch.Tensor,
+                       T: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `log dA` and `C~` (each `(H, n)` real, imaginary), float32."""
+    H, n = ar.shape
+    grads = [torch.empty_like(ar) for _ in range(4)]
+    with _on(ar):
+        _matrices_backward_kernel[(H,)](ar, ai, cr, ci, g_taps, g_to, g_from, g_step, *grads, T=T, n=n,
+                                        TB=_steps_a_block(T, n), SHIFT=shift, num_warps=4)
+    return tuple(grads)
+
+
+@_matrices_backward.register_fake
+def _matrices_backward_fake(ar, ai, cr, ci, g_taps, g_to, g_from, g_step, T, shift):
+    return tuple(torch.empty_like(ar) for _ in range(4))
+
+
+class _KernelMatrices(torch.autograd.Function):
+    """`s4d_chunked.matrices` in one Triton launch each way (the gradients of D: the taps' at lag 0)."""
+
+    @staticmethod
+    def forward(ctx, ar, ai, cr, ci, D, T: int, shift: int):
+        params = [p.contiguous() for p in (ar, ai, cr, ci)]
+        has_D = D is not None
+        out = _matrices_forward(*params, D.contiguous() if has_D else params[0], T, shift, has_D)
+        ctx.save_for_backward(*params, D)
+        ctx.T, ctx.shift, ctx.has_D = T, shift, has_D
+        return out
+
+    @staticmethod
+    def backward(ctx, g_taps, g_to, g_from, g_step):
+        ar, ai, cr, ci, D = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
+            inputs = (ar, ai, cr, ci) + ((D,) if ctx.has_D else ())
+            grads = _through(lambda *a: reference_matrices(a[:2], a[2:4], a[4] if ctx.has_D else None, ctx.T,
+                                                           ctx.shift), inputs, (g_taps, g_to, g_from, g_step))
+            return *grads[:4], grads[4] if ctx.has_D else None, None, None
+        outs = [g.contiguous() for g in (g_taps, g_to, g_from, g_step)]  # (an unused output's: zeros)
+        grads = _matrices_backward(ar, ai, cr, ci, *outs, ctx.T, ctx.shift)
+        return *grads, (g_taps[:, 0] if ctx.has_D else None), None, None

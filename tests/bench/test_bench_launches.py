@@ -18,6 +18,9 @@ def test_launches_bench_counts_both_variants_and_writes_a_dated_file(tmp_path):
         if key.endswith("/fast"):
             reference = out["launches"][key.replace("/fast", "/reference")]
             assert 0 < n < (0.8 if key.startswith("generation/") else 1) * reference, key
+    for disc in ("zoh", "bilinear"):  # the fused path's matrices as two Triton kernels (measured: 90 against 147)
+        if f"generation/{disc}/kernels" in out["launches"]:
+            assert out["launches"][f"generation/{disc}/kernels"] < 0.7 * out["launches"][f"generation/{disc}/fast"]
     assert set(out["host_ms"]) == {"fast", "reference"} and out["host_fast_over_reference"]["paired_median"] > 0
     (written,) = tmp_path.glob("*-launches-cpu-*.json")
     assert len(json.loads(written.read_text())["samples_ms"]["fast"]) == 3

@@ -208,7 +208,7 @@ from triton.compiler import ASTSource
 from s4accel.models import s4d_fused
 
 which, dtype, constexprs, cubin = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4])
-fn = s4d_fused._forward_kernel if which == "forward" else s4d_fused._backward_kernel
+fn = getattr(s4d_fused, f"_{which}_kernel")
 operand = {"x", "y", "states", "g", "dx", "adjoints"}
 signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps")
              else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
@@ -256,6 +256,52 @@ def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(wh
         usage = sm90_usage(which, dtype, tmp_path, IEEE=ieee, T=T, **common)
         assert usage["spilled_bytes"] == 0, (dtype, ieee, usage)
         assert usage["shared_bytes"] <= 228 * 1024, usage
+
+
+@pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("which", ["matrices_forward", "matrices_backward"])
+def test_the_matrices_kernels_compile_for_an_h100_without_spilling(which, tmp_path):
+    """The kernels that make the fused path's matrices (one program per channel, its modes in registers, its steps
+    in blocks) build for sm_90 and spill nothing: at the default chunk and N 64, at the largest chunk the bfloat16
+    path takes (128 steps), and at N 256."""
+    for T, n in ((modeling_s4.FUSED_CHUNK, 32), (128, 32), (64, 128)):
+        constexprs = dict(T=T, n=n, TB=s4d_fused._steps_a_block(T, n), SHIFT=0, num_warps=4)
+        if which == "matrices_forward":
+            constexprs["HAS_D"] = True
+        usage = sm90_usage(which, "fp32", tmp_path, **constexprs)
+        assert usage["spilled_bytes"] == 0, (T, n, usage)
+
+
+@needs_triton
+@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "strictly-causal"])
+@pytest.mark.parametrize("with_D", [True, False], ids=["D", "no-D"])
+def test_the_matrices_kernels_equal_the_float64_reference_values_gradients_and_second_derivatives(shift, with_D):
+    """`fused_matrices` (one Triton launch each way where the fused path runs) against `reference_matrices` in
+    float64 under plain autograd: taps, to_state, from_state and dA^T, and the gradients of log dA, C~ and D, to
+    float32 rounding; under `create_graph` the reference's graph gives the gradient (a second derivative exists)."""
+    from s4accel.models.s4d_chunked import reference_matrices
+
+    H, N, T = 3, 32, 64  # the kernels take the steps in blocks of 32 here: two of them
+    ar, ai, cr, ci = kernel_params(H, N)[:4]
+    D = torch.randn(H, dtype=torch.float64, requires_grad=True) if with_D else None
+    params = [ar, ai, cr, ci] + ([D] if with_D else [])
+    ref = reference_matrices((ar, ai), (cr, ci), D, T, shift)
+    g = [torch.randn_like(o) for o in ref]
+    ref_grads = torch.autograd.grad(ref, params, g)
+
+    ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
+    out = s4d_fused.fused_matrices(ours[:2], ours[2:4], ours[4] if with_D else None, T, shift)
+    assert type(out[0].grad_fn).__name__ == "_KernelMatricesBackward"  # the kernels ran, not the reference
+    for name, got, want in zip(["taps", "to_state", "from_state", "step"], out, ref):
+        assert got.shape == want.shape and rel(got, want) < 1e-5, name
+    grads = torch.autograd.grad(out, ours, [t.float().to(DEVICE) for t in g], create_graph=True)
+    for name, got, want in zip(["log_dA.real", "log_dA.imag", "C.real", "C.imag", "D"], grads, ref_grads):
+        assert rel(got, want) < 1e-5, name
+    assert grads[0].requires_grad  # differentiable again
+    grads = torch.autograd.grad(s4d_fused.fused_matrices(ours[:2], ours[2:4], ours[4] if with_D else None, T, shift),
+                                ours, [t.float().to(DEVICE) for t in g])  # the kernel's own backward
+    for name, got, want in zip(["log_dA.real", "log_dA.imag", "C.real", "C.imag", "D"], grads, ref_grads):
+        assert rel(got, want) < 1e-5, name
 
 
 @needs_triton
