@@ -10,8 +10,9 @@ rule by hand (`discretize_pairs`, `matrices`); the baseline is the same code und
 (`reference_discretize_pairs`, `reference_matrices`, patched in), measured in the same run:
 
 launches   operations that run a kernel (views left out) in one eager forward + backward of `S4Layer` under bf16
-           autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (B 2, L 128,
-           H 16, chunks of 64; its Triton kernels count one launch each, run here by Triton's interpreter when there
+           autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (B 16, L 128,
+           H 16, chunks of 64; `fused_segments`: B 2, whose rows s4d_segments.py cuts in two; its Triton kernels
+           count one launch each, run here by Triton's interpreter when there
            is no GPU; the fused path makes its matrices with two more Triton kernels, `fused_matrices`, and its
            `reference` variant with the reference under autograd); and of the generation alone (both
            discretizations, ZOH and bilinear; `kernels`: with the fused path's matrices). Exact: the same counts on
@@ -109,9 +110,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     launches = {}
-    passes = {"chunked": ("chunked", 2, 512, 16, 128), "fused": ("fused", 2, 128, 16, 64)}
+    # the fused path with a batch that fills its programs' 16 rows, and with one of 2 rows cut into segments
+    passes = {"chunked": ("chunked", 2, 512, 16, 128), "fused": ("fused", 16, 128, 16, 64),
+              "fused_segments": ("fused", 2, 128, 16, 64)}
     for name, (path, B, L, H, chunk) in passes.items():
-        if s4d_fused.why_not_fused("cpu", torch.float32, chunk, 64) and name == "fused":
+        if s4d_fused.why_not_fused("cpu", torch.float32, chunk, 64) and name.startswith("fused"):
             continue  # no Triton here
         for disc in ("zoh", "bilinear"):
             for variant in ("fast", "reference"):

@@ -16,6 +16,11 @@ with m chunks of T steps a segment and the kernels' own matrices (`chunk_matrice
 matmuls in float32, the powers `powers` (one exponential each); autograd gives the backward. The reference: the
 kernels on the whole rows (`fused_conv_channels_first`), which tests compare this with, values and gradients.
 
+Only under `torch.compile`, by default: there inductor fuses these few dozen small operations into a few kernels.
+In eager mode they are about 185 more operations a layer, forward and backward (`python bench/launches.py`:
+`layer/fused_segments` against `layer/fused`), each a launch the host pays for (tens of microseconds on a GPU),
+against what the programs' empty rows cost the kernels, a fraction of a millisecond a layer at 32K tokens a step.
+
 Copied into Hub repositories with `modeling_s4.py`: it imports only torch and its siblings.
 """
 
@@ -39,11 +44,13 @@ def segments(B: int, nc: int | None = None, rows: int | None = None) -> int:
 def fused_conv(x: torch.Tensor, log_dA, C_tilde, D, T: int, shift: int = 0, S: int | None = None) -> torch.Tensor:
     """The fused convolution of `x (H, B, nc T)` (channels first, zeros past the sequence) with the kernel of
     `log_dA`, `C_tilde` (`(H, n)` pairs) and skip D, chunks of T steps: `(H, B, nc T)` in x's dtype. Rows are cut
-    into `S` segments (default `segments(B, nc)`) where a batch would leave the kernels' programs part empty."""
+    into `S` segments where a batch would leave the kernels' programs part empty (default: `segments(B, nc)` under
+    `torch.compile`, 1 in eager mode; see the module's docs)."""
     taps, to_state, from_state, step = fused_matrices(log_dA, C_tilde, D, T, shift)
     H, B, Lp = x.shape
     nc = Lp // T
-    S = segments(B, nc) if S is None else S
+    if S is None:
+        S = segments(B, nc) if torch.compiler.is_compiling() else 1
     if S == 1:
         return fused_conv_channels_first(x, taps, to_state, from_state, step, shift)
     m = -(-nc // S)  # chunks a segment

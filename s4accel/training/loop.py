@@ -324,7 +324,8 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
                       f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
                       f"{precision(accelerator)}")
-    if line := convolution_line(accelerator.unwrap_model(model), accelerator, recipe.data.batch_size):
+    rows = recipe.data.batch_size if recipe.train.compile else None  # (segments: compiled steps only)
+    if line := convolution_line(accelerator.unwrap_model(model), accelerator, rows):
         accelerator.print(line)
     if line := layout.describe(accelerator, model, recipe):
         accelerator.print(line)

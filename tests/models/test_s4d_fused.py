@@ -82,10 +82,22 @@ def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dt
 def test_short_batches_cut_into_segments_equal_the_float64_reference_values_and_every_gradient(dtype, shift, B, S):
     """Rows cut into S segments (`s4d_segments.py`: what a program's empty rows would have cost, spent on later
     parts of the same rows; each segment's starting state added after) against the float64 reference. 5 chunks in
-    4 segments pad to 8 chunks; the default S for 2 rows of 5 chunks is 4."""
+    4 segments pad to 8 chunks; the default S for 2 rows of 5 chunks is 4 (under torch.compile; eager, 1)."""
     assert s4d_segments.segments(2, 5) == 4 and s4d_segments.segments(40, 5) == 1
     check_against_the_float64_reference(
         lambda *args: s4d_segments.fused_conv(*args, S=S), dtype, shift, B)
+
+
+@needs_triton
+def test_in_eager_mode_short_batches_are_read_whole_by_default(monkeypatch):
+    """Eager, the segments' correction would cost more launches than the programs' empty rows cost (the module's
+    docs): a batch of 2 rows is read whole unless S is given."""
+    def refuse(*args):
+        raise AssertionError("segments in eager mode")
+    monkeypatch.setattr(s4d_segments, "_from_earlier_segments", refuse)
+    check_against_the_float64_reference(s4d_segments.fused_conv, torch.float32, 0, 2)
+    with pytest.raises(AssertionError, match="segments in eager mode"):
+        check_against_the_float64_reference(lambda *args: s4d_segments.fused_conv(*args, S=2), torch.float32, 0, 2)
 
 
 @needs_triton
@@ -307,7 +319,8 @@ def test_the_matrices_kernels_equal_the_float64_reference_values_gradients_and_s
 @needs_triton
 def test_the_run_says_when_it_cuts_short_batches_into_segments():
     """The start-of-run line about the convolution says when the fused path will cut a micro-batch's rows into
-    segments (fewer rows than a kernel program takes), and not otherwise."""
+    segments (fewer rows than a kernel program takes; the loop passes the rows of compiled steps alone), and not
+    otherwise."""
     from types import SimpleNamespace
 
     from s4accel.training.devices.precision import convolution_line

@@ -73,7 +73,8 @@ def apply_fsdp_precision(accelerator, model: torch.nn.Module) -> list[str]:
 def convolution_line(model: torch.nn.Module, accelerator, rows: int | None = None) -> str | None:
     """The line a run prints about its S4 layers' convolution (the path, its operand dtype and chunk, as the model
     chooses them for this device and precision), or None for a model without S4 layers. `rows`: a micro-batch's
-    rows, when known (the fused path cuts the rows of short batches into segments)."""
+    rows, when known and the step compiled (the compiled fused path cuts the rows of short batches into
+    segments)."""
     from ...models.modeling_s4 import conv_plan
     from ...models.s4d_segments import segments
 
