@@ -11,8 +11,8 @@ rule by hand (`discretize_pairs`, `matrices`); the baseline is the same code und
 
 launches   operations that run a kernel (views left out) in one eager forward + backward of `S4Layer` under bf16
            autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (B 16, L 128,
-           H 16, chunks of 64; `fused_segments`: B 2, whose rows s4d_segments.py cuts in two; its Triton kernels
-           count one launch each, run here by Triton's interpreter when there
+           H 16, chunks of 64; `fused_segments`: B 2, its rows cut in two as s4d_segments.py does under
+           torch.compile; its Triton kernels count one launch each, run here by Triton's interpreter when there
            is no GPU; the fused path makes its matrices with two more Triton kernels, `fused_matrices`, and its
            `reference` variant with the reference under autograd); and of the generation alone (both
            discretizations, ZOH and bilinear; `kernels`: with the fused path's matrices). Exact: the same counts on
@@ -82,6 +82,21 @@ def generation(variant: str):
         modeling.discretize_pairs, s4d_chunked.matrices, s4d_segments.fused_matrices = saved
 
 
+@contextlib.contextmanager
+def segments_forced():
+    """The fused path cutting short batches into segments in eager mode too, as it does under torch.compile."""
+    modeling = sys.modules[S4Layer.__module__]
+    saved = modeling.fused_conv
+
+    def cut(x, *args, **kwargs):
+        return saved(x, *args, S=s4d_segments.segments(x.shape[1], x.shape[2] // args[3]), **kwargs)
+    modeling.fused_conv = cut
+    try:
+        yield
+    finally:
+        modeling.fused_conv = saved
+
+
 def layer_pass(path: str, B: int, L: int, H: int, chunk: int, disc: str = "zoh"):
     torch.manual_seed(0)
     layer = S4Layer(S4Config(d_model=H, d_state=64, conv_path=path, conv_chunk=chunk, disc=disc))
@@ -118,7 +133,7 @@ def main(argv=None) -> int:
             continue  # no Triton here
         for disc in ("zoh", "bilinear"):
             for variant in ("fast", "reference"):
-                with generation(variant):
+                with generation(variant), segments_forced() if name == "fused_segments" else contextlib.nullcontext():
                     launches[f"layer/{name}/{disc}/{variant}"] = count(layer_pass(path, B, L, H, chunk, disc))
     for disc in ("zoh", "bilinear"):
         for variant in ("fast", "reference"):
