@@ -13,9 +13,9 @@ launches   operations that run a kernel (views left out) in one eager forward + 
            autocast: the chunked path (B 2, L 512, H 16, chunks of 128: 4 chunks) and the fused path (B 16, L 128,
            H 16, chunks of 64; `fused_segments`: B 2, its rows cut in two as s4d_segments.py does under
            torch.compile; its Triton kernels count one launch each, run here by Triton's interpreter when there
-           is no GPU; the fused path makes its matrices with two more Triton kernels, `fused_matrices`, and its
+           is no GPU; the fused path makes its matrices, and ZOH's discretization, with Triton kernels too, and its
            `reference` variant with the reference under autograd); and of the generation alone (both
-           discretizations, ZOH and bilinear; `kernels`: with the fused path's matrices). Exact: the same counts on
+           discretizations, ZOH and bilinear; `kernels`: as the fused path makes it). Exact: the same counts on
            any machine and at any shape (launches do not grow with B, H or, past one chunk, L).
 host_ms    one eager forward + backward of the chunked layer at a shape where the arithmetic is negligible (B 1, L 512,
            H 16): what the host spends per pass. Paired rounds (one pass of each variant per round, rotating order),
@@ -73,13 +73,14 @@ def generation(variant: str):
         return
     modeling = sys.modules[S4Layer.__module__]
     # what the layer, chunk_matrices and the fused path's segments call by name
-    saved = (modeling.discretize_pairs, s4d_chunked.matrices, s4d_segments.fused_matrices)
-    modeling.discretize_pairs = s4d_chunked.reference_discretize_pairs
+    saved = (modeling.discretize_pairs, modeling.fused_discretize, s4d_chunked.matrices, s4d_segments.fused_matrices)
+    modeling.discretize_pairs = modeling.fused_discretize = s4d_chunked.reference_discretize_pairs
     s4d_chunked.matrices = s4d_segments.fused_matrices = s4d_chunked.reference_matrices
     try:
         yield
     finally:
-        modeling.discretize_pairs, s4d_chunked.matrices, s4d_segments.fused_matrices = saved
+        (modeling.discretize_pairs, modeling.fused_discretize, s4d_chunked.matrices,
+         s4d_segments.fused_matrices) = saved
 
 
 @contextlib.contextmanager
@@ -139,15 +140,16 @@ def main(argv=None) -> int:
         for variant in ("fast", "reference"):
             layer = S4Layer(S4Config(d_model=16, d_state=64, disc=disc))
 
-            def gen(make=None):  # (s4d_chunked.matrices looked up when called: `generation` patches it)
-                log_dA, (cr, ci) = layer.kernel.discretize_pairs()
-                out = (make or s4d_chunked.matrices)(log_dA, (cr[0], ci[0]), layer.D, 64)
+            def gen(kernels=False):  # (s4d_chunked.matrices looked up when called: `generation` patches it)
+                log_dA, (cr, ci) = layer.kernel.discretize_pairs(fused=kernels)
+                make = s4d_fused.fused_matrices if kernels else s4d_chunked.matrices
+                out = make(log_dA, (cr[0], ci[0]), layer.D, 64)
                 torch.autograd.grad(out, list(layer.parameters())[:4], [torch.ones_like(t) for t in out],
                                     allow_unused=True)
             with generation(variant):
                 launches[f"generation/{disc}/{variant}"] = count(gen)
         if not s4d_fused.why_not_fused("cpu", torch.float32, 64, 64):  # the fused path's matrices: its kernels
-            launches[f"generation/{disc}/kernels"] = count(lambda: gen(s4d_fused.fused_matrices))
+            launches[f"generation/{disc}/kernels"] = count(lambda: gen(kernels=True))
     fns = {}
     for variant in ("fast", "reference"):
         run = layer_pass("chunked", 1, 512, 16, 128)

@@ -48,7 +48,7 @@ from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, from_channels_first,
                           project_channels_first, to_channels_first)
-from .s4d_fused import ieee_products, why_not_fused
+from .s4d_fused import fused_discretize, ieee_products, why_not_fused
 from .s4d_segments import fused_conv
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,15 +373,18 @@ class S4DKernel(_SSMKernel):
             log_dA, dB = torch.log((1.0 + dtA / 2) / (1.0 - dtA / 2)), dt / (1.0 - dtA / 2)
         return log_dA, _complex(self.C) * dB
 
-    def discretize_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    def discretize_pairs(self, fused: bool = False) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                             tuple[torch.Tensor, torch.Tensor]]:
         """`discretize()` in real arithmetic: `log dA` as (real, imaginary) `(H, N/2)` each, `C~` as (real,
         imaginary) `(c, H, N/2)` each, float32 (float64 for fp64 parameters). The chunked convolution reads these:
-        inductor generates no code for complex tensors, so the path `torch.compile` runs has none."""
+        inductor generates no code for complex tensors, so the path `torch.compile` runs has none. `fused`: by the
+        fused path's Triton kernel where it runs (`s4d_fused.fused_discretize`; the same to rounding)."""
         dt = torch.exp(_fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
         Ar = self._per_channel(-torch.exp(_fp32_or_wider(self.log_A_real)))  # (H, N/2), < 0
         Ai = self._per_channel(_fp32_or_wider(self.A_imag))
         C = _fp32_or_wider(self.C)  # (c, H, N/2, 2)
-        return discretize_pairs(dt, (Ar, Ai), (C[..., 0], C[..., 1]), self.config.disc == "zoh")
+        return (fused_discretize if fused else discretize_pairs)(dt, (Ar, Ai), (C[..., 0], C[..., 1]),
+                                                                 self.config.disc == "zoh")
 
     def forward(self, L: int) -> torch.Tensor:
         """Kernels `K (c, H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n dA_n^l)`."""
@@ -743,7 +746,7 @@ class S4Layer(nn.Module):
         (`s4d_fused`) rather than the batched matmuls (`s4d_chunked`); the same function to rounding."""
         B, L, H = u.shape
         nc = -(-L // T)
-        log_dA, (Cr, Ci) = pairs or self.kernel.discretize_pairs()
+        log_dA, (Cr, Ci) = pairs or self.kernel.discretize_pairs(fused)
 
         def conv(x, C, D, shift=0):  # (H, B, nc T) -> the same
             if fused:  # (short batches: their rows cut into segments, s4d_segments.py)
@@ -775,9 +778,8 @@ class S4Layer(nn.Module):
     def _chunked_conv(self, plan: "ConvPlan", D: torch.Tensor):
         """(n, l, H) -> (n, l, H) in plan.dtype, l <= L: `_chunked_channels_first` and back (packed documents; an
         adapted projection)."""
-        pairs = self.kernel.discretize_pairs()
-
         fused = plan.path == "fused"
+        pairs = self.kernel.discretize_pairs(fused)
 
         def conv(v):  # a short document is one chunk
             steps = v.shape[1]

@@ -21,7 +21,8 @@ third of the layer's kernel time).
 
 The matrices (float32, differentiable: the gradients this kernel returns for them flow on to `log_dt`, `A` and `C`
 through PyTorch's autograd) are `s4d_chunked.matrices`, made here by two more small kernels, one launch each way
-(`fused_matrices`, at the end). Products take the operands' dtype (bfloat16 under autocast) with float32
+(`fused_matrices`, at the end), from the ZOH discretization made likewise (`fused_discretize`): in eager mode a
+layer's forward and backward launch a few dozen kernels rather than a few hundred. Products take the operands' dtype (bfloat16 under autocast) with float32
 accumulation, as `tl.dot` does; the state recurrence is float32.
 
 The slow references beside it are those of the chunked form: `s4d_chunked.conv_channels_first` (tests check this
@@ -38,7 +39,7 @@ import re
 
 import torch
 
-from .s4d_chunked import _through, matrices, reference_matrices
+from .s4d_chunked import _through, discretize_pairs, matrices, reference_discretize_pairs, reference_matrices
 
 try:
     import triton
@@ -331,6 +332,17 @@ def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
     return _KernelMatrices.apply(*log_dA, *C_tilde, D, T, shift)
 
 
+def fused_discretize(dt: torch.Tensor, A: tuple, C: tuple, zoh: bool):
+    """`s4d_chunked.discretize_pairs` (the same arguments and results) in one Triton launch each way where the
+    kernels run (ZOH, float32, N/2 a power of two); elsewhere that function, its reference."""
+    Ar = A[0]
+    if (triton is None or not zoh or Ar.dtype != torch.float32 or not (Ar.is_cuda or INTERPRETED)
+            or Ar.shape[-1] & (Ar.shape[-1] - 1)):
+        return discretize_pairs(dt, A, C, zoh)
+    ar, ai, cr, ci = _KernelDiscretize.apply(dt, *A, *C)
+    return (ar, ai), (cr, ci)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The matrices themselves. `s4d_chunked.matrices` writes them, forward and backward, in about 60 PyTorch operations
 # on (H, N/2, T) tensors: in eager mode 60 kernel launches a layer, which the host pays for while the GPU, done with
@@ -508,3 +520,124 @@ class _KernelMatrices(torch.autograd.Function):
         outs = [g.contiguous() for g in (g_taps, g_to, g_from, g_step)]  # (an unused output's: zeros)
         grads = _matrices_backward(ar, ai, cr, ci, *outs, ctx.T, ctx.shift)
         return *grads, (g_taps[:, 0] if ctx.has_D else None), None, None
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The discretization (ZOH) likewise, one program per channel over its modes and kernels (c: 1, or 2 bidirectional):
+#
+#     log dA = dt A,   dB = (exp(dt A) - 1) / A,   C~ = C dB
+#
+# and its backward as `s4d_chunked._Discretize.backward` writes it (the ZOH branch), about 60 eager operations
+# forward and backward together before.
+
+if triton is not None:
+    @triton.jit
+    def _expm1(x):
+        """exp(x) - 1 without the cancellation near 0 (Triton has no expm1): its Taylor series below 0.1, where the
+        first term left out is below 3e-13 of the value; exp(x) - 1 from there, which loses at most 2^-24 / 0.1."""
+        small = x * (1 + x / 2 * (1 + x / 3 * (1 + x / 4 * (1 + x / 5 * (1 + x / 6 * (1 + x / 7))))))
+        return tl.where(tl.abs(x) < 0.1, small, tl.exp(x) - 1)
+
+    @triton.jit
+    def _zoh(dt, a_r, a_i):
+        """dt A, dB and exp(dt A), each as (real, imaginary)."""
+        ar, ai = dt * a_r, dt * a_i
+        cos, e = tl.cos(ai), tl.exp(ar)
+        num_r = _expm1(ar) * cos + (cos - 1)  # Re(exp(dt A) - 1)
+        num_i = e * tl.sin(ai)
+        norm = a_r * a_r + a_i * a_i
+        return ar, ai, (num_r * a_r + num_i * a_i) / norm, (num_i * a_r - num_r * a_i) / norm, e * cos, num_i
+
+    @triton.jit
+    def _discretize_forward_kernel(dt, Ar, Ai, Cr, Ci, ar, ai, ctr, cti, H, n: tl.constexpr, c: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        m = h * n + tl.arange(0, n)
+        log_r, log_i, db_r, db_i, _, _ = _zoh(tl.load(dt + h), tl.load(Ar + m), tl.load(Ai + m))
+        tl.store(ar + m, log_r)
+        tl.store(ai + m, log_i)
+        for k in tl.static_range(c):  # C~ = C dB for each kernel
+            c_r, c_i = tl.load(Cr + k * H * n + m), tl.load(Ci + k * H * n + m)
+            tl.store(ctr + k * H * n + m, c_r * db_r - c_i * db_i)
+            tl.store(cti + k * H * n + m, c_r * db_i + c_i * db_r)
+
+    @triton.jit
+    def _discretize_backward_kernel(dt, Ar, Ai, Cr, Ci, g_ar, g_ai, g_cr, g_ci, d_dt, d_Ar, d_Ai, d_Cr, d_Ci, H,
+                                    n: tl.constexpr, c: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        m = h * n + tl.arange(0, n)
+        step = tl.load(dt + h)
+        a_r, a_i = tl.load(Ar + m), tl.load(Ai + m)
+        _, _, db_r, db_i, ez_r, ez_i = _zoh(step, a_r, a_i)
+        gb_r = tl.zeros((n,), tl.float32)  # g_dB = sum over the kernels of conj(C) g_C~
+        gb_i = tl.zeros((n,), tl.float32)
+        for k in tl.static_range(c):
+            at = k * H * n + m
+            c_r, c_i = tl.load(Cr + at), tl.load(Ci + at)
+            g_r, g_i = tl.load(g_cr + at), tl.load(g_ci + at)
+            tl.store(d_Cr + at, db_r * g_r + db_i * g_i)  # conj(dB) g_C~
+            tl.store(d_Ci + at, db_r * g_i - db_i * g_r)
+            gb_r += c_r * g_r + c_i * g_i
+            gb_i += c_r * g_i - c_i * g_r
+        norm = a_r * a_r + a_i * a_i
+        h_r = (a_r * gb_r - a_i * gb_i) / norm  # conj(1 / A) g_dB
+        h_i = (a_r * gb_i + a_i * gb_r) / norm
+        gz_r = tl.load(g_ar + m) + ez_r * h_r + ez_i * h_i  # g_z = g_logdA + conj(exp(z)) h
+        gz_i = tl.load(g_ai + m) + ez_r * h_i - ez_i * h_r
+        tl.store(d_Ar + m, step * gz_r - (db_r * h_r + db_i * h_i))  # dt g_z - conj(dB) h
+        tl.store(d_Ai + m, step * gz_i - (db_r * h_i - db_i * h_r))
+        tl.store(d_dt + h, tl.sum(a_r * gz_r + a_i * gz_i, axis=0))
+
+
+@torch.library.custom_op(f"{_NS}::discretize", mutates_args=())
+def _discretize_forward(dt: torch.Tensor, Ar: torch.Tensor, Ai: torch.Tensor, Cr: torch.Tensor,
+                        Ci: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log dA (H, n) and C~ (c, H, n) as real and imaginary parts, float32, for dt (H, 1), A (H, n), C (c, H, n)."""
+    c, H, n = Cr.shape
+    outs = [torch.empty_like(Ar), torch.empty_like(Ar), torch.empty_like(Cr), torch.empty_like(Cr)]
+    with _on(Ar):
+        _discretize_forward_kernel[(H,)](dt, Ar, Ai, Cr, Ci, *outs, H, n=n, c=c, num_warps=1)
+    return tuple(outs)
+
+
+@_discretize_forward.register_fake
+def _discretize_forward_fake(dt, Ar, Ai, Cr, Ci):
+    return torch.empty_like(Ar), torch.empty_like(Ar), torch.empty_like(Cr), torch.empty_like(Cr)
+
+
+@torch.library.custom_op(f"{_NS}::discretize_backward", mutates_args=())
+def _discretize_backward(dt: torch.Tensor, Ar: torch.Tensor, Ai: torch.Tensor, Cr: torch.Tensor, Ci: torch.Tensor,
+                         g_ar: torch.Tensor, g_ai: torch.Tensor, g_cr: torch.Tensor, g_ci: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of dt (H, 1), A (H, n) and C (c, H, n), float32."""
+    c, H, n = Cr.shape
+    grads = [torch.empty_like(dt), torch.empty_like(Ar), torch.empty_like(Ai), torch.empty_like(Cr),
+             torch.empty_like(Ci)]
+    with _on(Ar):
+        _discretize_backward_kernel[(H,)](dt, Ar, Ai, Cr, Ci, g_ar, g_ai, g_cr, g_ci, *grads, H, n=n, c=c,
+                                          num_warps=1)
+    return tuple(grads)
+
+
+@_discretize_backward.register_fake
+def _discretize_backward_fake(dt, Ar, Ai, Cr, Ci, g_ar, g_ai, g_cr, g_ci):
+    return (torch.empty_like(dt), torch.empty_like(Ar), torch.empty_like(Ai), torch.empty_like(Cr),
+            torch.empty_like(Ci))
+
+
+class _KernelDiscretize(torch.autograd.Function):
+    """`s4d_chunked._Discretize` (ZOH) in one Triton launch each way."""
+
+    @staticmethod
+    def forward(ctx, dt, Ar, Ai, Cr, Ci):
+        params = [p.contiguous() for p in (dt, Ar, Ai, Cr, Ci)]
+        ctx.save_for_backward(*params)
+        return _discretize_forward(*params)
+
+    @staticmethod
+    def backward(ctx, g_ar, g_ai, g_cr, g_ci):
+        params = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
+            return tuple(_through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], True)
+                                              for t in pair], params, (g_ar, g_ai, g_cr, g_ci)))
+        return _discretize_backward(*params, *(g.contiguous() for g in (g_ar, g_ai, g_cr, g_ci)))
