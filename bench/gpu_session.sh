@@ -5,8 +5,9 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
 #         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
 #         graph on both paths, whose compiled step lost the kernel taps' gradient on torch 2.11, the GPU machines':
-#         fixed, and checked on CPU with that torch by make test-gpu-torch), then the S4D model compiled at every
-#         length (the issue's two first), short batches cut into segments (s4d_segments.py), the attention layer
+#         fixed, and checked on CPU with that torch by make test-gpu-torch), then the fused layer eager (its
+#         discretization and matrices now one Triton launch each way: 46 launches a pass), the S4D model compiled at
+#         every length (the issue's two first), short batches cut into segments (s4d_segments.py), the attention layer
 #         compiled (the compiled S4 layer's fair opponent), the fused layer replayed as CUDA graphs with its input
 #         read in place, and the profiles; what the time left does not reach is listed as skipped
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
@@ -46,10 +47,11 @@ if [ "${PYTEST_S:-200}" -gt 0 ]; then
     tests/models/test_s4d_fused.py; python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -m gpu \
     tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi
-# 2. speed: by default the S4D model compiled at every length (the dense one's cells of an earlier run stand beside
-#    it: its code has not changed), the attention and S4 layers compiled, and the profiles
+# 2. speed: by default the fused layer eager, the S4D model compiled at every length (the dense one's cells of an
+#    earlier run stand beside it: its code has not changed), the attention and S4 layers compiled, and the profiles
+speed="fused_eager s4d_compiled attention_compiled layer_graphs profile"
 timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
-  --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-s4d_compiled attention_compiled layer_graphs profile} \
+  --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-$speed} \
   --model-lengths ${LENGTHS:-2048 8192 1024 4096 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then

@@ -862,7 +862,8 @@ def main(argv=None) -> int:
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
-                             "layer_graphs", "profile_compiled", "whole_rows", "attention_compiled", "profile_moe"])
+                             "layer_graphs", "profile_compiled", "whole_rows", "attention_compiled", "profile_moe",
+                             "fused_eager"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -912,6 +913,7 @@ def main(argv=None) -> int:
                 "fused_sweep": lambda: section_fused_sweep(bench, s),
                 "layer_fused": lambda: (section_layer_paths(bench, s, ("fused",)),
                                         section_layer_compiled(bench, s, ("fused",))),
+                "fused_eager": lambda: section_layer_paths(bench, s, ("fused",)),
                 "s4d_models": lambda: section_models(bench, s, [("s4d", L, c) for c in (False, True)
                                                                 for L in s["model_lengths"]]),
                 # the issue's comparison at its lengths in the models' best mode: S4D (auto path) and dense, compiled
