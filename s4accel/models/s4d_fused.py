@@ -22,8 +22,8 @@ third of the layer's kernel time).
 The matrices (float32, differentiable: the gradients this kernel returns for them flow on to `log_dt`, `A` and `C`
 through PyTorch's autograd) are `s4d_chunked.matrices`, made here by two more small kernels, one launch each way
 (`fused_matrices`, at the end), from the ZOH discretization made likewise (`fused_discretize`): in eager mode a
-layer's forward and backward launch a few dozen kernels rather than a few hundred. Products take the operands' dtype (bfloat16 under autocast) with float32
-accumulation, as `tl.dot` does; the state recurrence is float32.
+layer's forward and backward launch a few dozen kernels rather than a few hundred. Products take the operands'
+dtype (bfloat16 under autocast) with float32 accumulation, as `tl.dot` does; the state recurrence is float32.
 
 The slow references beside it are those of the chunked form: `s4d_chunked.conv_channels_first` (tests check this
 kernel against it and against the float64 FFT convolution, values and every gradient). Without a GPU the tests run
