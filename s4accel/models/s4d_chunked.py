@@ -107,8 +107,7 @@ class _Discretize(torch.autograd.Function):
     def backward(ctx, g_ar, g_ai, g_cr, g_ci):
         dt, Ar, Ai, Cr, Ci, dBr, dBi, *ez = ctx.saved_tensors
         if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
-            return *_through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], ctx.zoh)
-                                         for t in pair], (dt, Ar, Ai, Cr, Ci), (g_ar, g_ai, g_cr, g_ci)), None
+            return *discretize_through((dt, Ar, Ai, Cr, Ci), (g_ar, g_ai, g_cr, g_ci), ctx.zoh), None
         g_Cr, g_Ci = _mul_conj((dBr, dBi), (g_cr, g_ci))
         gB = tuple(g.sum(0) for g in _mul_conj((Cr, Ci), (g_cr, g_ci)))  # conj(C) g_C~, over the c kernels
         if ctx.zoh:
@@ -143,6 +142,20 @@ def _through(reference, inputs: tuple, grads: tuple) -> list:
     for i, g in zip(wanted, got):
         out[i] = g
     return out
+
+
+def discretize_through(inputs: tuple, grads: tuple, zoh: bool) -> list:
+    """`_through` for the discretization: the gradients of (dt, Ar, Ai, Cr, Ci) by `reference_discretize_pairs`."""
+    return _through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], zoh) for t in pair],
+                    inputs, grads)
+
+
+def matrices_through(inputs: tuple, grads: tuple, T: int, shift: int) -> list:
+    """`_through` for the matrices: the gradients of (ar, ai, cr, ci, D or None) by `reference_matrices`."""
+    with_D = inputs[4] is not None
+    got = _through(lambda *a: reference_matrices(a[:2], a[2:4], a[4] if with_D else None, T, shift),
+                   inputs[:4] + ((inputs[4],) if with_D else ()), grads)
+    return [*got[:4], got[4] if with_D else None]
 
 
 def _mul(a: tuple, b: tuple) -> tuple:
@@ -247,10 +260,8 @@ class _Matrices(torch.autograd.Function):
     def backward(ctx, g_taps, g_to, g_from, g_step):
         pr, pi, cr, ci, t, ar, ai, D = ctx.saved_tensors
         if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
-            inputs = (ar, ai, cr, ci) + ((D,) if ctx.with_D else ())
-            grads = _through(lambda *a: reference_matrices(a[:2], a[2:4], a[4] if ctx.with_D else None, t.numel() - 1,
-                                                           ctx.shift), inputs, (g_taps, g_to, g_from, g_step))
-            return *grads[:4], grads[4] if ctx.with_D else None, None, None
+            return *matrices_through((ar, ai, cr, ci, D if ctx.with_D else None), (g_taps, g_to, g_from, g_step),
+                                     t.numel() - 1, ctx.shift), None, None
         H, n, T1 = pr.shape
         T, shift = T1 - 1, ctx.shift
         g_from, g_to = g_from.view(H, n, 2, T), g_to.view(H, n, 2, T)

@@ -39,7 +39,7 @@ import re
 
 import torch
 
-from .s4d_chunked import _through, discretize_pairs, matrices, reference_discretize_pairs, reference_matrices
+from .s4d_chunked import discretize_pairs, discretize_through, matrices, matrices_through
 
 try:
     import triton
@@ -513,10 +513,8 @@ class _KernelMatrices(torch.autograd.Function):
     def backward(ctx, g_taps, g_to, g_from, g_step):
         ar, ai, cr, ci, D = ctx.saved_tensors
         if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
-            inputs = (ar, ai, cr, ci) + ((D,) if ctx.has_D else ())
-            grads = _through(lambda *a: reference_matrices(a[:2], a[2:4], a[4] if ctx.has_D else None, ctx.T,
-                                                           ctx.shift), inputs, (g_taps, g_to, g_from, g_step))
-            return *grads[:4], grads[4] if ctx.has_D else None, None, None
+            return *matrices_through((ar, ai, cr, ci, D if ctx.has_D else None), (g_taps, g_to, g_from, g_step),
+                                     ctx.T, ctx.shift), None, None
         outs = [g.contiguous() for g in (g_taps, g_to, g_from, g_step)]  # (an unused output's: zeros)
         grads = _matrices_backward(ar, ai, cr, ci, *outs, ctx.T, ctx.shift)
         return *grads, (g_taps[:, 0] if ctx.has_D else None), None, None
@@ -638,6 +636,5 @@ class _KernelDiscretize(torch.autograd.Function):
     def backward(ctx, g_ar, g_ai, g_cr, g_ci):
         params = ctx.saved_tensors
         if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
-            return tuple(_through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], True)
-                                              for t in pair], params, (g_ar, g_ai, g_cr, g_ci)))
+            return tuple(discretize_through(params, (g_ar, g_ai, g_cr, g_ci), True))
         return _discretize_backward(*params, *(g.contiguous() for g in (g_ar, g_ai, g_cr, g_ci)))
