@@ -6,7 +6,7 @@
 #         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
 #         graph on both paths, whose compiled step lost the kernel taps' gradient on torch 2.11, the GPU machines':
 #         fixed, and checked on CPU with that torch by make test-floor), then the fused layer eager (its
-#         discretization and matrices now one Triton launch each way: 46 launches a pass), the S4D model compiled at
+#         discretization and matrices now one Triton launch each way: 33 launches a pass), the S4D model compiled at
 #         every length (the two first), short batches cut into segments (s4d_segments.py), the attention layer
 #         compiled (the compiled S4 layer's fair opponent), the fused layer replayed as CUDA graphs with its input
 #         read in place, and the profiles; what the time left does not reach is listed as skipped

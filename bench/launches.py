@@ -74,13 +74,20 @@ def generation(variant: str):
     modeling = sys.modules[S4Layer.__module__]
     # what the layer, chunk_matrices and the fused path's segments call by name
     saved = (modeling.discretize_pairs, modeling.fused_discretize, s4d_chunked.matrices, s4d_segments.fused_matrices)
-    modeling.discretize_pairs = modeling.fused_discretize = s4d_chunked.reference_discretize_pairs
+    modeling.discretize_pairs = s4d_chunked.reference_discretize_pairs
+    modeling.fused_discretize = reference_fused_discretize
     s4d_chunked.matrices = s4d_segments.fused_matrices = s4d_chunked.reference_matrices
     try:
         yield
     finally:
         (modeling.discretize_pairs, modeling.fused_discretize, s4d_chunked.matrices,
          s4d_segments.fused_matrices) = saved
+
+
+def reference_fused_discretize(log_dt, log_A_real, A_imag, C, zoh: bool, copies: int = 1):
+    """`s4d_fused.fused_discretize` (which reads the parameters as stored) by the reference under plain autograd."""
+    return s4d_chunked.reference_discretize_pairs(
+        *s4d_chunked.parameter_pairs(log_dt, log_A_real, A_imag, C, copies), zoh)
 
 
 @contextlib.contextmanager

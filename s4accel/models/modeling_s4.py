@@ -46,7 +46,7 @@ from .configuration_s4 import S4Config
 from .context_parallel import ChunkRows, ContextParallel
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
-from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, from_channels_first,
+from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, from_channels_first, parameter_pairs,
                           project_channels_first, to_channels_first)
 from .s4d_fused import fused_discretize, ieee_products, why_not_fused
 from .s4d_segments import fused_conv
@@ -378,13 +378,12 @@ class S4DKernel(_SSMKernel):
         """`discretize()` in real arithmetic: `log dA` as (real, imaginary) `(H, N/2)` each, `C~` as (real,
         imaginary) `(c, H, N/2)` each, float32 (float64 for fp64 parameters). The chunked convolution reads these:
         inductor generates no code for complex tensors, so the path `torch.compile` runs has none. `fused`: by the
-        fused path's Triton kernel where it runs (`s4d_fused.fused_discretize`; the same to rounding)."""
-        dt = torch.exp(_fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
-        Ar = self._per_channel(-torch.exp(_fp32_or_wider(self.log_A_real)))  # (H, N/2), < 0
-        Ai = self._per_channel(_fp32_or_wider(self.A_imag))
-        C = _fp32_or_wider(self.C)  # (c, H, N/2, 2)
-        return (fused_discretize if fused else discretize_pairs)(dt, (Ar, Ai), (C[..., 0], C[..., 1]),
-                                                                 self.config.disc == "zoh")
+        fused path's Triton kernels where they run (`s4d_fused.fused_discretize`, which also reads the parameters
+        as stored, their exponentials included; the same to rounding)."""
+        params, zoh = (self.log_dt, self.log_A_real, self.A_imag, self.C), self.config.disc == "zoh"
+        if fused:
+            return fused_discretize(*params, zoh, self.copies)
+        return discretize_pairs(*parameter_pairs(*params, self.copies), zoh)  # dt (H, 1), A and C as pairs
 
     def forward(self, L: int) -> torch.Tensor:
         """Kernels `K (c, H, L)` in float32 (or float64): `K[l] = 2 Re(sum_n C~_n dA_n^l)`."""
@@ -753,7 +752,9 @@ class S4Layer(nn.Module):
                 return fused_conv(x, log_dA, C, D, T, shift)
             return conv_channels_first(x, *chunk_matrices(log_dA, C, D, T, nc, shift), nc=nc, shift=shift)
 
-        y = conv(to_channels_first(u, dtype, nc * T), (Cr[0], Ci[0]), D)  # zeros past L
+        # one kernel: squeeze, whose backward is a view, rather than a select's zeros and copy (eager launches)
+        causal = (Cr[0], Ci[0]) if Cr.shape[0] == 2 else (Cr.squeeze(0), Ci.squeeze(0))
+        y = conv(to_channels_first(u, dtype, nc * T), causal, D)  # zeros past L
         if Cr.shape[0] == 2:  # the anti-causal kernel: the reversed sequence, strictly after each step
             back = conv(to_channels_first(u.flip(1), dtype, nc * T), (Cr[1], Ci[1]), None, 1)
             y = y[..., :L] + back[..., :L].flip(-1)

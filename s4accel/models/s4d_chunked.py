@@ -53,6 +53,21 @@ def powers(log_dA: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> tuple[
     return magnitude * torch.cos(angle), magnitude * torch.sin(angle)
 
 
+def parameter_pairs(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: torch.Tensor, C: torch.Tensor,
+                    copies: int = 1):
+    """S4D's parameters as stored -> what `discretize_pairs` reads: `dt = exp(log_dt)` (H, 1), `A = -exp(log_A_real)
+    + i A_imag` as a pair (H, n) (each SSM's modes repeated over its `copies` channels) and `C (c, H, n, 2)` split into
+    its (real, imaginary) halves (c, H, n); float64 stays float64, anything narrower is computed in float32."""
+    def wide(t):
+        return t if t.dtype == torch.float64 else t.float()
+
+    def per_channel(t):
+        return t.repeat_interleave(copies, dim=0) if copies > 1 else t
+    C = wide(C)
+    A = per_channel(-torch.exp(wide(log_A_real))), per_channel(wide(A_imag))
+    return torch.exp(wide(log_dt))[:, None], A, (C[..., 0], C[..., 1])
+
+
 def discretize_pairs(dt: torch.Tensor, A: tuple, C: tuple, zoh: bool):
     """S4D's discretization in real arithmetic: `dt (H, 1)`, `A (H, n)` and `C (c, H, n)` as (real, imaginary)
     pairs -> `log dA (H, n)` and `C~ = C dB (c, H, n)` as pairs. ZOH: `log dA = dt A`, `dB = (exp(dt A) - 1) / A`;
@@ -144,10 +159,13 @@ def _through(reference, inputs: tuple, grads: tuple) -> list:
     return out
 
 
-def discretize_through(inputs: tuple, grads: tuple, zoh: bool) -> list:
-    """`_through` for the discretization: the gradients of (dt, Ar, Ai, Cr, Ci) by `reference_discretize_pairs`."""
-    return _through(lambda *a: [t for pair in reference_discretize_pairs(a[0], a[1:3], a[3:], zoh) for t in pair],
-                    inputs, grads)
+def discretize_through(inputs: tuple, grads: tuple, zoh: bool, stored: bool = False) -> list:
+    """`_through` for the discretization: the gradients of (dt, Ar, Ai, Cr, Ci), or with `stored` of the parameters
+    as stored (log_dt, log_A_real, A_imag, C: `parameter_pairs`), by `reference_discretize_pairs`."""
+    def reference(*a):
+        dt, A, C = parameter_pairs(*a) if stored else (a[0], a[1:3], a[3:])
+        return [t for pair in reference_discretize_pairs(dt, A, C, zoh) for t in pair]
+    return _through(reference, inputs, grads)
 
 
 def matrices_through(inputs: tuple, grads: tuple, T: int, shift: int) -> list:

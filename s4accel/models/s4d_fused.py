@@ -39,7 +39,7 @@ import re
 
 import torch
 
-from .s4d_chunked import discretize_pairs, discretize_through, matrices, matrices_through
+from .s4d_chunked import discretize_pairs, discretize_through, matrices, matrices_through, parameter_pairs
 
 try:
     import triton
@@ -332,14 +332,19 @@ def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):
     return _KernelMatrices.apply(*log_dA, *C_tilde, D, T, shift)
 
 
-def fused_discretize(dt: torch.Tensor, A: tuple, C: tuple, zoh: bool):
-    """`s4d_chunked.discretize_pairs` (the same arguments and results) in one Triton launch each way where the
-    kernels run (ZOH, float32, N/2 a power of two); elsewhere that function, its reference."""
-    Ar = A[0]
-    if (triton is None or not zoh or Ar.dtype != torch.float32 or not (Ar.is_cuda or INTERPRETED)
-            or Ar.shape[-1] & (Ar.shape[-1] - 1)):
-        return discretize_pairs(dt, A, C, zoh)
-    ar, ai, cr, ci = _KernelDiscretize.apply(dt, *A, *C)
+def fused_discretize(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: torch.Tensor, C: torch.Tensor,
+                     zoh: bool, copies: int = 1):
+    """`s4d_chunked.discretize_pairs` of the S4D parameters as stored (`parameter_pairs`: log_dt (H,), log_A_real
+    and A_imag (H / copies, n), C (c, H, n, 2)), with its results, in one Triton launch each way where the kernels
+    run (ZOH, float32, one SSM per channel, n a power of two): the parametrization's exponentials and C's halves are
+    read inside the kernels rather than launched before them. Elsewhere `discretize_pairs(*parameter_pairs(...))`,
+    its reference."""
+    params = (log_dt, log_A_real, A_imag, C)
+    n = log_A_real.shape[-1]
+    if (triton is None or not zoh or copies != 1 or any(p.dtype != torch.float32 for p in params)
+            or not (log_dt.is_cuda or INTERPRETED) or n & (n - 1)):
+        return discretize_pairs(*parameter_pairs(*params, copies), zoh)
+    ar, ai, cr, ci = _KernelDiscretize.apply(*params)
     return (ar, ai), (cr, ci)
 
 
@@ -522,12 +527,13 @@ class _KernelMatrices(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The discretization (ZOH) likewise, one program per channel over its modes and kernels (c: 1, or 2 bidirectional):
+# The discretization (ZOH) likewise, one program per channel over its modes and kernels (c: 1, or 2 bidirectional),
+# from the parameters as stored:
 #
-#     log dA = dt A,   dB = (exp(dt A) - 1) / A,   C~ = C dB
+#     dt = exp(log_dt),   A = -exp(log_A_real) + i A_imag,   log dA = dt A,   dB = (exp(dt A) - 1) / A,   C~ = C dB
 #
-# and its backward as `s4d_chunked._Discretize.backward` writes it (the ZOH branch), about 60 eager operations
-# forward and backward together before.
+# and its backward as `s4d_chunked._Discretize.backward` writes it (the ZOH branch), then through the two
+# exponentials (`d exp(x) / dx = exp(x)`), about 70 eager operations forward and backward together before.
 
 if triton is not None:
     @triton.jit
@@ -548,33 +554,39 @@ if triton is not None:
         return ar, ai, (num_r * a_r + num_i * a_i) / norm, (num_i * a_r - num_r * a_i) / norm, e * cos, num_i
 
     @triton.jit
-    def _discretize_forward_kernel(dt, Ar, Ai, Cr, Ci, ar, ai, ctr, cti, H, n: tl.constexpr, c: tl.constexpr):
-        h = tl.program_id(0).to(tl.int64)
-        m = h * n + tl.arange(0, n)
-        log_r, log_i, db_r, db_i, _, _ = _zoh(tl.load(dt + h), tl.load(Ar + m), tl.load(Ai + m))
-        tl.store(ar + m, log_r)
-        tl.store(ai + m, log_i)
-        for k in tl.static_range(c):  # C~ = C dB for each kernel
-            c_r, c_i = tl.load(Cr + k * H * n + m), tl.load(Ci + k * H * n + m)
-            tl.store(ctr + k * H * n + m, c_r * db_r - c_i * db_i)
-            tl.store(cti + k * H * n + m, c_r * db_i + c_i * db_r)
+    def _parameters(log_dt, log_a, a_imag, h, m):
+        """dt and A's (real, imaginary) parts of channel h's modes m, from the stored parameters."""
+        return tl.exp(tl.load(log_dt + h)), -tl.exp(tl.load(log_a + m)), tl.load(a_imag + m)
 
     @triton.jit
-    def _discretize_backward_kernel(dt, Ar, Ai, Cr, Ci, g_ar, g_ai, g_cr, g_ci, d_dt, d_Ar, d_Ai, d_Cr, d_Ci, H,
-                                    n: tl.constexpr, c: tl.constexpr):
+    def _discretize_forward_kernel(log_dt, log_a, a_imag, C, ar, ai, ctr, cti, H, n: tl.constexpr,
+                                   c: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
         m = h * n + tl.arange(0, n)
-        step = tl.load(dt + h)
-        a_r, a_i = tl.load(Ar + m), tl.load(Ai + m)
+        log_r, log_i, db_r, db_i, _, _ = _zoh(*_parameters(log_dt, log_a, a_imag, h, m))
+        tl.store(ar + m, log_r)
+        tl.store(ai + m, log_i)
+        for k in tl.static_range(c):  # C~ = C dB for each kernel; C (c, H, n, 2) holds (real, imaginary) pairs
+            at = k * H * n + m
+            c_r, c_i = tl.load(C + 2 * at), tl.load(C + 2 * at + 1)
+            tl.store(ctr + at, c_r * db_r - c_i * db_i)
+            tl.store(cti + at, c_r * db_i + c_i * db_r)
+
+    @triton.jit
+    def _discretize_backward_kernel(log_dt, log_a, a_imag, C, g_ar, g_ai, g_cr, g_ci, d_log_dt, d_log_a, d_a_imag,
+                                    d_C, H, n: tl.constexpr, c: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        m = h * n + tl.arange(0, n)
+        step, a_r, a_i = _parameters(log_dt, log_a, a_imag, h, m)
         _, _, db_r, db_i, ez_r, ez_i = _zoh(step, a_r, a_i)
         gb_r = tl.zeros((n,), tl.float32)  # g_dB = sum over the kernels of conj(C) g_C~
         gb_i = tl.zeros((n,), tl.float32)
         for k in tl.static_range(c):
             at = k * H * n + m
-            c_r, c_i = tl.load(Cr + at), tl.load(Ci + at)
+            c_r, c_i = tl.load(C + 2 * at), tl.load(C + 2 * at + 1)
             g_r, g_i = tl.load(g_cr + at), tl.load(g_ci + at)
-            tl.store(d_Cr + at, db_r * g_r + db_i * g_i)  # conj(dB) g_C~
-            tl.store(d_Ci + at, db_r * g_i - db_i * g_r)
+            tl.store(d_C + 2 * at, db_r * g_r + db_i * g_i)  # conj(dB) g_C~
+            tl.store(d_C + 2 * at + 1, db_r * g_i - db_i * g_r)
             gb_r += c_r * g_r + c_i * g_i
             gb_i += c_r * g_i - c_i * g_r
         norm = a_r * a_r + a_i * a_i
@@ -582,53 +594,54 @@ if triton is not None:
         h_i = (a_r * gb_i + a_i * gb_r) / norm
         gz_r = tl.load(g_ar + m) + ez_r * h_r + ez_i * h_i  # g_z = g_logdA + conj(exp(z)) h
         gz_i = tl.load(g_ai + m) + ez_r * h_i - ez_i * h_r
-        tl.store(d_Ar + m, step * gz_r - (db_r * h_r + db_i * h_i))  # dt g_z - conj(dB) h
-        tl.store(d_Ai + m, step * gz_i - (db_r * h_i - db_i * h_r))
-        tl.store(d_dt + h, tl.sum(a_r * gz_r + a_i * gz_i, axis=0))
+        # g_A = dt g_z - conj(dB) h; A's real part is -exp(log_A_real), whose derivative is itself
+        tl.store(d_log_a + m, a_r * (step * gz_r - (db_r * h_r + db_i * h_i)))
+        tl.store(d_a_imag + m, step * gz_i - (db_r * h_i - db_i * h_r))
+        tl.store(d_log_dt + h, step * tl.sum(a_r * gz_r + a_i * gz_i, axis=0))  # g_dt, times d dt / d log_dt = dt
 
 
 @torch.library.custom_op(f"{_NS}::discretize", mutates_args=())
-def _discretize_forward(dt: torch.Tensor, Ar: torch.Tensor, Ai: torch.Tensor, Cr: torch.Tensor,
-                        Ci: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log dA (H, n) and C~ (c, H, n) as real and imaginary parts, float32, for dt (H, 1), A (H, n), C (c, H, n)."""
-    c, H, n = Cr.shape
-    outs = [torch.empty_like(Ar), torch.empty_like(Ar), torch.empty_like(Cr), torch.empty_like(Cr)]
-    with _on(Ar):
-        _discretize_forward_kernel[(H,)](dt, Ar, Ai, Cr, Ci, *outs, H, n=n, c=c, num_warps=1)
+def _discretize_forward(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: torch.Tensor,
+                        C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log dA (H, n) and C~ (c, H, n) as real and imaginary parts, float32, for log_dt (H,), log_A_real and A_imag
+    (H, n), C (c, H, n, 2)."""
+    c, H, n, _ = C.shape
+    outs = [torch.empty_like(log_A_real), torch.empty_like(log_A_real), C.new_empty(c, H, n), C.new_empty(c, H, n)]
+    with _on(C):
+        _discretize_forward_kernel[(H,)](log_dt, log_A_real, A_imag, C, *outs, H, n=n, c=c, num_warps=1)
     return tuple(outs)
 
 
 @_discretize_forward.register_fake
-def _discretize_forward_fake(dt, Ar, Ai, Cr, Ci):
-    return torch.empty_like(Ar), torch.empty_like(Ar), torch.empty_like(Cr), torch.empty_like(Cr)
+def _discretize_forward_fake(log_dt, log_A_real, A_imag, C):
+    return (torch.empty_like(log_A_real), torch.empty_like(log_A_real), C.new_empty(C.shape[:-1]),
+            C.new_empty(C.shape[:-1]))
 
 
 @torch.library.custom_op(f"{_NS}::discretize_backward", mutates_args=())
-def _discretize_backward(dt: torch.Tensor, Ar: torch.Tensor, Ai: torch.Tensor, Cr: torch.Tensor, Ci: torch.Tensor,
+def _discretize_backward(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: torch.Tensor, C: torch.Tensor,
                          g_ar: torch.Tensor, g_ai: torch.Tensor, g_cr: torch.Tensor, g_ci: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of dt (H, 1), A (H, n) and C (c, H, n), float32."""
-    c, H, n = Cr.shape
-    grads = [torch.empty_like(dt), torch.empty_like(Ar), torch.empty_like(Ai), torch.empty_like(Cr),
-             torch.empty_like(Ci)]
-    with _on(Ar):
-        _discretize_backward_kernel[(H,)](dt, Ar, Ai, Cr, Ci, g_ar, g_ai, g_cr, g_ci, *grads, H, n=n, c=c,
-                                          num_warps=1)
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of the four parameters, float32, in their shapes."""
+    c, H, n, _ = C.shape
+    grads = [torch.empty_like(p) for p in (log_dt, log_A_real, A_imag, C)]
+    with _on(C):
+        _discretize_backward_kernel[(H,)](log_dt, log_A_real, A_imag, C, g_ar, g_ai, g_cr, g_ci, *grads, H, n=n,
+                                          c=c, num_warps=1)
     return tuple(grads)
 
 
 @_discretize_backward.register_fake
-def _discretize_backward_fake(dt, Ar, Ai, Cr, Ci, g_ar, g_ai, g_cr, g_ci):
-    return (torch.empty_like(dt), torch.empty_like(Ar), torch.empty_like(Ai), torch.empty_like(Cr),
-            torch.empty_like(Ci))
+def _discretize_backward_fake(log_dt, log_A_real, A_imag, C, g_ar, g_ai, g_cr, g_ci):
+    return tuple(torch.empty_like(p) for p in (log_dt, log_A_real, A_imag, C))
 
 
 class _KernelDiscretize(torch.autograd.Function):
-    """`s4d_chunked._Discretize` (ZOH) in one Triton launch each way."""
+    """`s4d_chunked._Discretize` (ZOH) of `parameter_pairs` in one Triton launch each way."""
 
     @staticmethod
-    def forward(ctx, dt, Ar, Ai, Cr, Ci):
-        params = [p.contiguous() for p in (dt, Ar, Ai, Cr, Ci)]
+    def forward(ctx, log_dt, log_A_real, A_imag, C):
+        params = [p.contiguous() for p in (log_dt, log_A_real, A_imag, C)]
         ctx.save_for_backward(*params)
         return _discretize_forward(*params)
 
@@ -636,5 +649,5 @@ class _KernelDiscretize(torch.autograd.Function):
     def backward(ctx, g_ar, g_ai, g_cr, g_ci):
         params = ctx.saved_tensors
         if torch.is_grad_enabled():  # a second derivative wanted (create_graph): the reference's graph gives it
-            return tuple(discretize_through(params, (g_ar, g_ai, g_cr, g_ci), True))
+            return tuple(discretize_through(params, (g_ar, g_ai, g_cr, g_ci), True, stored=True))
         return _discretize_backward(*params, *(g.contiguous() for g in (g_ar, g_ai, g_cr, g_ci)))

@@ -329,42 +329,46 @@ def test_the_discretization_kernels_compile_for_an_h100_without_spilling(which, 
 @needs_triton
 @pytest.mark.parametrize("c", [1, 2], ids=["one-kernel", "bidirectional"])
 def test_the_discretization_kernels_equal_the_float64_reference_values_gradients_and_second_derivatives(c):
-    """`fused_discretize` (ZOH: one Triton launch each way where the fused path runs) against
-    `reference_discretize_pairs` in float64 under plain autograd, over the initialisation's range of dt (down to
-    1e-3, where exp(dt A) - 1 cancels unless computed with care): log dA and C~, and the gradients of dt, A and C,
-    to float32 rounding; under `create_graph` the reference's graph gives the gradient. Bilinear: the reference."""
-    from s4accel.models.s4d_chunked import discretize_pairs, reference_discretize_pairs
+    """`fused_discretize` (ZOH: one Triton launch each way where the fused path runs, from the parameters as stored)
+    against `reference_discretize_pairs` of `parameter_pairs` in float64 under plain autograd, over the
+    initialisation's range of dt (down to 1e-3, where exp(dt A) - 1 cancels unless computed with care): log dA and
+    C~, and the gradients of log_dt, log_A_real, A_imag and C, to float32 rounding; under `create_graph` the
+    reference's graph gives the gradient. Bilinear, and SSMs shared by several channels: the reference."""
+    from s4accel.models.s4d_chunked import discretize_pairs, parameter_pairs, reference_discretize_pairs
 
     torch.manual_seed(0)
     H, n = 4, 16
-    dt = torch.logspace(-3, -0.3, H, dtype=torch.float64)[:, None].requires_grad_()
-    Ar = (-torch.rand(H, n, dtype=torch.float64) - 0.01).requires_grad_()
-    Ai = (10 * torch.randn(H, n, dtype=torch.float64)).requires_grad_()
-    Cr, Ci = (torch.randn(c, H, n, dtype=torch.float64).requires_grad_() for _ in range(2))
-    params = [dt, Ar, Ai, Cr, Ci]
-    ref = [t for pair in reference_discretize_pairs(dt, (Ar, Ai), (Cr, Ci), True) for t in pair]
+    log_dt = torch.logspace(-3, -0.3, H, dtype=torch.float64).log().requires_grad_()
+    log_A_real = (torch.rand(H, n, dtype=torch.float64) + 0.01).log().requires_grad_()
+    A_imag = (10 * torch.randn(H, n, dtype=torch.float64)).requires_grad_()
+    C = torch.randn(c, H, n, 2, dtype=torch.float64).requires_grad_()
+    params = [log_dt, log_A_real, A_imag, C]
+    ref = [t for pair in reference_discretize_pairs(*parameter_pairs(*params), True) for t in pair]
     g = [torch.randn_like(t) for t in ref]
     ref_grads = torch.autograd.grad(ref, params, g)
 
     ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
-    out = [t for pair in s4d_fused.fused_discretize(ours[0], ours[1:3], ours[3:], True) for t in pair]
+    out = [t for pair in s4d_fused.fused_discretize(*ours, True) for t in pair]
     assert type(out[0].grad_fn).__name__ == "_KernelDiscretizeBackward"  # the kernels ran, not the reference
     for name, got, want in zip(["log_dA.real", "log_dA.imag", "C~.real", "C~.imag"], out, ref):
         assert got.shape == want.shape and rel(got, want) < 1e-5, name
     # each channel to its own scale (C~ is about dt C, 500x smaller at the smallest dt), against the same formulas in
     # PyTorch's float32 (whose (cos - 1) limits both to ~2e-5 of the float64 values there; exp - 1 would add 1e-4)
-    same = [t for pair in discretize_pairs(ours[0], ours[1:3], ours[3:], True) for t in pair]
+    same = [t for pair in discretize_pairs(*parameter_pairs(*ours), True) for t in pair]
     for h in range(H):
         assert rel(out[2][:, h], same[2][:, h]) < 1e-5 and rel(out[3][:, h], same[3][:, h]) < 1e-5, h
     gg = [t.float().to(DEVICE) for t in g]
     for create_graph in (False, True):
-        out = [t for pair in s4d_fused.fused_discretize(ours[0], ours[1:3], ours[3:], True) for t in pair]
+        out = [t for pair in s4d_fused.fused_discretize(*ours, True) for t in pair]
         grads = torch.autograd.grad(out, ours, gg, create_graph=create_graph)
-        for name, got, want in zip(["dt", "A.real", "A.imag", "C.real", "C.imag"], grads, ref_grads):
-            assert rel(got, want) < 1e-5, (name, create_graph)
+        for name, got, want in zip(["log_dt", "log_A_real", "A_imag", "C"], grads, ref_grads):
+            assert got.shape == want.shape and rel(got, want) < 1e-5, (name, create_graph)
         assert grads[0].requires_grad == create_graph
-    (ar, _), _ = s4d_fused.fused_discretize(ours[0], ours[1:3], ours[3:], False)
+    (ar, _), _ = s4d_fused.fused_discretize(*ours, False)
     assert type(ar.grad_fn).__name__ != "_KernelDiscretizeBackward"  # bilinear: not these kernels
+    shared = [ours[0], ours[1][:2], ours[2][:2], ours[3]]  # two SSMs, each read by two channels
+    (ar, _), _ = s4d_fused.fused_discretize(*shared, True, copies=2)
+    assert type(ar.grad_fn).__name__ != "_KernelDiscretizeBackward" and ar.shape == (H, n)
 
 
 @needs_triton
