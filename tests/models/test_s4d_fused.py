@@ -333,7 +333,8 @@ def test_the_discretization_kernels_equal_the_float64_reference_values_gradients
     against `reference_discretize_pairs` of `parameter_pairs` in float64 under plain autograd, over the
     initialisation's range of dt (down to 1e-3, where exp(dt A) - 1 cancels unless computed with care): log dA and
     C~, and the gradients of log_dt, log_A_real, A_imag and C, to float32 rounding; under `create_graph` the
-    reference's graph gives the gradient. Bilinear, and SSMs shared by several channels: the reference."""
+    reference's graph gives the gradient; bfloat16 parameters too, widened. Bilinear, and SSMs shared by several
+    channels: the reference."""
     from s4accel.models.s4d_chunked import discretize_pairs, parameter_pairs, reference_discretize_pairs
 
     torch.manual_seed(0)
@@ -366,6 +367,12 @@ def test_the_discretization_kernels_equal_the_float64_reference_values_gradients
         assert grads[0].requires_grad == create_graph
     (ar, _), _ = s4d_fused.fused_discretize(*ours, False)
     assert type(ar.grad_fn).__name__ != "_KernelDiscretizeBackward"  # bilinear: not these kernels
+    # parameters kept in bfloat16 (a model cast whole) are widened, as the reference widens them, and take the kernels
+    narrow = [p.detach().bfloat16().requires_grad_() for p in ours]
+    out = [t for pair in s4d_fused.fused_discretize(*narrow, True) for t in pair]
+    assert type(out[0].grad_fn).__name__ == "_KernelDiscretizeBackward"
+    same = [t for pair in discretize_pairs(*parameter_pairs(*narrow), True) for t in pair]
+    assert all(rel(got, want) < 1e-5 for got, want in zip(out, same))
     shared = [ours[0], ours[1][:2], ours[2][:2], ours[3]]  # two SSMs, each read by two channels
     (ar, _), _ = s4d_fused.fused_discretize(*shared, True, copies=2)
     assert type(ar.grad_fn).__name__ != "_KernelDiscretizeBackward" and ar.shape == (H, n)
