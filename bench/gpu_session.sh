@@ -18,8 +18,10 @@
 #         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
 #         the MoE layer eager and compiled, CUDA graphs of the small model, host syncs
-#   PYTEST_S=0 SECTIONS="profile_moe moe_layer" bash bench/gpu_session.sh
-#         where the eager E 8, k 2 MoE layer's time goes (issue 40's last unmet figure), then the layer again
+#   PYTEST_S=0 SECTIONS="moe_layer profile_moe" bash bench/gpu_session.sh
+#         the eager E 8, k 2 MoE layer (issue 40's last unmet figure) with its routing eager and compiled (moe.py's
+#         COMPILE_ROUTING: its cells `moe` and `moe_compiled_routing`, in the same paired run), then where its
+#         time goes (MOE_BASELINE=FILE: an earlier moe.py timed beside them, on the same weights)
 #
 # The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
 # manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,
@@ -45,14 +47,16 @@ if [ "${PYTEST_S:-200}" -gt 0 ]; then
   # (every test of the fused kernels runs on the GPU when there is one: the segments of short batches too)
   timeout "${PYTEST_S:-200}" bash -c "python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short '$lm[fused]' \
     tests/models/test_s4d_fused.py; python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -m gpu \
-    tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
+    tests/models/test_moe.py tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 | grep -v "DEBUG" | tail -60 \
+    | tee "$OUT/pytest.txt"
 fi
 # 2. speed: by default the fused layer eager, the S4D model compiled at every length (the dense one's cells of an
 #    earlier run stand beside it: its code has not changed), the attention and S4 layers compiled, and the profiles
 speed="fused_eager s4d_compiled attention_compiled layer_graphs profile"
 timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
   --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-$speed} \
-  --model-lengths ${LENGTHS:-2048 8192 1024 4096 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
+  --model-lengths ${LENGTHS:-2048 8192 1024 4096 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} \
+  ${MOE_BASELINE:+--moe-baseline "$MOE_BASELINE"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then
   timeout "$NOSYNC_S" python3 bench/gpu_check.py --only no_sync 2>&1 | tail -40 | tee "$OUT/no_sync.txt"

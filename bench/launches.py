@@ -16,7 +16,14 @@ launches   operations that run a kernel (views left out) in one eager forward + 
            is no GPU; the fused path makes its matrices, and ZOH's discretization, with Triton kernels too, and its
            `reference` variant with the reference under autograd); and of the generation alone (both
            discretizations, ZOH and bilinear; `kernels`: as the fused path makes it). Exact: the same counts on
-           any machine and at any shape (launches do not grow with B, H or, past one chunk, L).
+           any machine and at any shape (launches do not grow with B, H or, past one chunk, L). Also the
+           mixture-of-experts layer as CUDA runs it (`moe/grouped_mm`: `MoELayer` with the `grouped_mm` dispatch,
+           E 8, k 2, its balance and z losses, 256 tokens) with its routing eager, and that routing alone
+           (`moe/routing`: the experts replaced by a stub that costs nothing, as bench/moe.py's `routing_only`):
+           on a GPU these tiny operations are where an eager layer may wait for the host, which is what
+           compiling them (`moe.COMPILE_ROUTING`) is for.
+moe_host_ms  one forward + backward of that MoE layer with its routing eager and compiled (`COMPILE_ROUTING`
+           "never" and "always"), paired likewise, one thread.
 host_ms    one eager forward + backward of the chunked layer at a shape where the arithmetic is negligible (B 1, L 512,
            H 16): what the host spends per pass. Paired rounds (one pass of each variant per round, rotating order),
            medians and the median of the per-round ratios. A CPU figure: the host side of a GPU pass is the same code
@@ -117,6 +124,44 @@ def layer_pass(path: str, B: int, L: int, H: int, chunk: int, disc: str = "zoh")
     return run
 
 
+def moe_pass(routing_only: bool = False):
+    """One forward + backward of an E 8, k 2 `MoELayer` (`grouped_mm` dispatch, its losses in the loss) under bf16
+    autocast on 256 tokens of width 64; `routing_only`: its experts replaced by bench/moe.py's stub."""
+    from moe import NoExperts  # bench/moe.py
+
+    from s4accel.models.configuration_moe import MoEConfig
+    from s4accel.models.moe import MoELayer
+
+    torch.manual_seed(0)
+    config = MoEConfig(d_model=64, d_ffn=32, num_experts=8, num_experts_per_tok=2, n_head=4,
+                       moe_dispatch="grouped_mm")
+    layer = MoELayer(config, 64)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    if routing_only:
+        layer.experts = NoExperts()
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, aux = layer(x)
+            y = y + 0 * (aux["balance_loss"] + aux["z_loss"])
+        y.float().sum().backward()
+    return run
+
+
+@contextlib.contextmanager
+def routing_compiled(compiled: bool):
+    """The MoE layer's routing compiled (`moe.COMPILE_ROUTING = "always"`) or eager ("never")."""
+    from s4accel.models import moe
+
+    saved, moe.COMPILE_ROUTING = moe.COMPILE_ROUTING, "always" if compiled else "never"
+    try:
+        yield
+    finally:
+        moe.COMPILE_ROUTING = saved
+
+
 def count(fn) -> int:
     fn()  # warm-up (Triton's interpreter, autocast caches)
     with CountLaunches() as mode:
@@ -157,6 +202,19 @@ def main(argv=None) -> int:
                 launches[f"generation/{disc}/{variant}"] = count(gen)
         if not s4d_fused.why_not_fused("cpu", torch.float32, 64, 64):  # the fused path's matrices: its kernels
             launches[f"generation/{disc}/kernels"] = count(lambda: gen(kernels=True))
+    with routing_compiled(False):
+        launches["moe/grouped_mm"] = count(moe_pass())
+        launches["moe/routing"] = count(moe_pass(routing_only=True))
+    moe_fns = {}
+    for compiled in (False, True):
+        run_moe = moe_pass()
+
+        def moe_timed(run=run_moe, compiled=compiled):
+            with routing_compiled(compiled):
+                run()
+        moe_timed()  # (compiles)
+        moe_fns["compiled_routing" if compiled else "eager_routing"] = moe_timed
+    moe_times = paired_rounds(moe_fns, {name: args.rounds for name in moe_fns})
     fns = {}
     for variant in ("fast", "reference"):
         run = layer_pass("chunked", 1, 512, 16, 128)
@@ -174,9 +232,12 @@ def main(argv=None) -> int:
               "cpus": os.cpu_count(), "threads": args.threads, "command": "python bench/launches.py "
               + " ".join(argv if argv is not None else sys.argv[1:]),
               "launches": launches,
+              "moe_host_ms": {name: round(1000 * statistics.median(t), 3) for name, t in moe_times.items()},
+              "moe_compiled_over_eager_routing": ratio_summary(moe_times, "compiled_routing", "eager_routing"),
               "host_ms": {name: round(1000 * statistics.median(t), 3) for name, t in times.items()},
               "host_fast_over_reference": ratio_summary(times, "fast", "reference"),
-              "samples_ms": {name: [round(1000 * s, 3) for s in t] for name, t in times.items()}}
+              "samples_ms": {name: [round(1000 * s, 3) for s in t]
+                             for name, t in {**times, **{f"moe_{k}": v for k, v in moe_times.items()}}.items()}}
     print(json.dumps({k: v for k, v in report.items() if k != "samples_ms"}, indent=1))
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,9 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
     dense_matmuls_only  the dense MLP's six matmuls alone, likewise
     harness      the timing harness alone on a layer that does nothing: the loss projection of a (T, D) output and
                  its backward, which every layer's pass above includes (not the `*matmuls_only` rows)
+    moe_compiled_routing, routing_only_compiled
+                 `moe_grouped` and `routing_only` with the routing compiled (`moe.COMPILE_ROUTING = "always"`: softmax,
+                 top-k, the static row layout and the losses as one compiled graph; the rest eager)
 
 `floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
 the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),
@@ -61,6 +64,7 @@ from s4_layer import paired_rounds, ratio_summary, timed  # noqa: E402
 
 from s4accel.allocator import keep_freed_memory  # noqa: E402
 from s4accel.models.configuration_moe import MoEConfig  # noqa: E402
+from s4accel.models import moe as moe_module  # noqa: E402
 from s4accel.models.moe import MoELayer, SwiGLUMLP  # noqa: E402
 
 GOALS = {"moe_over_dense_at_most": 1.3, "onehot_over_moe_at_least_at_E64": 2.0}
@@ -168,6 +172,15 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             synchronize(device)
         return run
 
+    def compiled_routing(run):
+        def timed():
+            saved, moe_module.COMPILE_ROUTING = moe_module.COMPILE_ROUTING, "always"
+            try:
+                run()
+            finally:
+                moe_module.COMPILE_ROUTING = saved
+        return timed
+
     def moe_with_losses(layer):
         def forward(x):
             y, aux = layer(x)
@@ -177,12 +190,16 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
     grouped, loop = variants["grouped_mm"], variants["loop"]
     routing = copy.deepcopy(moe)
     routing.experts = NoExperts()
+    routing_grouped = copy.deepcopy(grouped)
+    routing_grouped.experts = NoExperts()
     return {"moe": pass_of(moe, moe_with_losses(moe)), "moe_grouped": pass_of(grouped, moe_with_losses(grouped)),
             "moe_loop": pass_of(loop, moe_with_losses(loop)), "dense": pass_of(dense, dense),
             "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),
             "matmuls_only": expert_matmuls(moe, x0, dtype), "routing_only": pass_of(routing, moe_with_losses(routing)),
             "dense_matmuls_only": dense_matmuls(dense, x0, dtype),
             "harness": pass_of(torch.nn.Module(), lambda x: x + 0),
+            "moe_compiled_routing": compiled_routing(pass_of(grouped, moe_with_losses(grouped))),
+            "routing_only_compiled": compiled_routing(pass_of(routing_grouped, moe_with_losses(routing_grouped))),
             **({"moe_compiled": pass_of(moe, torch.compile(moe_with_losses(moe))),
                 "dense_compiled": pass_of(dense, torch.compile(dense))} if compiled else {})}
 
@@ -237,6 +254,7 @@ def main(argv=None):
                  "onehot_loop_over_moe": ratio_summary(times, "onehot_loop", "moe"),
                  "moe_grouped_over_moe": ratio_summary(times, "moe_grouped", "moe"),
                  "moe_loop_over_moe": ratio_summary(times, "moe_loop", "moe"),
+                 "compiled_routing_over_eager": ratio_summary(times, "moe_compiled_routing", "moe_grouped"),
                  "matmuls_only_over_dense": ratio_summary(times, "matmuls_only", "dense")}
         entry["floor_over_dense"] = floor_over_dense(entry["seconds_median"])
         out["results"][f"E{E}_k{k}"] = entry

@@ -38,7 +38,9 @@ gets a zero output, so the residual connection around the layer passes it throug
 This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch.
 """
 
+import functools
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -48,6 +50,15 @@ DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
 _CHUNK_BYTES = 4 * 2**20  # size of the `fused` path's largest per-chunk buffer: in cache, and well under glibc's
 # mmap threshold, so the buffers are recycled between steps instead of being page-faulted in again (s4accel.allocator)
 EXPERT_ROWS = 16  # every expert matmul has a multiple of this many rows: a token's result never depends on the others
+# Where an eager `grouped_mm` layer compiles its routing (`routing`: softmax, top-k, `static_layout`, the losses;
+# inductor, dynamic shapes, once per E, k and renormalisation): "cuda" on CUDA devices, "always" everywhere (tests),
+# "never" nowhere. Eager, those are about a hundred operations on tensors of T x E values per forward and backward,
+# each a kernel launch a GPU may wait for (bench/launches.py counts them: `moe/routing`; on an H200 at E 8, k 2 and
+# 32K tokens the routing alone took 3.1 ms of the layer's 8.5); compiled, a few kernels. Inside an outer
+# `torch.compile` the routing is traced with the rest instead. Where compiling fails, one warning and eager routing.
+# "never" until a GPU has timed the two side by side (bench/moe.py's `moe_compiled_routing`); then "cuda" if it pays.
+COMPILE_ROUTING = "never"
+_ROUTING_FAILED = []  # the first failure's message, once one happened: routing stays eager from then on
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
@@ -151,6 +162,47 @@ def static_layout(experts: torch.Tensor, weights: torch.Tensor, valid: torch.Ten
     offs = padded.cumsum(0)
     offs[-1:].fill_(R)  # fill_ takes the number as an argument: `offs[-1] = R` copies it from the host, a sync
     return token, offs.to(torch.int32), pair_row, row_weight, counts, dropped
+
+
+def top_k_routes(logits: torch.Tensor, k: int, norm_topk_prob: bool):
+    """Router logits (T, E) -> softmax probabilities (T, E) and each token's k largest as weights and experts (T, k),
+    the weights renormalised to sum 1 when `norm_topk_prob`."""
+    probs = logits.softmax(dim=-1)
+    weights, experts = probs.topk(k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, experts
+
+
+def routing(logits: torch.Tensor, valid: torch.Tensor | None, capacity: int | None, num_experts: int, k: int,
+            norm_topk_prob: bool) -> tuple:
+    """The `grouped_mm` dispatch's routing from the router logits (T, E): `static_layout`'s rows (token, offs,
+    pair_row, row_weight), counts, dropped, then the load-balancing and z losses. Compiled as one graph in eager
+    layers (`COMPILE_ROUTING`)."""
+    probs, weights, experts = top_k_routes(logits, k, norm_topk_prob)
+    *rows, counts, dropped = static_layout(experts, weights, valid, capacity, num_experts)
+    return (tuple(rows), counts, dropped, load_balancing_loss(probs, experts, num_experts, valid),
+            router_z_loss(logits, valid))
+
+
+@functools.lru_cache
+def _compiled_routing(num_experts: int, k: int, norm_topk_prob: bool):
+    return torch.compile(functools.partial(routing, num_experts=num_experts, k=k, norm_topk_prob=norm_topk_prob),
+                         dynamic=True, fullgraph=True)
+
+
+def route_eagerly_or_compiled(logits: torch.Tensor, valid: torch.Tensor | None, capacity: int | None,
+                              num_experts: int, k: int, norm_topk_prob: bool) -> tuple:
+    """`routing`, compiled where `COMPILE_ROUTING` says (never inside an outer compile, which traces it anyway)."""
+    compile_here = COMPILE_ROUTING == "always" or COMPILE_ROUTING == "cuda" and logits.is_cuda
+    if not compile_here or _ROUTING_FAILED or torch.compiler.is_compiling():
+        return routing(logits, valid, capacity, num_experts, k, norm_topk_prob)
+    try:
+        return _compiled_routing(num_experts, k, norm_topk_prob)(logits, valid, capacity)
+    except Exception as e:  # a compiler missing or failing: the same routing, eager (a real error repeats there)
+        _ROUTING_FAILED.append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        warnings.warn(f"MoE routing runs eagerly: compiling it failed ({_ROUTING_FAILED[0]})", stacklevel=2)
+        return routing(logits, valid, capacity, num_experts, k, norm_topk_prob)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -429,23 +481,25 @@ class MoELayer(nn.Module):
         T, E, k = flat.shape[0], self.num_experts, self.top_k
         valid = mask.reshape(-1).bool() if mask is not None else None
         logits = self.route(flat)  # (T, E) fp32
-        probs = logits.softmax(dim=-1)
-        weights, experts = probs.topk(k, dim=-1)  # (T, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-
         capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * T * k / E)
-        if resolve_dispatch(self.dispatch, flat) == "grouped_mm":  # static shapes: no host sync, forward or backward
-            *rows, counts, dropped = static_layout(experts, weights, valid, capacity, E)
-            out = self.experts(flat, rows=tuple(rows))
+        grouped = resolve_dispatch(self.dispatch, flat) == "grouped_mm"  # static shapes: no host sync at all
+        if grouped and parallel is None:  # the routing and its losses in one piece, compiled on GPUs
+            rows, counts, dropped, balance, z = route_eagerly_or_compiled(logits, valid, capacity, E, k,
+                                                                          self.norm_topk_prob)
+            out = self.experts(flat, rows=rows)
         else:
-            out, counts, dropped = self._sorted_dispatch(flat, experts, weights, valid, capacity)
+            probs, weights, experts = top_k_routes(logits, k, self.norm_topk_prob)  # (T, E), (T, k), (T, k)
+            if grouped:
+                *rows, counts, dropped = static_layout(experts, weights, valid, capacity, E)
+                out = self.experts(flat, rows=tuple(rows))
+            else:
+                out, counts, dropped = self._sorted_dispatch(flat, experts, weights, valid, capacity)
+            if parallel is None:
+                balance, z = load_balancing_loss(probs, experts, E, valid), router_z_loss(logits, valid)
+            else:
+                balance, z = group_router_losses(probs, experts, logits, E, valid, parallel)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        if parallel is None:
-            balance, z = load_balancing_loss(probs, experts, E, valid), router_z_loss(logits, valid)
-        else:
-            balance, z = group_router_losses(probs, experts, logits, E, valid, parallel)
         aux = {"router_logits": logits, "balance_loss": balance, "z_loss": z, "expert_counts": counts,
                "dropped": dropped}
         return out.reshape(shape), aux

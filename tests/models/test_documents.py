@@ -49,13 +49,20 @@ def test_changing_the_last_token_of_a_document_leaves_every_logit_of_the_next_bi
     assert not torch.equal(plain[0, a_end + 1:], plain_changed[0, a_end + 1:])  # read as one text, B sees A
 
 
-@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm", "grouped_mm, compiled routing"])
 @pytest.mark.parametrize("variant", ["moe", "s4d+moe"])
-def test_with_experts_too_changing_one_document_leaves_the_next_bit_identical(variant, dispatch):
+def test_with_experts_too_changing_one_document_leaves_the_next_bit_identical(variant, dispatch, monkeypatch):
     """Which tokens share an expert's matmul depends on every token's routing, and a BLAS rounds a row differently
     with the row count of its product: the expert slices are padded to whole tiles of rows so that it never matters.
     Wide enough layers (here 256 x 512, 8 experts) to take the kernels whose rounding depends on the row count.
-    `grouped_mm` is the GPU's dispatch (static row layout), run here on the CPU's grouped_mm."""
+    `grouped_mm` is the GPU's dispatch (static row layout), run here on the CPU's grouped_mm; with its routing
+    compiled, as eager layers can run it on a GPU (`moe.COMPILE_ROUTING`)."""
+    from s4accel.models import moe
+
+    if dispatch.endswith("compiled routing"):
+        monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
+        monkeypatch.setattr(moe, "_ROUTING_FAILED", [])
+        dispatch = "grouped_mm"
     torch.manual_seed(0)
     wide = dict(vocab_size=VOCAB, d_model=256, n_layer=2, d_ffn=512, num_experts=8, moe_dispatch=dispatch)
     m = (MoEForCausalLM(MoEConfig(n_head=4, **wide)) if variant == "moe" else

@@ -100,6 +100,61 @@ def test_grouped_dispatch_with_padding_and_capacity_equals_the_loop(capacity_fac
     assert torch.equal(a0["expert_counts"], a1["expert_counts"]) and torch.equal(a0["dropped"], a1["dropped"])
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_compiled_routing_equals_the_eager_routing_values_layout_and_gradients(capacity_factor, monkeypatch):
+    """An eager `grouped_mm` layer on a GPU runs its routing (softmax, top-k, the static row layout, the losses)
+    compiled: the same rows and counts as eager, the routing weights and losses to rounding, and the same gradients
+    of the router logits; with padding and without, at two token counts (dynamic shapes: one graph each way)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
+    monkeypatch.setattr(moe, "_ROUTING_FAILED", [])
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    for T in (40, 56):
+        for valid in (None, torch.rand(T) > 0.25):
+            logits = torch.randn(T, 4, requires_grad=True)
+            capacity = None if capacity_factor is None else math.ceil(capacity_factor * T * 2 / 4)
+            args = (logits, valid, capacity, 4, 2, True)
+            compiled, eager = moe.route_eagerly_or_compiled(*args), moe.routing(*args)
+            (token, offs, pair_row, weight), counts, dropped, balance, z = compiled
+            (token0, offs0, pair_row0, weight0), counts0, dropped0, balance0, z0 = eager
+            for got, want in ((token, token0), (offs, offs0), (pair_row, pair_row0), (counts, counts0),
+                              (dropped, dropped0)):
+                assert got.dtype == want.dtype and torch.equal(got, want)
+            for got, want in ((weight, weight0), (balance, balance0), (z, z0)):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            g = torch.randn_like(weight)
+            grads = [torch.autograd.grad((w * g).sum() + 0.3 * b + 0.7 * zz, logits)[0]
+                     for w, b, zz in ((weight, balance, z), (weight0, balance0, z0))]
+            torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    assert not moe._ROUTING_FAILED and counters["stats"]["unique_graphs"] == 2  # compiled: with padding, without
+
+
+def test_a_routing_that_does_not_compile_warns_once_and_runs_eagerly(monkeypatch):
+    """Where compiling the routing fails (no compiler, an unsupported torch), the layer says so once and routes
+    eagerly from then on, with the same results."""
+    def broken(*args):
+        def compiled(*a):
+            raise RuntimeError("no C++ compiler found")
+        return compiled
+    monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
+    monkeypatch.setattr(moe, "_ROUTING_FAILED", [])
+    monkeypatch.setattr(moe, "_compiled_routing", broken)
+    m, x = layer(moe_dispatch="grouped_mm"), torch.randn(2, 8, 16)
+    with pytest.warns(UserWarning, match="MoE routing runs eagerly: compiling it failed .RuntimeError: no C"):
+        y, aux = m(x)
+    monkeypatch.setattr(moe, "COMPILE_ROUTING", "never")
+    y0, aux0 = m(x)
+    assert torch.equal(y, y0) and torch.equal(aux["balance_loss"], aux0["balance_loss"])
+    monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(m(x)[0], y0)  # no second warning
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_grouped_dispatch_has_no_data_dependent_shape(capacity_factor):
     """The GPU's dispatch never waits for the GPU inside a forward or backward: traced whole by torch.compile
@@ -468,3 +523,40 @@ def test_every_output_class_declares_the_moe_outputs_a_trainer_reads():
     out = MoECausalLMOutput(loss=torch.tensor(1.0), aux_loss=torch.tensor(0.1), expert_counts=torch.ones(2, 4))
     assert set(router_outputs(out)) == {"aux_loss", "expert_counts"}
     assert router_outputs({"loss": 1.0}) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_an_eager_layer_compiles_its_routing_without_a_host_sync_and_agrees_with_eager_routing():
+    """`COMPILE_ROUTING = "cuda"`: an eager `grouped_mm` layer routes through the compiled `routing` (after its first
+    call, no forward or backward waits for the GPU), with the values and gradients of the same layer routing
+    eagerly."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = layer(capacity_factor=0.8, num_shared_experts=1, moe_dispatch="grouped_mm").cuda()
+    x0, mask = torch.randn(4, 64, 16, device="cuda"), torch.ones(4, 64, dtype=torch.long, device="cuda")
+    mask[1, 50:] = 0
+    results, saved = [], moe.COMPILE_ROUTING
+    for mode in ("cuda", "never"):
+        moe.COMPILE_ROUTING = mode
+        try:
+            for sync_check in ("default", "error"):  # the first pass compiles; the second must not sync
+                x = x0.clone().requires_grad_()
+                m.zero_grad()
+                torch.cuda.set_sync_debug_mode(sync_check if mode == "cuda" else "default")
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y, aux = m(x, mask)
+                (y.float().sum() + aux["balance_loss"] + aux["z_loss"]).backward()
+                torch.cuda.set_sync_debug_mode("default")
+        finally:
+            moe.COMPILE_ROUTING = saved
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((y.float(), x.grad, m.router.weight.grad.clone(), aux["expert_counts"]))
+    assert not moe._ROUTING_FAILED and counters["stats"]["unique_graphs"] >= 1
+    (y1, gx1, gr1, c1), (y0, gx0, gr0, c0) = results
+    assert torch.equal(c1, c0)
+    torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gx1, gx0, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gr1, gr0, rtol=2e-2, atol=2e-3)
