@@ -177,8 +177,8 @@ def top_k_routes(logits: torch.Tensor, k: int, norm_topk_prob: bool):
 def routing(logits: torch.Tensor, valid: torch.Tensor | None, capacity: int | None, num_experts: int, k: int,
             norm_topk_prob: bool) -> tuple:
     """The `grouped_mm` dispatch's routing from the router logits (T, E): `static_layout`'s rows (token, offs,
-    pair_row, row_weight), counts, dropped, then the load-balancing and z losses. Compiled as one graph in eager
-    layers (`COMPILE_ROUTING`)."""
+    pair_row, row_weight), counts, dropped, then the load-balancing and z losses. One graph for `torch.compile` where
+    `COMPILE_ROUTING` says."""
     probs, weights, experts = top_k_routes(logits, k, norm_topk_prob)
     *rows, counts, dropped = static_layout(experts, weights, valid, capacity, num_experts)
     return (tuple(rows), counts, dropped, load_balancing_loss(probs, experts, num_experts, valid),
@@ -483,13 +483,13 @@ class MoELayer(nn.Module):
         logits = self.route(flat)  # (T, E) fp32
         capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * T * k / E)
         grouped = resolve_dispatch(self.dispatch, flat) == "grouped_mm"  # static shapes: no host sync at all
-        if grouped and parallel is None:  # the routing and its losses in one piece, compiled on GPUs
+        if grouped and parallel is None:  # the routing and its losses in one piece (compiled: COMPILE_ROUTING)
             rows, counts, dropped, balance, z = route_eagerly_or_compiled(logits, valid, capacity, E, k,
                                                                           self.norm_topk_prob)
             out = self.experts(flat, rows=rows)
         else:
             probs, weights, experts = top_k_routes(logits, k, self.norm_topk_prob)  # (T, E), (T, k), (T, k)
-            if grouped:
+            if grouped:  # (context parallelism: the losses below are the whole group's)
                 *rows, counts, dropped = static_layout(experts, weights, valid, capacity, E)
                 out = self.experts(flat, rows=tuple(rows))
             else:
