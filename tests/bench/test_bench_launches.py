@@ -22,5 +22,10 @@ def test_launches_bench_counts_both_variants_and_writes_a_dated_file(tmp_path):
         if f"generation/{disc}/kernels" in out["launches"]:
             assert out["launches"][f"generation/{disc}/kernels"] < 0.7 * out["launches"][f"generation/{disc}/fast"]
     assert set(out["host_ms"]) == {"fast", "reference"} and out["host_fast_over_reference"]["paired_median"] > 0
+    # the MoE layer with its routing eager, whose routing is most of its operations (measured: 100 of 134), and its
+    # host time with the routing eager and compiled
+    assert 0.5 * out["launches"]["moe/grouped_mm"] < out["launches"]["moe/routing"] < out["launches"]["moe/grouped_mm"]
+    assert set(out["moe_host_ms"]) == {"eager_routing", "compiled_routing"}
+    assert out["moe_compiled_over_eager_routing"]["paired_median"] > 0
     (written,) = tmp_path.glob("*-launches-cpu-*.json")
     assert len(json.loads(written.read_text())["samples_ms"]["fast"]) == 3
