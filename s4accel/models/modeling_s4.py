@@ -46,8 +46,8 @@ from .configuration_s4 import S4Config
 from .context_parallel import ChunkRows, ContextParallel
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
-from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, from_channels_first, parameter_pairs,
-                          project_channels_first, to_channels_first)
+from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, fp32_or_wider, from_channels_first,
+                          parameter_pairs, project_channels_first, to_channels_first)
 from .s4d_fused import fused_discretize, ieee_products, why_not_fused
 from .s4d_segments import fused_conv
 
@@ -55,14 +55,9 @@ from .s4d_segments import fused_conv
 # Helpers
 
 
-def _fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
-    """float64 stays float64 (for reference checks); anything narrower is computed in float32."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
 def _complex(t: torch.Tensor) -> torch.Tensor:
     """A parameter stored as (..., 2) real pairs (safetensors holds no complex dtype) as a complex tensor."""
-    return torch.view_as_complex(_fp32_or_wider(t).contiguous())
+    return torch.view_as_complex(fp32_or_wider(t).contiguous())
 
 
 def _with_conjugates(t: torch.Tensor) -> torch.Tensor:
@@ -307,7 +302,7 @@ class _SSMKernel(nn.Module):
 
     def _A(self) -> torch.Tensor:
         """A (H, N/2) complex64 (complex128 for fp64 parameters)."""
-        A = torch.complex(-torch.exp(_fp32_or_wider(self.log_A_real)), _fp32_or_wider(self.A_imag))
+        A = torch.complex(-torch.exp(fp32_or_wider(self.log_A_real)), fp32_or_wider(self.A_imag))
         return self._per_channel(A)
 
     @torch.no_grad()
@@ -364,7 +359,7 @@ class S4DKernel(_SSMKernel):
 
     def discretize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`log dA (H, N/2)` and `C~ = C dB (c, H, N/2)`, complex64 (complex128 for fp64 parameters)."""
-        dt = torch.exp(_fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
+        dt = torch.exp(fp32_or_wider(self.log_dt))[:, None]  # (H, 1)
         A = self._A()  # (H, N/2)
         dtA = A * dt
         if self.config.disc == "zoh":
@@ -486,7 +481,7 @@ class S4Kernel(_SSMKernel):
 
     def _ssm(self):
         """dt (H,), Lambda, P, B (H, N/2) complex."""
-        return (torch.exp(_fp32_or_wider(self.log_dt)), self._A(), self._per_channel(_complex(self.P)),
+        return (torch.exp(fp32_or_wider(self.log_dt)), self._A(), self._per_channel(_complex(self.P)),
                 self._per_channel(_complex(self.B)))
 
     def _kernel_length(self, L: int) -> int:
@@ -656,7 +651,7 @@ class S4Layer(nn.Module):
         # precision (log_dt going NaN under fp16 is a known report against the reference). The chunked path makes
         # its matrices in float32 and rounds only the operands of its products to plan.dtype.
         with torch.autocast(device_type=u.device.type, enabled=False):
-            D = _fp32_or_wider(self.D)
+            D = fp32_or_wider(self.D)
             reach = None  # what the steps before this block (a state, other chunks) add to its outputs: (B, H, L)
             if state is not None:
                 reach = self.kernel.state_output(state, L)
@@ -678,7 +673,7 @@ class S4Layer(nn.Module):
                     y = y + reach.transpose(1, 2)
             new_state = None
             if return_state:
-                u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
+                u32 = fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
                 if documents is None:
                     new_state = self.kernel.forward_state(u32, state)
                 else:  # the row's last document, from zero unless it is the continued first one
@@ -698,7 +693,7 @@ class S4Layer(nn.Module):
         `x_p = a_(p-1) dA^L x_(p-1) + s_(p-1)` (`a_q` per row: the state passes through chunk q, no document starts
         in it), and the anti-causal kernel reads the later chunks' backward states the same way from the end."""
         parallel = rows.parallel
-        u32 = _fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
+        u32 = fp32_or_wider(u).transpose(1, 2)  # (B, H, L)
         B = u32.shape[0]
         bidirectional = self.kernel.C.shape[0] == 2
         if bidirectional and (documents is not None or rows.fresh is not None):
@@ -774,7 +769,7 @@ class S4Layer(nn.Module):
         """(n, l, H) -> (n, l, H) float32 (a transposed view), l <= L: FFTs of the kernel's first l taps. `block`:
         the kernel's `block(L)`, when the caller has it (its taps come from the same tables)."""
         K = self.kernel(L) if block is None else block.taps()
-        return lambda v: fft_conv(_fp32_or_wider(v).transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2)
+        return lambda v: fft_conv(fp32_or_wider(v).transpose(1, 2), K[..., :v.shape[1]], D).transpose(1, 2)
 
     def _chunked_conv(self, plan: "ConvPlan", D: torch.Tensor):
         """(n, l, H) -> (n, l, H) in plan.dtype, l <= L: `_chunked_channels_first` and back (packed documents; an
@@ -791,9 +786,9 @@ class S4Layer(nn.Module):
     def step(self, u: torch.Tensor, state: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One time step: u (B, H) -> y (B, H), next state. `params` from `self.kernel.step_params()`."""
         with torch.autocast(device_type=u.device.type, enabled=False):
-            u32 = _fp32_or_wider(u)
+            u32 = fp32_or_wider(u)
             y, state = self.kernel.step(u32, state, params)
-            y = y + u32 * _fp32_or_wider(self.D)
+            y = y + u32 * fp32_or_wider(self.D)
         return self._mix(y.to(u.dtype)), state
 
 

@@ -53,19 +53,21 @@ def powers(log_dA: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> tuple[
     return magnitude * torch.cos(angle), magnitude * torch.sin(angle)
 
 
+def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
+    """float64 stays float64 (for reference checks); anything narrower is computed in float32."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def parameter_pairs(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: torch.Tensor, C: torch.Tensor,
                     copies: int = 1):
     """S4D's parameters as stored -> what `discretize_pairs` reads: `dt = exp(log_dt)` (H, 1), `A = -exp(log_A_real)
     + i A_imag` as a pair (H, n) (each SSM's modes repeated over its `copies` channels) and `C (c, H, n, 2)` split into
-    its (real, imaginary) halves (c, H, n); float64 stays float64, anything narrower is computed in float32."""
-    def wide(t):
-        return t if t.dtype == torch.float64 else t.float()
-
+    its (real, imaginary) halves (c, H, n); `fp32_or_wider`."""
     def per_channel(t):
         return t.repeat_interleave(copies, dim=0) if copies > 1 else t
-    C = wide(C)
-    A = per_channel(-torch.exp(wide(log_A_real))), per_channel(wide(A_imag))
-    return torch.exp(wide(log_dt))[:, None], A, (C[..., 0], C[..., 1])
+    C = fp32_or_wider(C)
+    A = per_channel(-torch.exp(fp32_or_wider(log_A_real))), per_channel(fp32_or_wider(A_imag))
+    return torch.exp(fp32_or_wider(log_dt))[:, None], A, (C[..., 0], C[..., 1])
 
 
 def discretize_pairs(dt: torch.Tensor, A: tuple, C: tuple, zoh: bool):

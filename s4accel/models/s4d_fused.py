@@ -39,7 +39,8 @@ import re
 
 import torch
 
-from .s4d_chunked import discretize_pairs, discretize_through, matrices, matrices_through, parameter_pairs
+from .s4d_chunked import (discretize_pairs, discretize_through, fp32_or_wider, matrices, matrices_through,
+                          parameter_pairs)
 
 try:
     import triton
@@ -339,8 +340,8 @@ def fused_discretize(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: tor
     run (ZOH, float32, one SSM per channel, n a power of two): the parametrization's exponentials and C's halves are
     read inside the kernels rather than launched before them. Elsewhere `discretize_pairs(*parameter_pairs(...))`,
     its reference."""
-    # float32 as `parameter_pairs` computes it (float64 stays float64); a no-op for the float32 a model keeps
-    params = tuple(p if p.dtype == torch.float64 else p.float() for p in (log_dt, log_A_real, A_imag, C))
+    # widened as `parameter_pairs` widens them: a no-op for the float32 a model keeps
+    params = tuple(fp32_or_wider(p) for p in (log_dt, log_A_real, A_imag, C))
     n = log_A_real.shape[-1]
     if (triton is None or not zoh or copies != 1 or any(p.dtype != torch.float32 for p in params)
             or not (log_dt.is_cuda or INTERPRETED) or n & (n - 1)):
