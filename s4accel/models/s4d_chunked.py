@@ -90,8 +90,9 @@ def _log_dA_dB(dt, Ar, Ai, zoh: bool):
     """`log dA`, `dB` and (ZOH) `exp(dt A)` as pairs `(H, n)` (see `discretize_pairs`)."""
     ar, ai = dt * Ar, dt * Ai  # dt A
     if zoh:  # log dA = dt A; dB = (exp(dt A) - 1) / A
-        cos, e = torch.cos(ai), torch.exp(ar)
-        num_r = torch.expm1(ar) * cos + (cos - 1)  # Re(exp(dt A) - 1) without cancelling for small dt A
+        cos, e, half = torch.cos(ai), torch.exp(ar), torch.sin(ai / 2)
+        # Re(exp(dt A) - 1) without cancelling for small dt A: expm1, and cos - 1 as -2 sin^2(dt A_imag / 2)
+        num_r = torch.expm1(ar) * cos - 2 * half * half
         num_i = e * torch.sin(ai)
         norm = Ar * Ar + Ai * Ai
         return (ar, ai), ((num_r * Ar + num_i * Ai) / norm, (num_i * Ar - num_r * Ai) / norm), (e * cos, num_i)

@@ -45,6 +45,7 @@ from .s4d_chunked import (discretize_pairs, discretize_through, fp32_or_wider, m
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU builds of PyTorch: this path is for GPUs
     triton = None
 
@@ -538,27 +539,41 @@ class _KernelMatrices(torch.autograd.Function):
 # exponentials (`d exp(x) / dx = exp(x)`), about 70 eager operations forward and backward together before.
 
 if triton is not None:
+    _COMPILED = tl.constexpr(not INTERPRETED)
+
+    @triton.jit
+    def _exp(x):
+        """exp(x) as the reference computes it, to 2 ulp: compiled, libdevice's expf. (`tl.exp` is `ex2.approx` of
+        x log2(e), whose product's rounding costs about |x| ulp: at log_dt = -7, dt came out 7 ulp off, and on an
+        H200 the layer's float32 error at L 3,000 doubled. The interpreter, which has no libdevice, runs NumPy's.)"""
+        if _COMPILED:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
     @triton.jit
     def _expm1(x):
         """exp(x) - 1 without the cancellation near 0 (Triton has no expm1): its Taylor series below 0.1, where the
         first term left out is below 3e-13 of the value; exp(x) - 1 from there, which loses at most 2^-24 / 0.1."""
         small = x * (1 + x / 2 * (1 + x / 3 * (1 + x / 4 * (1 + x / 5 * (1 + x / 6 * (1 + x / 7))))))
-        return tl.where(tl.abs(x) < 0.1, small, tl.exp(x) - 1)
+        return tl.where(tl.abs(x) < 0.1, small, _exp(x) - 1)
 
     @triton.jit
     def _zoh(dt, a_r, a_i):
         """dt A, dB and exp(dt A), each as (real, imaginary)."""
         ar, ai = dt * a_r, dt * a_i
-        cos, e = tl.cos(ai), tl.exp(ar)
-        num_r = _expm1(ar) * cos + (cos - 1)  # Re(exp(dt A) - 1)
+        cos, e, half = tl.cos(ai), _exp(ar), tl.sin(ai / 2)
+        num_r = _expm1(ar) * cos - 2 * half * half  # Re(exp(dt A) - 1), cos - 1 as -2 sin^2(ai / 2): no cancellation
         num_i = e * tl.sin(ai)
-        norm = a_r * a_r + a_i * a_i
-        return ar, ai, (num_r * a_r + num_i * a_i) / norm, (num_i * a_r - num_r * a_i) / norm, e * cos, num_i
+        norm = a_r * a_r + a_i * a_i  # (divisions rounded as IEEE's: `/` compiles to a 2-ulp approximation)
+        db_r = tl.math.div_rn(num_r * a_r + num_i * a_i, norm)
+        db_i = tl.math.div_rn(num_i * a_r - num_r * a_i, norm)
+        return ar, ai, db_r, db_i, e * cos, num_i
 
     @triton.jit
     def _parameters(log_dt, log_a, a_imag, h, m):
         """dt and A's (real, imaginary) parts of channel h's modes m, from the stored parameters."""
-        return tl.exp(tl.load(log_dt + h)), -tl.exp(tl.load(log_a + m)), tl.load(a_imag + m)
+        return _exp(tl.load(log_dt + h)), -_exp(tl.load(log_a + m)), tl.load(a_imag + m)
 
     @triton.jit
     def _discretize_forward_kernel(log_dt, log_a, a_imag, C, ar, ai, ctr, cti, H, n: tl.constexpr,
@@ -592,14 +607,20 @@ if triton is not None:
             gb_r += c_r * g_r + c_i * g_i
             gb_i += c_r * g_i - c_i * g_r
         norm = a_r * a_r + a_i * a_i
-        h_r = (a_r * gb_r - a_i * gb_i) / norm  # conj(1 / A) g_dB
-        h_i = (a_r * gb_i + a_i * gb_r) / norm
+        h_r = tl.math.div_rn(a_r * gb_r - a_i * gb_i, norm)  # conj(1 / A) g_dB
+        h_i = tl.math.div_rn(a_r * gb_i + a_i * gb_r, norm)
         gz_r = tl.load(g_ar + m) + ez_r * h_r + ez_i * h_i  # g_z = g_logdA + conj(exp(z)) h
         gz_i = tl.load(g_ai + m) + ez_r * h_i - ez_i * h_r
         # g_A = dt g_z - conj(dB) h; A's real part is -exp(log_A_real), whose derivative is itself
         tl.store(d_log_a + m, a_r * (step * gz_r - (db_r * h_r + db_i * h_i)))
         tl.store(d_a_imag + m, step * gz_i - (db_r * h_i - db_i * h_r))
         tl.store(d_log_dt + h, step * tl.sum(a_r * gz_r + a_i * gz_i, axis=0))  # g_dt, times d dt / d log_dt = dt
+
+
+def discretize_warps(n: int) -> int:
+    """Warps of a discretization program over n modes: a mode or two a thread (at N 256 in one warp, four a thread,
+    the backward spills; tests/models/test_s4d_fused.py compiles both for sm_90 and checks)."""
+    return max(1, min(4, n // 64))
 
 
 @torch.library.custom_op(f"{_NS}::discretize", mutates_args=())
@@ -610,7 +631,8 @@ def _discretize_forward(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag: 
     c, H, n, _ = C.shape
     outs = [torch.empty_like(log_A_real), torch.empty_like(log_A_real), C.new_empty(c, H, n), C.new_empty(c, H, n)]
     with _on(C):
-        _discretize_forward_kernel[(H,)](log_dt, log_A_real, A_imag, C, *outs, H, n=n, c=c, num_warps=1)
+        _discretize_forward_kernel[(H,)](log_dt, log_A_real, A_imag, C, *outs, H, n=n, c=c,
+                                         num_warps=discretize_warps(n))
     return tuple(outs)
 
 
@@ -629,7 +651,7 @@ def _discretize_backward(log_dt: torch.Tensor, log_A_real: torch.Tensor, A_imag:
     grads = [torch.empty_like(p) for p in (log_dt, log_A_real, A_imag, C)]
     with _on(C):
         _discretize_backward_kernel[(H,)](log_dt, log_A_real, A_imag, C, g_ar, g_ai, g_cr, g_ci, *grads, H, n=n,
-                                          c=c, num_warps=1)
+                                          c=c, num_warps=discretize_warps(n))
     return tuple(grads)
 
 
