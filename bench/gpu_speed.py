@@ -302,7 +302,8 @@ def import_reference(ref_dir):
 
 def build_lm(family: str, s) -> nn.Module:
     common = dict(vocab_size=s["vocab"], d_model=s["d_model"], n_layer=s["n_layer"])
-    if family in ("s4d", "s4d_chunked", "s4d_rows"):  # s4d: the path `auto` takes; s4d_chunked: the batched matmuls
+    # s4d (s4d_segments: with UNDER_COMPILE set by its section): the path `auto` takes; s4d_chunked: batched matmuls
+    if family in ("s4d", "s4d_chunked", "s4d_segments"):
         path = "chunked" if family == "s4d_chunked" else "auto"
         return S4ForCausalLM(S4Config(d_state=s["d_state"], ffn="mlp", d_ffn=s["d_ffn"], conv_path=path, **common))
     if family == "dense":
@@ -342,17 +343,19 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool | str, s):
     return run
 
 
-def section_whole_rows(bench: Bench, s):
-    """The S4D model compiled with every row read whole by the fused kernels (no segments: `s4d_segments.py` cuts the
-    rows of batches shorter than a program's tile), beside the default, at the lengths whose batches are short."""
+def section_segments(bench: Bench, s):
+    """The S4D model compiled with the rows of short batches cut into segments (`s4d_segments.UNDER_COMPILE`, off by
+    default) and as by default (rows read whole), side by side at the lengths whose batches are short."""
     from s4accel.models import s4d_segments
 
-    cut = s4d_segments.segments
-    s4d_segments.segments = lambda *args, **kwargs: 1
-    try:
-        section_models(bench, s, [("s4d_rows", L, True) for L in first_lengths(s) if s["tokens"] // L < 16])
-    finally:
-        s4d_segments.segments = cut
+    short = [L for L in s["model_lengths"] if s["tokens"] // L < 16]
+    for L in short:
+        section_models(bench, s, [("s4d", L, True)])
+        s4d_segments.UNDER_COMPILE = True
+        try:
+            section_models(bench, s, [("s4d_segments", L, True)])
+        finally:
+            s4d_segments.UNDER_COMPILE = False
 
 
 def section_models(bench: Bench, s, plan):
@@ -699,10 +702,10 @@ def model_table(R: dict, s) -> list[str]:
               "Accelerate's regional compilation of the blocks, and the loss compiled beside them since commits that "
               "have s4accel/training/devices/compiled_loss.py.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
-    for family, name in (("s4d", "S4D"), ("s4d_rows", "S4D, whole rows (no segments)"),
+    for family, name in (("s4d", "S4D"), ("s4d_segments", "S4D, short batches cut into segments"),
                          ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
                          ("moe", "MoE transformer")):
-        if family in ("s4d_chunked", "s4d_rows") and not any(k.startswith(f"models/{family}/") for k in R):
+        if family in ("s4d_chunked", "s4d_segments") and not any(k.startswith(f"models/{family}/") for k in R):
             continue
         for mode in MODES.values():
             if mode == "graphs" and not any(k.startswith(f"models/{family}/graphs/") for k in R):
@@ -767,7 +770,8 @@ def markdown(report: dict, s) -> str:
                          f"{ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
         if any("_compiled_routing/" in k for k in moe_keys):
             lines += ["", "With the routing compiled (`moe.COMPILE_ROUTING`: softmax, top-k, the row layout and the "
-                      "losses as one compiled graph), the rest of the layer eager: ms (TFLOP/s of the expert matmuls).",
+                      "losses as one compiled graph), the rest of the layer eager: ms (TFLOP/s of the expert "
+                      "matmuls).",
                       "", "| E, k | MoE layer, routing compiled | MoE / dense | routing alone, compiled |",
                       "|---|---|---|---|"]
             for E, k in s["moe_configs"]:
@@ -873,7 +877,7 @@ def main(argv=None) -> int:
                     choices=["profile", "layer", "models", "chunks", "layer_compiled", "fp32", "models_later",
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
-                             "layer_graphs", "profile_compiled", "whole_rows", "attention_compiled", "profile_moe",
+                             "layer_graphs", "profile_compiled", "segments", "attention_compiled", "profile_moe",
                              "fused_eager"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
@@ -935,7 +939,7 @@ def main(argv=None) -> int:
                 "models_graphs": lambda: section_models(bench, s, [
                     (f, L, "graphs") for L in first_lengths(s) for f in ("s4d", "dense")]),
                 "layer_graphs": lambda: section_layer_graphs(bench, s),
-                "whole_rows": lambda: section_whole_rows(bench, s),
+                "segments": lambda: section_segments(bench, s),
                 "attention_compiled": lambda: section_layer_compiled(bench, s, ("attention",)),
                 "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
                 "profile_moe": lambda: section_profile(bench, s, moe=True),

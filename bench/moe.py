@@ -27,7 +27,8 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
                  its backward, which every layer's pass above includes (not the `*matmuls_only` rows)
     moe_compiled_routing, routing_only_compiled
                  `moe_grouped` and `routing_only` with the routing compiled (`moe.COMPILE_ROUTING = "always"`: softmax,
-                 top-k, the static row layout and the losses as one compiled graph; the rest eager)
+                 top-k, the static row layout and the losses as one compiled graph; the rest eager). The cells above
+                 route eagerly (`"never"`), also on CUDA, where the layer's default compiles its routing
 
 `floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
 the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),
@@ -172,14 +173,20 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             synchronize(device)
         return run
 
-    def compiled_routing(run):
+    def routing_mode(run, mode: str):
         def timed():
-            saved, moe_module.COMPILE_ROUTING = moe_module.COMPILE_ROUTING, "always"
+            saved, moe_module.COMPILE_ROUTING = moe_module.COMPILE_ROUTING, mode
             try:
                 run()
             finally:
                 moe_module.COMPILE_ROUTING = saved
         return timed
+
+    def compiled_routing(run):
+        return routing_mode(run, "always")
+
+    def eager_routing(run):  # the eager cells stay eager where the default compiles the routing (on CUDA)
+        return routing_mode(run, "never")
 
     def moe_with_losses(layer):
         def forward(x):
@@ -192,10 +199,12 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
     routing.experts = NoExperts()
     routing_grouped = copy.deepcopy(grouped)
     routing_grouped.experts = NoExperts()
-    return {"moe": pass_of(moe, moe_with_losses(moe)), "moe_grouped": pass_of(grouped, moe_with_losses(grouped)),
+    return {"moe": eager_routing(pass_of(moe, moe_with_losses(moe))),
+            "moe_grouped": eager_routing(pass_of(grouped, moe_with_losses(grouped))),
             "moe_loop": pass_of(loop, moe_with_losses(loop)), "dense": pass_of(dense, dense),
             "onehot_loop": pass_of(moe, lambda x: onehot_loop_forward(moe, x)),
-            "matmuls_only": expert_matmuls(moe, x0, dtype), "routing_only": pass_of(routing, moe_with_losses(routing)),
+            "matmuls_only": expert_matmuls(moe, x0, dtype),
+            "routing_only": eager_routing(pass_of(routing, moe_with_losses(routing))),
             "dense_matmuls_only": dense_matmuls(dense, x0, dtype),
             "harness": pass_of(torch.nn.Module(), lambda x: x + 0),
             "moe_compiled_routing": compiled_routing(pass_of(grouped, moe_with_losses(grouped))),

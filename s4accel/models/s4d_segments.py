@@ -16,10 +16,11 @@ with m chunks of T steps a segment and the kernels' own matrices (`chunk_matrice
 matmuls in float32, the powers `powers` (one exponential each); autograd gives the backward. The reference: the
 kernels on the whole rows (`fused_conv_channels_first`), which tests compare this with, values and gradients.
 
-Only under `torch.compile`, by default: there inductor fuses these few dozen small operations into a few kernels.
-In eager mode they are about 185 more operations a layer, forward and backward (`python bench/launches.py`:
-`layer/fused_segments` against `layer/fused`), each a launch the host pays for (tens of microseconds on a GPU),
-against what the programs' empty rows cost the kernels, a fraction of a millisecond a layer at 32K tokens a step.
+Only where asked for: `S` given, or `UNDER_COMPILE` set and the step under `torch.compile`, where inductor fuses
+these few dozen small operations into a few kernels. In eager mode they are about 185 more operations a layer,
+forward and backward (`python bench/launches.py`: `layer/fused_segments` against `layer/fused`), each a launch the
+host pays for (tens of microseconds on a GPU). Compiled, they still cost more than the programs' empty rows: see
+`UNDER_COMPILE`.
 
 Copied into Hub repositories with `modeling_s4.py`: it imports only torch and its siblings.
 """
@@ -28,6 +29,14 @@ import torch
 
 from .s4d_chunked import _mul, powers
 from .s4d_fused import LAUNCH, fused_conv_channels_first, fused_matrices
+
+
+# Whether compiled steps cut short batches into segments: no. On an H200 the compiled ~100M S4D language model at 32K
+# tokens a step (bench/results/2026-11-28-gpu-speed-NVIDIA-H200.md) took 75.6, 76.6 and 81.4 ms a step at L 4,096,
+# 8,192 and 16,384 with segments (e1664d1), against 59.5, 61.0 and 63.0 ms reading the rows whole at f939b4e, before
+# segments existed (at L 1,024 and 2,048, whose batches fill the programs, the two runs agree within 2%).
+# `python bench/gpu_speed.py --sections segments` times them beside the default.
+UNDER_COMPILE = False
 
 
 def segments(B: int, nc: int | None = None, rows: int | None = None) -> int:
@@ -45,12 +54,12 @@ def fused_conv(x: torch.Tensor, log_dA, C_tilde, D, T: int, shift: int = 0, S: i
     """The fused convolution of `x (H, B, nc T)` (channels first, zeros past the sequence) with the kernel of
     `log_dA`, `C_tilde` (`(H, n)` pairs) and skip D, chunks of T steps: `(H, B, nc T)` in x's dtype. Rows are cut
     into `S` segments where a batch would leave the kernels' programs part empty (default: `segments(B, nc)` under
-    `torch.compile`, 1 in eager mode; see the module's docs)."""
+    `torch.compile` where `UNDER_COMPILE` says so, else 1; see the module's docs)."""
     taps, to_state, from_state, step = fused_matrices(log_dA, C_tilde, D, T, shift)
     H, B, Lp = x.shape
     nc = Lp // T
     if S is None:
-        S = segments(B, nc) if torch.compiler.is_compiling() else 1
+        S = segments(B, nc) if UNDER_COMPILE and torch.compiler.is_compiling() else 1
     if S == 1:
         return fused_conv_channels_first(x, taps, to_state, from_state, step, shift)
     m = -(-nc // S)  # chunks a segment

@@ -386,10 +386,10 @@ def test_the_discretization_kernels_equal_the_float64_reference_values_gradients
 
 
 @needs_triton
-def test_the_run_says_when_it_cuts_short_batches_into_segments():
+def test_the_run_says_when_it_cuts_short_batches_into_segments(monkeypatch):
     """The start-of-run line about the convolution says when the fused path will cut a micro-batch's rows into
-    segments (fewer rows than a kernel program takes; the loop passes the rows of compiled steps alone), and not
-    otherwise."""
+    segments (fewer rows than a kernel program takes, `s4d_segments.UNDER_COMPILE` set; the loop passes the rows of
+    compiled steps alone), and not otherwise: by default it does not."""
     from types import SimpleNamespace
 
     from s4accel.training.devices.precision import convolution_line
@@ -397,7 +397,24 @@ def test_the_run_says_when_it_cuts_short_batches_into_segments():
     model = S4ForCausalLM(S4Config(vocab_size=50, d_model=16, n_layer=1, d_state=32, conv_path="fused",
                                    conv_chunk=16))
     accelerator = SimpleNamespace(device=torch.device(DEVICE), mixed_precision="no")
+    assert "segments" not in convolution_line(model, accelerator, rows=2)
+    monkeypatch.setattr(s4d_segments, "UNDER_COMPILE", True)
     assert convolution_line(model, accelerator, rows=2).endswith(
         "; batches of 2 rows: each row cut into segments, read as rows by the kernels")
     assert "segments" not in convolution_line(model, accelerator, rows=16)
     assert "segments" not in convolution_line(model, accelerator)
+
+
+@needs_triton
+def test_compiled_steps_read_short_batches_whole_unless_segments_are_switched_on(monkeypatch):
+    """Segments cost a compiled model more than the programs' empty rows (`s4d_segments.UNDER_COMPILE`, measured on
+    an H200): inside a compiled step a batch of 2 rows is read whole by default, cut with `UNDER_COMPILE`."""
+    cut = []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the branch a compiled step takes
+    original = s4d_segments._from_earlier_segments
+    monkeypatch.setattr(s4d_segments, "_from_earlier_segments", lambda *a: cut.append(a[-2]) or original(*a))
+    check_against_the_float64_reference(s4d_segments.fused_conv, torch.float32, 0, 2)
+    assert cut == []
+    monkeypatch.setattr(s4d_segments, "UNDER_COMPILE", True)
+    check_against_the_float64_reference(s4d_segments.fused_conv, torch.float32, 0, 2)
+    assert cut and cut[0] > 1  # S, the segments of each row

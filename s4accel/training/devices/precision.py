@@ -73,10 +73,10 @@ def apply_fsdp_precision(accelerator, model: torch.nn.Module) -> list[str]:
 def convolution_line(model: torch.nn.Module, accelerator, rows: int | None = None) -> str | None:
     """The line a run prints about its S4 layers' convolution (the path, its operand dtype and chunk, as the model
     chooses them for this device and precision), or None for a model without S4 layers. `rows`: a micro-batch's
-    rows, when known and the step compiled (the compiled fused path cuts the rows of short batches into
-    segments)."""
+    rows, when known and the step compiled (the compiled fused path can cut the rows of short batches into
+    segments: `s4d_segments.UNDER_COMPILE`)."""
+    from ...models import s4d_segments
     from ...models.modeling_s4 import conv_plan
-    from ...models.s4d_segments import segments
 
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "s4accel-s4":
@@ -89,6 +89,6 @@ def convolution_line(model: torch.nn.Module, accelerator, rows: int | None = Non
         raise RecipeError(f"model.overrides.{e}") from None  # e: "conv_path='fused' cannot run here: ..."
     how = "forced by" if config.conv_path != "auto" else "chosen for " + device + " by"
     line = f"S4 convolution: {plan.describe()}, {how} model.overrides.conv_path={config.conv_path}"
-    if plan.path == "fused" and rows and segments(rows) > 1:
+    if plan.path == "fused" and rows and s4d_segments.UNDER_COMPILE and s4d_segments.segments(rows) > 1:
         line += f"; batches of {rows} rows: each row cut into segments, read as rows by the kernels"
     return line
