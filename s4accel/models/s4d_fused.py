@@ -459,11 +459,12 @@ if triton is not None:
         tl.store(d_ci + h * n + m, gc_i)
 
 
-def _steps_a_block(T: int, n: int) -> int:
+def _steps_a_block(T: int, n: int, forward: bool = False) -> int:
     """The matrices kernels' block of steps: an (n, TB) float32 tile of 512 values at most, which 4 warps hold
     without spilling on sm_90 (whole (n, T) tiles spill at T 128, N 64, and 1,024-value ones a little;
-    tests/models/test_s4d_fused.py compiles them for it)."""
-    return max(1, min(T, 512 // n))
+    tests/models/test_s4d_fused.py compiles them for it). The forward's at N 256: 256 values, as Triton 3.6's ptxas
+    (torch 2.11's, the GPU machines') spilled 8 bytes a thread at 512, where Triton 3.9's spilled none."""
+    return max(1, min(T, (256 if forward and n >= 128 else 512) // n))
 
 
 @torch.library.custom_op(f"{_NS}::matrices", mutates_args=())
@@ -477,7 +478,8 @@ def _matrices_forward(ar: torch.Tensor, ai: torch.Tensor, cr: torch.Tensor, ci: 
     to_state, from_state = ar.new_empty(H, 2 * n, T), ar.new_empty(H, 2 * n, T)
     with _on(ar):
         _matrices_forward_kernel[(H,)](ar, ai, cr, ci, D, taps, to_state, from_state, step, T=T, n=n,
-                                       TB=_steps_a_block(T, n), SHIFT=shift, HAS_D=has_D, num_warps=4)
+                                       TB=_steps_a_block(T, n, forward=True), SHIFT=shift, HAS_D=has_D,
+                                       num_warps=4)
     return taps, to_state, from_state, step
 
 

@@ -284,7 +284,8 @@ def test_the_matrices_kernels_compile_for_an_h100_without_spilling(which, tmp_pa
     in blocks) build for sm_90 and spill nothing: at the default chunk and N 64, at the largest chunk the bfloat16
     path takes (128 steps), and at N 256."""
     for T, n in ((modeling_s4.FUSED_CHUNK, 32), (128, 32), (64, 128)):
-        constexprs = dict(T=T, n=n, TB=s4d_fused._steps_a_block(T, n), SHIFT=0, num_warps=4)
+        TB = s4d_fused._steps_a_block(T, n, forward=which == "matrices_forward")
+        constexprs = dict(T=T, n=n, TB=TB, SHIFT=0, num_warps=4)
         if which == "matrices_forward":
             constexprs["HAS_D"] = True
         usage = sm90_usage(which, "fp32", tmp_path, **constexprs)
