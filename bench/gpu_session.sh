@@ -3,13 +3,13 @@
 # repository root on a lent GPU machine, one call each (writes $OUT, or bench/results/gpu-run):
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
-#         first the GPU tests (the fused layer against the float64 CPU reference; the language model compiled as one
-#         graph on both paths, whose compiled step lost the kernel taps' gradient on torch 2.11, the GPU machines':
-#         fixed, and checked on CPU with that torch by make test-floor), then the fused layer eager (its
-#         discretization and matrices now one Triton launch each way: 33 launches a pass), the S4D model compiled at
-#         every length (the issue's two first), short batches cut into segments (s4d_segments.py), the attention layer
-#         compiled (the compiled S4 layer's fair opponent), the fused layer replayed as CUDA graphs with its input
-#         read in place, and the profiles; what the time left does not reach is listed as skipped
+#         first the GPU tests (the fused layer against the float64 CPU reference, whose float32 error on an H200 was
+#         fixed in the discretization kernels: libdevice's expf and IEEE divisions; their builds for sm_90 on this
+#         machine's own Triton; the language model compiled as one graph on both paths), then the S4D model compiled
+#         at the lengths whose batches are short, with the rows read whole (the default since segments lost on the
+#         H200) and cut into segments, side by side; the fused layer eager and compiled; the MoE language model eager
+#         (its routing compiled on CUDA by default now) and compiled beside the dense one; the profiles; what the time
+#         left does not reach is listed as skipped
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
 #     bash bench/gpu_session.sh
 #         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer
@@ -44,15 +44,18 @@ python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', t
 if [ "${PYTEST_S:-200}" -gt 0 ]; then
   # (the fused path's compiled step first: the chunked one's compile may take minutes, so it runs last)
   lm=tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does
-  # (every test of the fused kernels runs on the GPU when there is one: the segments of short batches too)
-  timeout "${PYTEST_S:-200}" bash -c "python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short '$lm[fused]' \
-    tests/models/test_s4d_fused.py; python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -m gpu \
-    tests/models/test_moe.py tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 | grep -v "DEBUG" | tail -60 \
-    | tee "$OUT/pytest.txt"
+  # Every test of the fused kernels runs on the GPU when there is one (the segments of short batches too). In
+  # parallel where pytest-xdist is there: the sm_90 builds take 15-40 s each on this machine. SIGINT at the time
+  # limit, so that pytest still prints its summary (and exits 2, after which the second run does not start).
+  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+  P="python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE $xdist"
+  timeout -s INT -k 20 "${PYTEST_S:-200}" bash -c "$P '$lm[fused]' tests/models/test_s4d_fused.py; \
+    [ \$? -ne 2 ] && $P -m gpu tests/models/test_moe.py tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 \
+    | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi
-# 2. speed: by default the fused layer eager, the S4D model compiled at every length (the dense one's cells of an
-#    earlier run stand beside it: its code has not changed), the attention and S4 layers compiled, and the profiles
-speed="fused_eager s4d_compiled attention_compiled layer_graphs profile"
+# 2. speed: by default the S4D model compiled with and without segments, the fused layer eager and compiled, the MoE
+#    and dense language models, and the profiles (the other cells of earlier runs stand beside them)
+speed="segments layer_fused moe_models profile"
 timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
   --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-$speed} \
   --model-lengths ${LENGTHS:-2048 8192 1024 4096 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} \
