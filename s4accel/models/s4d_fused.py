@@ -546,8 +546,9 @@ if triton is not None:
     @triton.jit
     def _exp(x):
         """exp(x) as the reference computes it, to 2 ulp: compiled, libdevice's expf. (`tl.exp` is `ex2.approx` of
-        x log2(e), whose product's rounding costs about |x| ulp: at log_dt = -7, dt came out 7 ulp off, and on an
-        H200 the layer's float32 error at L 3,000 doubled. The interpreter, which has no libdevice, runs NumPy's.)"""
+        x log2(e), whose product's rounding alone can cost ulps in proportion to |x|, and log_dt reaches -7: on an
+        H200 the float32 layer's input gradient at L 3,000 was 1.6x further from float64 than with PyTorch's
+        discretization. The interpreter, which has no libdevice, runs NumPy's.)"""
         if _COMPILED:
             return libdevice.exp(x)
         else:
