@@ -34,7 +34,7 @@ from .s4d_fused import LAUNCH, fused_conv_channels_first, fused_matrices
 # Whether compiled steps cut short batches into segments: no. On an H200 the compiled ~100M S4D language model at 32K
 # tokens a step (bench/results/2026-11-28-gpu-speed-NVIDIA-H200.md) took 75.6, 76.6 and 81.4 ms a step at L 4,096,
 # 8,192 and 16,384 with segments (e1664d1), against 59.5, 61.0 and 63.0 ms reading the rows whole at f939b4e, before
-# segments existed (at L 1,024 and 2,048, whose batches fill the programs, the two runs agree within 2%).
+# segments existed (at L 1,024 and 2,048, whose batches fill the programs, the two runs agree within 2.2%).
 # `python bench/gpu_speed.py --sections segments` times them beside the default.
 UNDER_COMPILE = False
 
