@@ -53,12 +53,11 @@ EXPERT_ROWS = 16  # every expert matmul has a multiple of this many rows: a toke
 # Where an eager `grouped_mm` layer compiles its routing (`routing`: softmax, top-k, `static_layout`, the losses;
 # inductor, dynamic shapes, once per E, k and renormalisation): "cuda" on CUDA devices, "always" everywhere (tests),
 # "never" nowhere. Eager, those are about a hundred operations on tensors of T x E values per forward and backward,
-# each a kernel launch a GPU may wait for (bench/launches.py counts them: `moe/routing`; on an H200 at E 8, k 2 and
-# 32K tokens the routing alone took 3.1 ms of the layer's 8.5); compiled, a few kernels. Inside an outer
-# `torch.compile` the routing is traced with the rest instead. Where compiling fails, one warning and eager routing.
-# "cuda": on an H200 (bench/results/2026-11-28-gpu-speed-NVIDIA-H200-e1664d1.md, the same run) the E 8, k 2 layer
-# took 8.12 ms with its routing compiled against 8.76 eager (the routing alone 2.22 against 2.97); E 128, k 8 26.92
-# against 27.06. The first step pays the compilation (about 15 s there).
+# each a kernel launch a GPU may wait for (bench/launches.py counts them: `moe/routing`); compiled, a few kernels.
+# Inside an outer `torch.compile` the routing is traced with the rest instead. Where compiling fails, one warning and
+# eager routing. "cuda" by default: on an H200 (bench/results/2026-11-28-gpu-speed-NVIDIA-H200-e1664d1.md, one run)
+# the E 8, k 2 layer at 32K tokens took 8.12 ms with its routing compiled against 8.76 eager (the routing alone 2.22
+# against 2.97); E 128, k 8 26.92 against 27.06. The first step pays the compilation (about 15 s there).
 COMPILE_ROUTING = "cuda"
 _ROUTING_FAILED = []  # the first failure's message, once one happened: routing stays eager from then on
 
