@@ -15,6 +15,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 LOCK   ?= constraints/locked.txt
 FLOOR  := constraints/floor.txt
+FLOOR_CUDA := constraints/floor-cuda.txt
 ARGS   ?=
 
 # torch's floor (constraints/floor.txt) is the torch the lent GPU machines run, where every GPU figure is measured:
@@ -99,16 +100,23 @@ newest-env: $(NEWEST)/bin/python
 test-newest: $(STAMP) newest-env
 	$(OFFLINE) S4ACCEL_OTHER_PYTHON=$(abspath $(PY)) $(NEWEST)/bin/python -m pytest $(TEST_WORKERS) $(LANE_FLAGS) $(LANE_TESTS) $(ARGS)
 
-# torch first (its floor, the CUDA build: it brings the Triton it was built with, 3.6 for 2.11), then what s4accel
-# requires at the floors around that torch, then s4accel without its dependencies and the floor's Triton (3.6's
-# interpreter fails on our kernels; pip would refuse it beside torch's pin).
-$(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(LOCK)
+# The floor's torch is a CUDA build whose pins would download 3.5 GB of CUDA libraries, so: the CPU torch ($(TORCH),
+# a local file) stands in while pip resolves the floors of everything else; then torch's floor replaces it without
+# dependencies, with the CUDA libraries it loads ($(FLOOR_CUDA)), retried because a 530 MB download can stall; then
+# s4accel without its dependencies and the floor's Triton (torch 2.11 pins 3.6, whose interpreter fails on our
+# kernels; pip would refuse it beside torch's pin).
+$(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(FLOOR_CUDA) $(LOCK)
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet --upgrade -c $(LOCK) pip
-	$(OLDEST)/bin/python -m pip install --quiet $$(grep -i -E '^torch==' $(FLOOR))
-	grep -v -i -E '^triton[=@ ]' $(FLOOR) > $(OLDEST)/constraints.txt
+	$(OLDEST)/bin/python -m pip install --quiet "$(TORCH)"
+	grep -v -i -E '^(torch|triton)[=@ ]' $(FLOOR) > $(OLDEST)/constraints.txt
 	$(OLDEST)/bin/python tests/scripts/requirements.py dev --except triton > $(OLDEST)/requirements.txt
 	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt -r $(OLDEST)/requirements.txt
+	for attempt in 1 2 3; do \
+		$(OLDEST)/bin/python -m pip install --quiet --no-deps $$(grep -i -E '^torch==' $(FLOOR)) -r $(FLOOR_CUDA) \
+			&& break; \
+		[ $$attempt = 3 ] && exit 1; echo "retrying torch's floor ($$attempt failed)"; sleep 30; \
+	done
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e . $$(grep -i -E '^triton==' $(FLOOR))
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
