@@ -75,6 +75,7 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.device = args.device
+        self.quick = args.quick  # a dry run of the script: one pass a cell shows it runs, and costs a fifth
         self.deadline = time.perf_counter() + args.budget_s
         self.results: dict = {}
         self.skipped: list[str] = []
@@ -92,12 +93,14 @@ class Bench:
         """Median of timed passes (CUDA events), after `warmup` passes; as many as fit in `seconds` (3 to `most`)."""
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if self.quick:
+            warmup, seconds, most = 1, 0.0, 1
         t0 = time.perf_counter()
         for _ in range(warmup):
             fn()
         self.sync()
         first = (time.perf_counter() - t0) / warmup
-        reps = max(3, min(most, int(seconds / max(first, 1e-4))))
+        reps = max(min(3, most), min(most, int(seconds / max(first, 1e-4))))
         samples = []
         for _ in range(reps):
             if self.device == "cuda":

@@ -170,7 +170,7 @@ def test_a_checkpoint_whose_state_would_run_code_is_refused_unread(reference, te
 def test_resume_is_bit_exact_on_each_s4_convolution_path(path, text, tmp_path):
     """The chunked form as batched matmuls and as the fused kernels (run by Triton's interpreter without a GPU)
     resume as exactly as the FFT path: a run stopped mid-epoch ends equal to the uninterrupted one."""
-    overrides = f"model.overrides={{dropout: 0.1, conv_path: {path}, d_state: 32, d_model: 16, n_layer: 1}}"
+    overrides = f"model.overrides={{dropout: 0.1, conv_path: {path}, d_state: 32, d_model: 4, n_layer: 1}}"
     reference = tmp_path / "reference"
     train_in_process(TINY, short_epochs(text, reference, overrides))
     assert f"S4 convolution: {path}" in (reference / "train.log").read_text()

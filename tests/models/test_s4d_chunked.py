@@ -217,7 +217,7 @@ def test_packed_documents_on_the_chunked_path_stay_apart_bit_for_bit(path):
     """Each document in its own zero-padded bucket row (one chunk, or several for a long one): changing one leaves
     every logit of the next bit-identical, and each document's logits equal its own."""
     torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=32, n_layer=2, d_state=32, conv_path=path,
+    model = S4ForCausalLM(S4Config(vocab_size=50, d_model=8, n_layer=2, d_state=32, conv_path=path,
                                    conv_chunk=16)).eval()
     lengths = [7, 40, 5, 44]
     ids = torch.randint(3, 50, (2, sum(lengths)))
@@ -238,7 +238,7 @@ def test_carried_state_and_cached_generation_agree_with_the_chunked_path(path):
     recurrent cache equals re-reading the whole sequence, both with the chunked convolution for every read (in
     float64 on the matmul path; the fused kernels take float32 at most)."""
     torch.manual_seed(0)
-    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=16, n_layer=2, d_state=32, conv_path=path,
+    model = S4ForCausalLM(S4Config(vocab_size=20, d_model=8, n_layer=2, d_state=32, conv_path=path,
                                    conv_chunk=16)).eval()
     model = model.double() if path == "chunked" else model
     ids = torch.randint(3, 20, (2, 70))
