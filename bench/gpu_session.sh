@@ -5,11 +5,12 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh
 #         first the GPU tests (the fused layer against the float64 CPU reference, whose float32 error on an H200 was
 #         fixed in the discretization kernels: libdevice's expf and IEEE divisions; their builds for sm_90 on this
-#         machine's own Triton; the language model compiled as one graph on both paths), then the S4D model compiled
-#         at the lengths whose batches are short, with the rows read whole (the default since segments lost on the
-#         H200) and cut into segments, side by side; the fused layer eager and compiled; the MoE language model eager
-#         (its routing compiled on CUDA by default now) and compiled beside the dense one; the profiles; what the time
-#         left does not reach is listed as skipped
+#         machine's own Triton; the language model compiled as one graph on both paths; the MoE layer compiling its
+#         routing, or its routing and experts, without a host sync), then the MoE layer (issue 40's last unmet
+#         figure, the eager E 8, k 2 layer: with its routing eager, compiled, and compiled with its experts,
+#         `moe_compiled_experts`, whose figure decides moe.COMPILE_EXPERTS's default); the fused layer eager and
+#         compiled; the MoE language model eager and compiled beside the dense one; the profiles; what the time left
+#         does not reach is listed as skipped
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
 #     bash bench/gpu_session.sh
 #         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer
@@ -58,9 +59,9 @@ if [ "${PYTEST_S:-200}" -gt 0 ]; then
     [ \$? -ne 2 ] && $P -m gpu tests/models/test_moe.py tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 \
     | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi
-# 2. speed: by default the S4D model compiled with and without segments, the fused layer eager and compiled, the MoE
-#    and dense language models, and the profiles (the other cells of earlier runs stand beside them)
-speed="segments layer_fused moe_models profile"
+# 2. speed: by default the MoE layer, the fused layer eager and compiled, the MoE and dense language models, and the
+#    profiles (the other cells of earlier runs stand beside them)
+speed="moe_layer layer_fused moe_models profile"
 timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown}" --out-dir "$OUT" \
   --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-$speed} \
   --model-lengths ${LENGTHS:-2048 8192 1024 4096 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} \

@@ -432,12 +432,13 @@ def section_moe_layer(bench: Bench, s):
     for E, k in s["moe_configs"]:
         fns = moe_passes(bench, s, E, k, compiled=bench.device == "cuda")  # compiling: a GPU run only
         for name in ("moe", "dense", "matmuls_only", "routing_only", "harness", "moe_compiled_routing",
-                     "routing_only_compiled", "moe_compiled", "dense_compiled"):
+                     "routing_only_compiled", "moe_compiled_experts", "moe_compiled", "dense_compiled"):
             if name not in fns:
                 continue
             result = bench.run(f"moe_layer/{name}/E{E}k{k}", lambda: fns[name],
                                need_s=60 if name.endswith("compiled") else 10)
-            if result and "ms" in result and name in ("moe", "matmuls_only", "moe_compiled", "moe_compiled_routing"):
+            if result and "ms" in result and name in ("moe", "matmuls_only", "moe_compiled", "moe_compiled_routing",
+                                                      "moe_compiled_experts"):
                 result["tflops"] = round(moe_flops(T, k, D, Fh) / (result["ms"] / 1000) / 1e12, 1)
         if baseline is not None:
             result = bench.run(f"moe_layer/baseline/E{E}k{k}", lambda: baseline_pass(bench, baseline, args, E, k),
@@ -782,6 +783,15 @@ def markdown(report: dict, s) -> str:
                                                                       "routing_only_compiled"))
                 ratio = f"{m['ms'] / d['ms']:.2f}" if m and d and "ms" in m and "ms" in d else "-"
                 lines.append(f"| {E}, {k} | {ms(m)} | {ratio} | {ms(r)} |")
+        if any("_compiled_experts/" in k for k in moe_keys):
+            lines += ["", "With the routing and the experts compiled together (`moe.COMPILE_EXPERTS`: the routing, "
+                      "gathers, grouped matmuls and k-way sums as one graph), the router's matmul eager: ms (TFLOP/s "
+                      "of the expert matmuls).", "",
+                      "| E, k | MoE layer, routing and experts compiled | MoE / dense |", "|---|---|---|"]
+            for E, k in s["moe_configs"]:
+                m, d = (R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe_compiled_experts", "dense"))
+                ratio = f"{m['ms'] / d['ms']:.2f}" if m and d and "ms" in m and "ms" in d else "-"
+                lines.append(f"| {E}, {k} | {ms(m)} | {ratio} |")
         if any(key.split("/")[1] in ("moe_compiled", "dense_compiled") for key in moe_keys):
             lines += ["", "Under `torch.compile` (the layer's forward with its losses, and the dense SwiGLU; as "
                       "`train.compile` runs them inside a block): ms (TFLOP/s of the expert matmuls).", "",

@@ -29,6 +29,9 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
                  `moe_grouped` and `routing_only` with the routing compiled (`moe.COMPILE_ROUTING = "always"`: softmax,
                  top-k, the static row layout and the losses as one compiled graph; the rest eager). The cells above
                  route eagerly (`"never"`), also on CUDA, where the layer's default compiles its routing
+    moe_compiled_experts
+                 `moe_grouped` with its routing and experts compiled together (`moe.COMPILE_EXPERTS = "always"`: the
+                 routing, gathers, grouped matmuls and k-way sums as one graph; the router's matmul eager)
 
 `floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
 the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),
@@ -173,19 +176,20 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             synchronize(device)
         return run
 
-    def routing_mode(run, mode: str):
+    def routing_mode(run, routing: str, experts: str = "never"):
         def timed():
-            saved, moe_module.COMPILE_ROUTING = moe_module.COMPILE_ROUTING, mode
+            saved = moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS
+            moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS = routing, experts
             try:
                 run()
             finally:
-                moe_module.COMPILE_ROUTING = saved
+                moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS = saved
         return timed
 
     def compiled_routing(run):
         return routing_mode(run, "always")
 
-    def eager_routing(run):  # the eager cells stay eager where the default compiles the routing (on CUDA)
+    def eager_routing(run):  # the eager cells stay eager where the defaults compile (on CUDA)
         return routing_mode(run, "never")
 
     def moe_with_losses(layer):
@@ -209,6 +213,7 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             "harness": pass_of(torch.nn.Module(), lambda x: x + 0),
             "moe_compiled_routing": compiled_routing(pass_of(grouped, moe_with_losses(grouped))),
             "routing_only_compiled": compiled_routing(pass_of(routing_grouped, moe_with_losses(routing_grouped))),
+            "moe_compiled_experts": routing_mode(pass_of(grouped, moe_with_losses(grouped)), "never", "always"),
             **({"moe_compiled": pass_of(moe, torch.compile(moe_with_losses(moe))),
                 "dense_compiled": pass_of(dense, torch.compile(dense))} if compiled else {})}
 
@@ -264,6 +269,7 @@ def main(argv=None):
                  "moe_grouped_over_moe": ratio_summary(times, "moe_grouped", "moe"),
                  "moe_loop_over_moe": ratio_summary(times, "moe_loop", "moe"),
                  "compiled_routing_over_eager": ratio_summary(times, "moe_compiled_routing", "moe_grouped"),
+                 "compiled_experts_over_eager": ratio_summary(times, "moe_compiled_experts", "moe_grouped"),
                  "matmuls_only_over_dense": ratio_summary(times, "matmuls_only", "dense")}
         entry["floor_over_dense"] = floor_over_dense(entry["seconds_median"])
         out["results"][f"E{E}_k{k}"] = entry

@@ -59,7 +59,14 @@ EXPERT_ROWS = 16  # every expert matmul has a multiple of this many rows: a toke
 # the E 8, k 2 layer at 32K tokens took 8.12 ms with its routing compiled against 8.76 eager (the routing alone 2.22
 # against 2.97); E 128, k 8 26.92 against 27.06. The first step pays the compilation (about 15 s there).
 COMPILE_ROUTING = "cuda"
+# Where an eager `grouped_mm` layer compiles its routing and its experts together (`routed_experts`: the routing
+# above, the gathers, both grouped matmuls, the activation and the k-way sums, one graph; the router's matmul and
+# jitter stay eager, so that the jitter's random numbers are eager's): the same modes, in bf16 only (grouped_mm does
+# not compile in float32: grouped_mm_traceable). Where it compiles, it takes the place of COMPILE_ROUTING. "never" by default until a GPU has timed it: on an H200 the layer compiled whole
+# (bench/gpu_speed.py's `moe_compiled`) took 5.39 ms at E 8, k 2 against 8.12 with only its routing compiled.
+COMPILE_EXPERTS = "never"
 _ROUTING_FAILED = []  # the first failure's message, once one happened: routing stays eager from then on
+_EXPERTS_FAILED = []  # the same for COMPILE_EXPERTS
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
@@ -192,18 +199,31 @@ def _compiled_routing(num_experts: int, k: int, norm_topk_prob: bool):
                          dynamic=True, fullgraph=True)
 
 
+def compiles_here(mode: str, failed: list, x: torch.Tensor) -> bool:
+    """Whether a COMPILE_ROUTING / COMPILE_EXPERTS `mode` compiles for `x`: never inside an outer compile (which
+    traces the eager code anyway), nor after compiling once failed."""
+    return (mode == "always" or mode == "cuda" and x.is_cuda) and not failed and not torch.compiler.is_compiling()
+
+
+def compiled_or_eager(what: str, failed: list, compiled, eager, *args):
+    """`compiled(*args)`, or, where compiling fails (a compiler missing, an unsupported torch), one warning (`what`
+    runs eagerly, and why) and `eager(*args)` from then on (a real error repeats there)."""
+    try:
+        return compiled(*args)
+    except Exception as e:
+        failed.append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        warnings.warn(f"{what} eagerly: compiling it failed ({failed[0]})", stacklevel=3)
+        return eager(*args)
+
+
 def route_eagerly_or_compiled(logits: torch.Tensor, valid: torch.Tensor | None, capacity: int | None,
                               num_experts: int, k: int, norm_topk_prob: bool) -> tuple:
-    """`routing`, compiled where `COMPILE_ROUTING` says (never inside an outer compile, which traces it anyway)."""
-    compile_here = COMPILE_ROUTING == "always" or COMPILE_ROUTING == "cuda" and logits.is_cuda
-    if not compile_here or _ROUTING_FAILED or torch.compiler.is_compiling():
-        return routing(logits, valid, capacity, num_experts, k, norm_topk_prob)
-    try:
-        return _compiled_routing(num_experts, k, norm_topk_prob)(logits, valid, capacity)
-    except Exception as e:  # a compiler missing or failing: the same routing, eager (a real error repeats there)
-        _ROUTING_FAILED.append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
-        warnings.warn(f"MoE routing runs eagerly: compiling it failed ({_ROUTING_FAILED[0]})", stacklevel=2)
-        return routing(logits, valid, capacity, num_experts, k, norm_topk_prob)
+    """`routing`, compiled where `COMPILE_ROUTING` says."""
+    eager = functools.partial(routing, num_experts=num_experts, k=k, norm_topk_prob=norm_topk_prob)
+    if not compiles_here(COMPILE_ROUTING, _ROUTING_FAILED, logits):
+        return eager(logits, valid, capacity)
+    return compiled_or_eager("MoE routing runs", _ROUTING_FAILED, _compiled_routing(num_experts, k, norm_topk_prob),
+                             eager, logits, valid, capacity)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -247,13 +267,26 @@ def resolve_dispatch(dispatch: str, x: torch.Tensor) -> str:
     return "grouped_mm" if _grouped_mm_pays(x) else "fused"
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts multiply in: autocast's where it is on (`MoEExperts._operands`), else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
     """Where `grouped_mm` is the fastest: CUDA (compute capability >= 8) in bf16 or float32. Measured on an H200 (one
     layer, 8,192 tokens, d_model 512, experts 1,024 wide, E = 8, k = 2, forward + backward): 3.4 ms against 10.2 ms
     for `fused` in bf16, 7.4 against 19.2 ms in float32. On CPU it runs a matmul per group anyway, under autograd's
     bookkeeping; `fused` is within a few percent of it there and keeps a third of the activations."""
     return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float32)
-            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+            and grouped_mm_traceable(compute_dtype(x)) and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def grouped_mm_traceable(dtype: torch.dtype, compiling: bool | None = None) -> bool:
+    """Whether `grouped_mm` in `dtype` can run here: eagerly, yes; under `torch.compile` in bf16 alone (its
+    fake-tensor check refuses float32, torch 2.11 to 2.13: tests/models/test_moe.py keeps that premise). So a
+    compiled float32 layer takes `fused` (which breaks the graph at its host sync) instead of failing to compile."""
+    compiling = torch.compiler.is_compiling() if compiling is None else compiling
+    return dtype == torch.bfloat16 or not compiling
 
 
 class SwiGLUMLP(nn.Module):
@@ -378,6 +411,35 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         return grad_x, grad_gate_up, grad_down, None, grad_weight, None
 
 
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, token: torch.Tensor,
+                    offs: torch.Tensor, pair_row: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+    """The `grouped_mm` dispatch on `static_layout`'s rows: x (T, D) -> (T, D), no host sync; `gate_up (E, 2F, D)`
+    and `down (E, D, F)` in x's dtype. The routing weight scales each row's activation (F wide, before the down
+    projection: fewer elements than its D-wide output); the rows are gathered from the tokens and summed back per
+    token by gathers both ways, forward and backward, so no step adds atomically (measured on an H100: the atomic
+    index_add_ of the plain gathers' backward took a quarter of the layer) and the sums run in a fixed order."""
+    xs = _GatherRows.apply(x, token, pair_row)  # (R, D), sorted by expert
+    gate, up = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (R, F) each
+    act = F.silu(gate) * up * row_weight.to(x.dtype)[:, None]
+    y = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (R, D); rows of weight 0 are exact zeros
+    return _SumPairs.apply(y, pair_row, token, x.shape[0])
+
+
+def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor,
+                   valid: torch.Tensor | None, capacity: int | None, num_experts: int, k: int,
+                   norm_topk_prob: bool) -> tuple:
+    """`routing` then `grouped_experts`: (out (T, D), counts, dropped, balance loss, z loss). One graph for
+    `torch.compile` where `COMPILE_EXPERTS` says."""
+    rows, counts, dropped, balance, z = routing(logits, valid, capacity, num_experts, k, norm_topk_prob)
+    return grouped_experts(x, gate_up, down, *rows), counts, dropped, balance, z
+
+
+@functools.lru_cache
+def _compiled_routed_experts(num_experts: int, k: int, norm_topk_prob: bool):
+    return torch.compile(functools.partial(routed_experts, num_experts=num_experts, k=k,
+                                           norm_topk_prob=norm_topk_prob), dynamic=True, fullgraph=True)
+
+
 class MoEExperts(nn.Module):
     """E SwiGLU experts stored as 3-D weights.
 
@@ -386,6 +448,8 @@ class MoEExperts(nn.Module):
     expert `e` (the `fused` and `loop` dispatches). Tokens without a pair get zero.
     forward(x, rows=(token, offs, pair_row, row_weight)) -> (T, D): the same sum for `grouped_mm`, on
     `static_layout`'s rows.
+    forward(x, routed=(logits, valid, capacity, E, k, norm_topk_prob)) -> (out, counts, dropped, balance loss, z loss):
+    the routing and the `grouped_mm` sum together (`routed_experts`, compiled where `COMPILE_EXPERTS` says).
     """
 
     def __init__(self, num_experts: int, d_model: int, d_ffn: int, dispatch: str = "auto"):
@@ -401,27 +465,21 @@ class MoEExperts(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return x, self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
 
-    def _grouped(self, x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, pair_row: torch.Tensor,
-                 row_weight: torch.Tensor) -> torch.Tensor:
-        """The `grouped_mm` dispatch on `static_layout`'s rows: x (T, D) -> (T, D), no host sync. The routing weight
-        scales each row's activation (F wide, before the down projection: fewer elements than its D-wide output);
-        the rows are gathered from the tokens and summed back per token by gathers both ways, forward and backward,
-        so no step adds atomically (measured on an H100: the atomic index_add_ of the plain gathers' backward took a
-        quarter of the layer) and the sums run in a fixed order."""
-        x, gate_up, down = self._operands(x)
-        xs = _GatherRows.apply(x, token, pair_row)  # (R, D), sorted by expert
-        gate, up = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (R, F) each
-        act = F.silu(gate) * up * row_weight.to(x.dtype)[:, None]
-        y = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (R, D); rows of weight 0 are exact zeros
-        return _SumPairs.apply(y, pair_row, token, x.shape[0])
-
     def forward(self, x: torch.Tensor, token: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                counts: torch.Tensor | None = None, rows: tuple | None = None):
-        # One entry point for both layouts, so that a wrapper of this module (PEFT's LoRA on the 3-D weights, which
+                counts: torch.Tensor | None = None, rows: tuple | None = None, routed: tuple | None = None):
+        # One entry point for every layout, so that a wrapper of this module (PEFT's LoRA on the 3-D weights, which
         # patches them during the wrapped forward) sees every dispatch.
-        if rows is not None:
-            return self._grouped(x, *rows)
         x, gate_up, down = self._operands(x)
+        if rows is not None:  # static_layout's rows: the grouped_mm dispatch
+            return grouped_experts(x, gate_up, down, *rows)
+        if routed is not None:  # (logits, valid, capacity, E, k, norm_topk_prob): routed_experts' arguments
+            logits, valid, capacity, E, k, norm = routed
+            eager = functools.partial(routed_experts, num_experts=E, k=k, norm_topk_prob=norm)
+            if not compiles_here(COMPILE_EXPERTS, _EXPERTS_FAILED, x):
+                return eager(x, gate_up, down, logits, valid, capacity)
+            return compiled_or_eager("The MoE experts and their routing run", _EXPERTS_FAILED,
+                                     _compiled_routed_experts(E, k, norm), eager, x, gate_up, down, logits, valid,
+                                     capacity)
         weight = weight.to(x.dtype)
         if token.shape[0] == 0:  # no pair at all (all padding): the weights still join the graph, with zero gradient
             return x.new_zeros(x.shape) + 0 * (gate_up.sum() + down.sum())
@@ -484,7 +542,11 @@ class MoELayer(nn.Module):
         logits = self.route(flat)  # (T, E) fp32
         capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * T * k / E)
         grouped = resolve_dispatch(self.dispatch, flat) == "grouped_mm"  # static shapes: no host sync at all
-        if grouped and parallel is None:  # the routing and its losses in one piece (compiled: COMPILE_ROUTING)
+        if (grouped and parallel is None and compiles_here(COMPILE_EXPERTS, _EXPERTS_FAILED, flat)
+                and grouped_mm_traceable(compute_dtype(flat), compiling=True)):
+            out, counts, dropped, balance, z = self.experts(flat, routed=(logits, valid, capacity, E, k,
+                                                                          self.norm_topk_prob))
+        elif grouped and parallel is None:  # the routing and its losses in one piece (compiled: COMPILE_ROUTING)
             rows, counts, dropped, balance, z = route_eagerly_or_compiled(logits, valid, capacity, E, k,
                                                                           self.norm_topk_prob)
             out = self.experts(flat, rows=rows)

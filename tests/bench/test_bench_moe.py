@@ -11,7 +11,8 @@ import torch
 from helpers import REPO
 
 VARIANTS = {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop", "matmuls_only", "routing_only",
-            "dense_matmuls_only", "harness", "moe_compiled_routing", "routing_only_compiled"}
+            "dense_matmuls_only", "harness", "moe_compiled_routing", "routing_only_compiled",
+            "moe_compiled_experts"}
 
 
 def test_onehot_loop_baseline_computes_the_same_layer():

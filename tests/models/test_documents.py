@@ -49,19 +49,31 @@ def test_changing_the_last_token_of_a_document_leaves_every_logit_of_the_next_bi
     assert not torch.equal(plain[0, a_end + 1:], plain_changed[0, a_end + 1:])  # read as one text, B sees A
 
 
-@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm", "grouped_mm, compiled routing"])
+@pytest.mark.parametrize("dispatch", ["fused", "grouped_mm", "grouped_mm, compiled routing",
+                                      "grouped_mm, compiled experts"])
 @pytest.mark.parametrize("variant", ["moe", "s4d+moe"])
 def test_with_experts_too_changing_one_document_leaves_the_next_bit_identical(variant, dispatch, monkeypatch):
     """Which tokens share an expert's matmul depends on every token's routing, and a BLAS rounds a row differently
     with the row count of its product: the expert slices are padded to whole tiles of rows so that it never matters.
     Wide enough layers (here 256 x 512, 8 experts) to take the kernels whose rounding depends on the row count.
     `grouped_mm` is the GPU's dispatch (static row layout), run here on the CPU's grouped_mm; with its routing
-    compiled, as eager layers can run it on a GPU (`moe.COMPILE_ROUTING`)."""
+    compiled, as eager layers can run it on a GPU (`moe.COMPILE_ROUTING`), and with its routing and experts compiled
+    together (`moe.COMPILE_EXPERTS`)."""
+    from torch._dynamo.utils import counters
+
     from s4accel.models import moe
 
     if dispatch.endswith("compiled routing"):
         monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
         monkeypatch.setattr(moe, "_ROUTING_FAILED", [])
+        dispatch = "grouped_mm"
+    compiled_experts = dispatch.endswith("compiled experts")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compiled_experts)
+    if compiled_experts:  # in bf16, where they compile (moe.grouped_mm_traceable)
+        monkeypatch.setattr(moe, "COMPILE_EXPERTS", "always")
+        monkeypatch.setattr(moe, "_EXPERTS_FAILED", [])
+        torch._dynamo.reset()
+        counters.clear()
         dispatch = "grouped_mm"
     torch.manual_seed(0)
     wide = dict(vocab_size=VOCAB, d_model=256, n_layer=2, d_ffn=512, num_experts=8, moe_dispatch=dispatch)
@@ -69,7 +81,7 @@ def test_with_experts_too_changing_one_document_leaves_the_next_bit_identical(va
          S4ForCausalLM(S4Config(d_state=16, kernel="s4d", l_max=64, dropout=0.0, ffn="moe", **wide))).eval()
     ids, positions = packed(rows=4)
     a_end = LENGTHS[0] - 1
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         logits = m(input_ids=ids, position_ids=positions).logits
         for delta in range(1, 6):  # several changes of A's last token, each routed its own way
             other = ids.clone()
@@ -77,6 +89,8 @@ def test_with_experts_too_changing_one_document_leaves_the_next_bit_identical(va
             changed = m(input_ids=other, position_ids=positions).logits
             assert not torch.equal(logits[:, a_end], changed[:, a_end])
             assert torch.equal(logits[:, a_end + 1:], changed[:, a_end + 1:]), delta
+    assert not moe._ROUTING_FAILED and not moe._EXPERTS_FAILED  # where compiled, compiled indeed
+    assert not compiled_experts or counters["stats"]["unique_graphs"] >= 1
 
 
 @pytest.mark.parametrize("variant", [*EXACT, "moe", "s4d+moe"])

@@ -155,6 +155,107 @@ def test_a_routing_that_does_not_compile_warns_once_and_runs_eagerly(monkeypatch
         assert torch.equal(m(x)[0], y0)  # no second warning
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_routing_and_experts_compiled_together_equal_the_eager_layer(capacity_factor, monkeypatch):
+    """`COMPILE_EXPERTS`: an eager `grouped_mm` layer under bf16 autocast may run its routing and its experts as one
+    compiled graph: the same expert counts and dropped pairs as eager, its output, losses and every gradient (input,
+    router, experts, shared expert) to bf16 rounding (compiled, the activation is rounded once, eager after each
+    operation); with padding and without, at two token counts (dynamic shapes: one graph each way). In float32,
+    where grouped_mm does not compile, the layer stays eager, without trying."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(moe, "_EXPERTS_FAILED", [])
+    monkeypatch.setattr(moe, "COMPILE_ROUTING", "never")
+    torch._dynamo.reset()
+    counters.clear()
+    m = layer(capacity_factor=capacity_factor, num_shared_experts=1, moe_dispatch="grouped_mm")
+    for L in (10, 14):
+        x0, g = torch.randn(4, L, 16), torch.randn(4, L, 16)
+        for mask in (None, (torch.rand(4, L) > 0.25).long()):
+            results = []
+            for mode in ("always", "never"):
+                monkeypatch.setattr(moe, "COMPILE_EXPERTS", mode)
+                x = x0.clone().requires_grad_()
+                m.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y, aux = m(x, mask)
+                ((y.float() * g).sum() + 0.3 * aux["balance_loss"] + 0.7 * aux["z_loss"]).backward()
+                results.append((y.float(), aux, x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
+            (y, aux, gx, grads), (y0, aux0, gx0, grads0) = results
+            assert torch.equal(aux["expert_counts"], aux0["expert_counts"]) and torch.equal(aux["dropped"],
+                                                                                          aux0["dropped"])
+            torch.testing.assert_close(aux["balance_loss"], aux0["balance_loss"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(aux["z_loss"], aux0["z_loss"], rtol=1e-6, atol=1e-7)
+            for got, want in ((y, y0), (gx, gx0), *((grads[n], grads0[n]) for n in grads0)):
+                assert (got - want).norm() <= 1e-2 * want.norm()  # bf16's 2^-8, a few roundings, spread over all
+    assert not moe._EXPERTS_FAILED and counters["stats"]["unique_graphs"] == 2  # compiled: with padding, without
+    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "always")
+    x = torch.randn(2, 8, 16)
+    y, _ = m(x)
+    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "never")
+    assert torch.equal(y, m(x)[0]) and not moe._EXPERTS_FAILED and counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_compiled_float32_layer_takes_the_fused_dispatch_as_grouped_mm_compiles_in_bf16_alone():
+    """torch.compile's grouped_mm accepts bf16 alone (the premise, checked on this torch: a float32 grouped_mm layer
+    does not compile), so `auto` gives a compiled float32 layer on a GPU the `fused` dispatch, and bf16 keeps
+    `grouped_mm`; eagerly both are grouped_mm's (on a GPU: test_on_cuda_a_compiled_float32_layer_trains_...)."""
+    m, x = layer(moe_dispatch="grouped_mm"), torch.randn(2, 8, 16)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="BF16"):
+        torch.compile(lambda x: m(x)[0].sum(), backend="aot_eager", fullgraph=True)(x)
+    assert moe.grouped_mm_traceable(torch.bfloat16, compiling=True)
+    assert not moe.grouped_mm_traceable(torch.float32, compiling=True)
+    assert moe.grouped_mm_traceable(torch.float32, compiling=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moe.compute_dtype(x) == torch.bfloat16
+    assert moe.compute_dtype(x) == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_compiled_float32_layer_trains_as_the_eager_one():
+    """On a GPU `auto` is `grouped_mm` in float32 eagerly, and `fused` under torch.compile (where grouped_mm does not
+    compile in float32): the compiled layer runs, with the eager layer's values and gradients."""
+    torch._dynamo.reset()
+    m = layer(moe_dispatch="auto").cuda()
+    x0 = torch.randn(2, 32, 16, device="cuda")
+    results = []
+    for forward in (torch.compile(lambda x: m(x)[0]), lambda x: m(x)[0]):
+        x = x0.clone().requires_grad_()
+        m.zero_grad()
+        forward(x).square().sum().backward()
+        results.append((x.grad, m.experts.gate_up_proj.grad.clone()))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_routing_and_experts_that_do_not_compile_warn_once_and_run_eagerly(monkeypatch):
+    """Where compiling the routing and experts together fails, the layer says so once and runs them eagerly from
+    then on, with the same results."""
+    def broken(*args):
+        def compiled(*a):
+            raise RuntimeError("no C++ compiler found")
+        return compiled
+    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "always")
+    monkeypatch.setattr(moe, "_EXPERTS_FAILED", [])
+    monkeypatch.setattr(moe, "_compiled_routed_experts", broken)
+    m, x = layer(moe_dispatch="grouped_mm"), torch.randn(2, 8, 16)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # where COMPILE_EXPERTS compiles
+    failed = "The MoE experts and their routing run eagerly: compiling it failed .RuntimeError: no C"
+    with bf16, pytest.warns(UserWarning, match=failed):
+        y, aux = m(x)
+    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "never")
+    with bf16:
+        y0, aux0 = m(x)
+    assert torch.equal(y, y0) and torch.equal(aux["balance_loss"], aux0["balance_loss"])
+    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "always")
+    import warnings
+    with bf16, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(m(x)[0], y0)  # no second warning
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_grouped_dispatch_has_no_data_dependent_shape(capacity_factor):
     """The GPU's dispatch never waits for the GPU inside a forward or backward: traced whole by torch.compile
@@ -527,20 +628,23 @@ def test_every_output_class_declares_the_moe_outputs_a_trainer_reads():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_an_eager_layer_compiles_its_routing_without_a_host_sync_and_agrees_with_eager_routing():
-    """`COMPILE_ROUTING = "cuda"`: an eager `grouped_mm` layer routes through the compiled `routing` (after its first
-    call, no forward or backward waits for the GPU), with the values and gradients of the same layer routing
-    eagerly."""
+@pytest.mark.parametrize("switch", ["COMPILE_ROUTING", "COMPILE_EXPERTS"])
+def test_on_cuda_an_eager_layer_compiles_its_routing_without_a_host_sync_and_agrees_with_eager_routing(switch,
+                                                                                                     monkeypatch):
+    """`COMPILE_ROUTING = "cuda"` (the default): an eager `grouped_mm` layer routes through the compiled `routing`;
+    `COMPILE_EXPERTS = "cuda"`: its routing and experts run as one compiled graph. Either way, after the first call
+    no forward or backward waits for the GPU, and the values and gradients are those of the same layer eager."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
+    monkeypatch.setattr(moe, "COMPILE_ROUTING", "never")
     m = layer(capacity_factor=0.8, num_shared_experts=1, moe_dispatch="grouped_mm").cuda()
     x0, mask = torch.randn(4, 64, 16, device="cuda"), torch.ones(4, 64, dtype=torch.long, device="cuda")
     mask[1, 50:] = 0
-    results, saved = [], moe.COMPILE_ROUTING
+    results = []
     for mode in ("cuda", "never"):
-        moe.COMPILE_ROUTING = mode
+        monkeypatch.setattr(moe, switch, mode)
         try:
             for sync_check in ("default", "error"):  # the first pass compiles; the second must not sync
                 x = x0.clone().requires_grad_()
@@ -551,10 +655,9 @@ def test_on_cuda_an_eager_layer_compiles_its_routing_without_a_host_sync_and_agr
                 (y.float().sum() + aux["balance_loss"] + aux["z_loss"]).backward()
                 torch.cuda.set_sync_debug_mode("default")
         finally:
-            moe.COMPILE_ROUTING = saved
             torch.cuda.set_sync_debug_mode("default")
         results.append((y.float(), x.grad, m.router.weight.grad.clone(), aux["expert_counts"]))
-    assert not moe._ROUTING_FAILED and counters["stats"]["unique_graphs"] >= 1
+    assert not moe._ROUTING_FAILED and not moe._EXPERTS_FAILED and counters["stats"]["unique_graphs"] >= 1
     (y1, gx1, gr1, c1), (y0, gx0, gr0, c0) = results
     assert torch.equal(c1, c0)
     torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-3)
