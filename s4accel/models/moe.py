@@ -62,8 +62,9 @@ COMPILE_ROUTING = "cuda"
 # Where an eager `grouped_mm` layer compiles its routing and its experts together (`routed_experts`: the routing
 # above, the gathers, both grouped matmuls, the activation and the k-way sums, one graph; the router's matmul and
 # jitter stay eager, so that the jitter's random numbers are eager's): the same modes, in bf16 only (grouped_mm does
-# not compile in float32: grouped_mm_traceable). Where it compiles, it takes the place of COMPILE_ROUTING. "never" by default until a GPU has timed it: on an H200 the layer compiled whole
-# (bench/gpu_speed.py's `moe_compiled`) took 5.39 ms at E 8, k 2 against 8.12 with only its routing compiled.
+# not compile in float32: grouped_mm_traceable). Where it compiles, it takes the place of COMPILE_ROUTING. "never"
+# by default until a GPU has timed it: on an H200 the layer compiled whole (bench/gpu_speed.py's `moe_compiled`) took
+# 5.39 ms at E 8, k 2 against 8.12 with only its routing compiled.
 COMPILE_EXPERTS = "never"
 _ROUTING_FAILED = []  # the first failure's message, once one happened: routing stays eager from then on
 _EXPERTS_FAILED = []  # the same for COMPILE_EXPERTS
