@@ -772,26 +772,20 @@ def markdown(report: dict, s) -> str:
                 cell[n] and "ms" in cell[n] for n in ("moe", "dense")) else "-")
             lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['baseline'])} | {ms(cell['dense'])} | {ratio} | "
                          f"{ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
-        if any("_compiled_routing/" in k for k in moe_keys):
+        if any(("_compiled_routing/" in k or "_compiled_experts/" in k) for k in moe_keys):
             lines += ["", "With the routing compiled (`moe.COMPILE_ROUTING`: softmax, top-k, the row layout and the "
-                      "losses as one compiled graph), the rest of the layer eager: ms (TFLOP/s of the expert "
-                      "matmuls).",
-                      "", "| E, k | MoE layer, routing compiled | MoE / dense | routing alone, compiled |",
-                      "|---|---|---|---|"]
+                      "losses as one compiled graph), the rest of the layer eager; then with the routing and the "
+                      "experts compiled together (`moe.COMPILE_EXPERTS`: also the gathers, grouped matmuls and k-way "
+                      "sums), the router's matmul eager: ms (TFLOP/s of the expert matmuls).", "",
+                      "| E, k | MoE layer, routing compiled | MoE / dense | routing alone, compiled | "
+                      "MoE layer, routing and experts compiled | MoE / dense |", "|---" * 6 + "|"]
             for E, k in s["moe_configs"]:
-                m, d, r = (R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe_compiled_routing", "dense",
-                                                                      "routing_only_compiled"))
-                ratio = f"{m['ms'] / d['ms']:.2f}" if m and d and "ms" in m and "ms" in d else "-"
-                lines.append(f"| {E}, {k} | {ms(m)} | {ratio} | {ms(r)} |")
-        if any("_compiled_experts/" in k for k in moe_keys):
-            lines += ["", "With the routing and the experts compiled together (`moe.COMPILE_EXPERTS`: the routing, "
-                      "gathers, grouped matmuls and k-way sums as one graph), the router's matmul eager: ms (TFLOP/s "
-                      "of the expert matmuls).", "",
-                      "| E, k | MoE layer, routing and experts compiled | MoE / dense |", "|---|---|---|"]
-            for E, k in s["moe_configs"]:
-                m, d = (R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe_compiled_experts", "dense"))
-                ratio = f"{m['ms'] / d['ms']:.2f}" if m and d and "ms" in m and "ms" in d else "-"
-                lines.append(f"| {E}, {k} | {ms(m)} | {ratio} |")
+                m, d, r, x = (R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe_compiled_routing", "dense",
+                                                                         "routing_only_compiled",
+                                                                         "moe_compiled_experts"))
+                ratio, ratio_x = (f"{a['ms'] / d['ms']:.2f}" if a and d and "ms" in a and "ms" in d else "-"
+                                  for a in (m, x))
+                lines.append(f"| {E}, {k} | {ms(m)} | {ratio} | {ms(r)} | {ms(x)} | {ratio_x} |")
         if any(key.split("/")[1] in ("moe_compiled", "dense_compiled") for key in moe_keys):
             lines += ["", "Under `torch.compile` (the layer's forward with its losses, and the dense SwiGLU; as "
                       "`train.compile` runs them inside a block): ms (TFLOP/s of the expert matmuls).", "",

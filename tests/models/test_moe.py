@@ -132,25 +132,31 @@ def test_compiled_routing_equals_the_eager_routing_values_layout_and_gradients(c
     assert not moe._ROUTING_FAILED and counters["stats"]["unique_graphs"] == 2  # compiled: with padding, without
 
 
-def test_a_routing_that_does_not_compile_warns_once_and_runs_eagerly(monkeypatch):
-    """Where compiling the routing fails (no compiler, an unsupported torch), the layer says so once and routes
-    eagerly from then on, with the same results."""
+@pytest.mark.parametrize("switch, failed, factory, says", [
+    ("COMPILE_ROUTING", "_ROUTING_FAILED", "_compiled_routing", "MoE routing runs"),
+    ("COMPILE_EXPERTS", "_EXPERTS_FAILED", "_compiled_routed_experts", "The MoE experts and their routing run")])
+def test_a_layer_whose_compiled_part_does_not_compile_warns_once_and_runs_it_eagerly(switch, failed, factory, says,
+                                                                                     monkeypatch):
+    """Where compiling the routing (or the routing and experts together, in bf16) fails (no compiler, an unsupported
+    torch), the layer says so once and runs that part eagerly from then on, with the same results."""
     def broken(*args):
         def compiled(*a):
             raise RuntimeError("no C++ compiler found")
         return compiled
-    monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
-    monkeypatch.setattr(moe, "_ROUTING_FAILED", [])
-    monkeypatch.setattr(moe, "_compiled_routing", broken)
+    monkeypatch.setattr(moe, switch, "always")
+    monkeypatch.setattr(moe, failed, [])
+    monkeypatch.setattr(moe, factory, broken)
     m, x = layer(moe_dispatch="grouped_mm"), torch.randn(2, 8, 16)
-    with pytest.warns(UserWarning, match="MoE routing runs eagerly: compiling it failed .RuntimeError: no C"):
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # where COMPILE_EXPERTS compiles
+    with bf16, pytest.warns(UserWarning, match=f"{says} eagerly: compiling it failed .RuntimeError: no C"):
         y, aux = m(x)
-    monkeypatch.setattr(moe, "COMPILE_ROUTING", "never")
-    y0, aux0 = m(x)
+    monkeypatch.setattr(moe, switch, "never")
+    with bf16:
+        y0, aux0 = m(x)
     assert torch.equal(y, y0) and torch.equal(aux["balance_loss"], aux0["balance_loss"])
-    monkeypatch.setattr(moe, "COMPILE_ROUTING", "always")
+    monkeypatch.setattr(moe, switch, "always")
     import warnings
-    with warnings.catch_warnings():
+    with bf16, warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(m(x)[0], y0)  # no second warning
 
@@ -228,32 +234,6 @@ def test_on_cuda_a_compiled_float32_layer_trains_as_the_eager_one():
         results.append((x.grad, m.experts.gate_up_proj.grad.clone()))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-def test_routing_and_experts_that_do_not_compile_warn_once_and_run_eagerly(monkeypatch):
-    """Where compiling the routing and experts together fails, the layer says so once and runs them eagerly from
-    then on, with the same results."""
-    def broken(*args):
-        def compiled(*a):
-            raise RuntimeError("no C++ compiler found")
-        return compiled
-    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "always")
-    monkeypatch.setattr(moe, "_EXPERTS_FAILED", [])
-    monkeypatch.setattr(moe, "_compiled_routed_experts", broken)
-    m, x = layer(moe_dispatch="grouped_mm"), torch.randn(2, 8, 16)
-    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # where COMPILE_EXPERTS compiles
-    failed = "The MoE experts and their routing run eagerly: compiling it failed .RuntimeError: no C"
-    with bf16, pytest.warns(UserWarning, match=failed):
-        y, aux = m(x)
-    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "never")
-    with bf16:
-        y0, aux0 = m(x)
-    assert torch.equal(y, y0) and torch.equal(aux["balance_loss"], aux0["balance_loss"])
-    monkeypatch.setattr(moe, "COMPILE_EXPERTS", "always")
-    import warnings
-    with bf16, warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert torch.equal(m(x)[0], y0)  # no second warning
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
