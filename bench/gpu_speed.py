@@ -860,7 +860,7 @@ def merge(paths: list[Path]) -> dict:
 
 def shapes(args) -> dict:
     if args.quick:
-        return dict(layer_batch=2, d_model=16, d_state=32, heads=4, layer_lengths=(128, 256), chunks=(32, 64),
+        return dict(layer_batch=2, d_model=4, d_state=32, heads=2, layer_lengths=(128, 256), chunks=(32, 64),
                     fused_configs=((16, (16, 4), (16, 8)), (32, (32, 4), (16, 8))),
                     vocab=300, n_layer=2, d_ffn=128, tokens=512, model_lengths=(64, 128), moe_tokens=256,
                     moe_d_model=64, moe_d_ffn=32, moe_configs=((8, 2),), small_shapes=((2, 64),))

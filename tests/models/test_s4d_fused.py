@@ -220,40 +220,47 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from s4accel.models import s4d_fused
 
-which, dtype, constexprs, cubin = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4])
-fn = getattr(s4d_fused, f"_{which}_kernel")
-operand = {"x", "y", "states", "g", "dx", "adjoints"}
-signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps", "H")
-             else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
-warps = constexprs.pop("num_warps")
-log = io.StringIO()
-with contextlib.redirect_stdout(log):  # ptxas's own report (TRITON_DUMP_PTXAS_LOG)
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-cubin.write_bytes(compiled.asm["cubin"])
-tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
-regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", out).groups()
-# Spilled bytes as ptxas counts its spill stores; the stack frame also holds a function's own local arrays (libdevice's
-# sinf keeps one for its rare huge-argument path), so it is the bound only where a Triton prints no ptxas report.
-spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
-print(json.dumps({"registers": int(regs), "spilled_bytes": int(spills.group(1)) if spills else int(stack),
-                  "stack_bytes": int(stack), "ptxas_report": bool(spills), "shared_bytes": compiled.metadata.shared}))
+
+def usage(which, dtype, constexprs, cubin):
+    fn = getattr(s4d_fused, f"_{which}_kernel")
+    operand = {"x", "y", "states", "g", "dx", "adjoints"}
+    signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps", "H")
+                 else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
+    warps = constexprs.pop("num_warps")
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # ptxas's own report (TRITON_DUMP_PTXAS_LOG)
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    cubin.write_bytes(compiled.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", out).groups()
+    # Spilled bytes as ptxas counts its spill stores; the stack frame also holds a function's own local arrays
+    # (libdevice's sinf keeps one for its rare huge-argument path), so it is the bound only where a Triton prints no
+    # ptxas report.
+    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    return {"registers": int(regs), "spilled_bytes": int(spills.group(1)) if spills else int(stack),
+            "stack_bytes": int(stack), "ptxas_report": bool(spills), "shared_bytes": compiled.metadata.shared}
+
+
+builds, folder = json.loads(sys.argv[1]), Path(sys.argv[2])
+print(json.dumps([usage(which, dtype, constexprs, folder / f"{i}.cubin")
+                  for i, (which, dtype, constexprs) in enumerate(builds)]))
 """
 
 
-def sm90_usage(which: str, dtype: str, tmp_path, **constexprs) -> dict:
-    """Compile a fused kernel for an H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: its registers per
-    thread, the bytes each thread spills to local memory (ptxas's spill stores) and its shared memory. In a process
-    of its own: the kernels must be defined as compiled kernels, not interpreted ones."""
+def sm90_usage(builds: list[tuple[str, str, dict]], tmp_path) -> list[dict]:
+    """Compile fused kernels for an H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: for each build
+    (kernel, operand dtype, constexprs), its registers per thread, the bytes each thread spills to local memory
+    (ptxas's spill stores) and its shared memory. In a process of its own (the kernels must be defined as compiled
+    kernels, not interpreted ones), one for all the builds: a process costs seconds to import torch and Triton."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SM90_USAGE, which, dtype, json.dumps(constexprs),
-                           str(tmp_path / f"{which}-{dtype}.cubin")], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SM90_USAGE, json.dumps(builds), str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -270,11 +277,12 @@ def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(wh
     common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
     if which == "forward":
         common["SAVE"] = True
-    for dtype, ieee, T in (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
-                           ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)):
-        usage = sm90_usage(which, dtype, tmp_path, IEEE=ieee, T=T, **common)
-        assert usage["spilled_bytes"] == 0, (dtype, ieee, usage)
-        assert usage["shared_bytes"] <= 228 * 1024, usage
+    builds = [(which, dtype, dict(IEEE=ieee, T=T, **common)) for dtype, ieee, T in (
+        ("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
+        ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE))]
+    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
+        assert usage["spilled_bytes"] == 0, (build, usage)
+        assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
@@ -283,13 +291,15 @@ def test_the_matrices_kernels_compile_for_an_h100_without_spilling(which, tmp_pa
     """The kernels that make the fused path's matrices (one program per channel, its modes in registers, its steps
     in blocks) build for sm_90 and spill nothing: at the default chunk and N 64, at the largest chunk the bfloat16
     path takes (128 steps), and at N 256."""
+    builds = []
     for T, n in ((modeling_s4.FUSED_CHUNK, 32), (128, 32), (64, 128)):
         TB = s4d_fused._steps_a_block(T, n, forward=which == "matrices_forward")
         constexprs = dict(T=T, n=n, TB=TB, SHIFT=0, num_warps=4)
         if which == "matrices_forward":
             constexprs["HAS_D"] = True
-        usage = sm90_usage(which, "fp32", tmp_path, **constexprs)
-        assert usage["spilled_bytes"] == 0, (T, n, usage)
+        builds.append((which, "fp32", constexprs))
+    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
+        assert usage["spilled_bytes"] == 0, (build, usage)
 
 
 @needs_triton
@@ -329,9 +339,9 @@ def test_the_matrices_kernels_equal_the_float64_reference_values_gradients_and_s
 def test_the_discretization_kernels_compile_for_an_h100_without_spilling(which, tmp_path):
     """The fused path's discretization (ZOH), one program per channel over its modes and both kernels of a
     bidirectional layer, builds for sm_90 at N 64 and N 256 without spilling."""
-    for n in (32, 128):
-        usage = sm90_usage(which, "fp32", tmp_path, n=n, c=2, num_warps=s4d_fused.discretize_warps(n))
-        assert usage["spilled_bytes"] == 0, (n, usage)
+    builds = [(which, "fp32", dict(n=n, c=2, num_warps=s4d_fused.discretize_warps(n))) for n in (32, 128)]
+    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
+        assert usage["spilled_bytes"] == 0, (build, usage)
 
 
 @needs_triton
