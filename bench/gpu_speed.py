@@ -178,11 +178,22 @@ def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast
 
 
 def section_layer_paths(bench: Bench, s, paths):
-    """The S4 layer on these paths alone, eager (a rerun at other defaults)."""
+    """The S4 layer on these paths alone, eager (a rerun at other defaults). Beside the fused path, the same layer
+    with PyTorch's GLU (`layer/fused_torch_glu`): the paired baseline of the GLU kernels
+    (`s4d_chunked.project_glu_channels_first`)."""
+    from s4accel.models import modeling_s4
+
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     for L in s["layer_lengths"]:
         for path in paths:
             bench.run(f"layer/{path}/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True))
+            if path == "fused":
+                kernels, modeling_s4.glu_kernels_run = modeling_s4.glu_kernels_run, lambda x: False
+                try:
+                    bench.run(f"layer/fused_torch_glu/L{L}",
+                              lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True))
+                finally:
+                    modeling_s4.glu_kernels_run = kernels
 
 
 def section_layer(bench: Bench, s):
@@ -525,7 +536,7 @@ def section_small(bench: Bench, s):
 KERNEL_KINDS = (("s4d_fused", r"^_(forward|backward)_kernel\b"), ("attention", r"flash|fmha|attention|sdpa"),
                 ("matmul", r"gemm|nvjet|cutlass|sm90_xmma|sm80_xmma|cublas|_mm_|matmul"),
                 ("inductor", r"^triton_"), ("optimizer", r"adam|multi_tensor|foreach"),
-                ("softmax_loss", r"softmax|nll|cross_entropy|log_sum"),
+                ("softmax_loss", r"softmax|nll|cross_entropy|log_sum"), ("glu", r"glu"),
                 ("copy_cast", r"copy|cast|transpose|cat_|contiguous"), ("fill", r"fill|zero"),
                 ("reduce", r"reduce"), ("elementwise", r"elementwise"))
 
@@ -642,6 +653,7 @@ def layer_tables(R: dict, s) -> list[str]:
     lines += [f"## One layer, forward + backward (B {s['layer_batch']}, H {s['d_model']}, N {s['d_state']}, "
               "bf16 autocast, float32 input)", "", "Time (peak memory of the pass, inputs included).", "", head, sep]
     rows = [("S4Layer, fused path (eager)", "layer/fused"),
+            ("the same with PyTorch's GLU (eager; before the GLU kernels)", "layer/fused_torch_glu"),
             ("S4Layer, fused path (`torch.compile`)", "layer/fused_compiled"),
             ("S4Layer, fused path (`torch.compile`, CUDA graphs: mode reduce-overhead)", "layer/fused_graphs"),
             ("S4Layer, fused path (CUDA graphs, the input read in place: not copied into the graph each pass)",

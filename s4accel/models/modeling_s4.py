@@ -47,7 +47,8 @@ from .context_parallel import ChunkRows, ContextParallel
 from .documents import Documents
 from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, fp32_or_wider, from_channels_first,
-                          parameter_pairs, project_channels_first, to_channels_first)
+                          glu_kernels_run, parameter_pairs, project_channels_first, project_glu_channels_first,
+                          to_channels_first)
 from .s4d_fused import fused_discretize, ieee_products, why_not_fused
 from .s4d_segments import fused_conv
 
@@ -758,10 +759,13 @@ class S4Layer(nn.Module):
     def _mix_channels_first(self, y: torch.Tensor, autocast: torch.dtype | None,
                             rows: ChunkRows | None = None) -> torch.Tensor:
         """`_mix` of a channels-first `y (H, B, L)` -> (B, L, H): GELU and dropout in that layout, the projection
-        reading it as it lies (`project_channels_first`), the GLU on its (B, L, 2H) output."""
+        reading it as it lies (`project_channels_first`), the GLU on its (B, L, 2H) output (on CUDA, eager: in a
+        Triton kernel each way, `project_glu_channels_first`)."""
         H, B, L = y.shape
         z = _dropout(self.dropout, self.activation(y), rows, time_dim=2).reshape(H, B * L)
         linear = self.output_linear
+        if glu_kernels_run(z):
+            return project_glu_channels_first(z, linear.weight, linear.bias, autocast or z.dtype).view(B, L, H)
         z = project_channels_first(z, linear.weight, linear.bias, autocast or z.dtype)  # (B L, 2H)
         return self.glu(z.view(B, L, 2 * H))
 

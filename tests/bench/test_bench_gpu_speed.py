@@ -72,7 +72,8 @@ def test_a_profile_is_summed_by_kind_of_kernel_in_the_report():
     kinds = {"_forward_kernel": "s4d_fused", "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TTN": "matmul",
              "triton_poi_fused__to_copy_gelu_0": "inductor", "_transpose_kernel": "copy_cast",
              "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<ch": "fill",
-             "void at::native::glu_backward_kernel<c10::BFloat16, OffsetCalculator<3, unsigned int": "other",
+             "void at::native::glu_backward_kernel<c10::BFloat16, OffsetCalculator<3, unsigned int": "glu",
+             "_glu_backward_kernel": "glu", "triton_poi_fused_glu_backward_5": "inductor",
              "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits": "attention",
              "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float": "softmax_loss"}
     assert {name: gpu_speed.kernel_kind(name) for name in kinds} == kinds

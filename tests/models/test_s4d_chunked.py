@@ -210,6 +210,7 @@ def test_the_model_on_either_path_gives_the_same_logits_and_gradients(bidirectio
 needs_triton = pytest.mark.skipif(s4d_fused.triton is None or not (torch.cuda.is_available() or s4d_fused.INTERPRETED),
                                   reason="needs Triton (on a GPU, or its interpreter)")
 PATHS = ["chunked", pytest.param("fused", marks=needs_triton)]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -301,6 +302,38 @@ def test_the_channels_first_projection_equals_a_linear_layer():
         low = project_channels_first(x.float(), linear.weight.float(), linear.bias.float(), torch.bfloat16)
         ref = torch.nn.functional.linear(x.float().t(), linear.weight.float(), linear.bias.float())
     assert low.dtype == torch.bfloat16 and torch.equal(low, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_the_projection_with_its_glu_in_one_kernel_each_way_equals_the_float64_glu_of_the_projection(dtype, bias):
+    """`project_glu_channels_first` (the layer's projection and GLU on CUDA, eager) against PyTorch's GLU of the
+    projection in float64: the output and the gradients of the input, the weight and the bias, over shapes that fill
+    no kernel block exactly; float32 to its rounding, bfloat16 as close as PyTorch's own bfloat16 GLU (both round
+    the projection and the GLU once to bfloat16)."""
+    from s4accel.models.s4d_chunked import project_glu_channels_first
+
+    torch.manual_seed(0)
+    K, M, H = 12, 70, 40  # (a block is 32 rows and 128 columns)
+    x = torch.randn(K, M, dtype=torch.float64, requires_grad=True)
+    linear = torch.nn.Linear(K, 2 * H, bias=bias).double()
+    params = [x, linear.weight] + ([linear.bias] if bias else [])
+    g = torch.randn(M, H, dtype=torch.float64)
+    ref = torch.nn.functional.glu(project_channels_first(x, linear.weight, linear.bias, torch.float64), -1)
+    ref_grads = torch.autograd.grad(ref, params, g)
+    ours = [p.detach().float().to(DEVICE).requires_grad_() for p in params]
+    out = project_glu_channels_first(ours[0], ours[1], ours[2] if bias else None, dtype)
+    assert out.dtype == dtype and out.shape == (M, H)
+    assert type(out.grad_fn).__name__ == "_ProjectGLUChannelsFirstBackward"
+    grads = torch.autograd.grad(out, ours, g.to(DEVICE, dtype))
+    torch_ = [p.detach().clone().requires_grad_() for p in ours]  # PyTorch's operators in the same dtype
+    plain = torch.nn.functional.glu(project_channels_first(torch_[0], torch_[1], torch_[2] if bias else None, dtype),
+                                    -1)
+    plain_grads = torch.autograd.grad(plain, torch_, g.to(DEVICE, dtype))
+    for got, want, theirs in zip((out, *grads), (ref, *ref_grads), (plain, *plain_grads)):
+        limit = 1e-6 if dtype == torch.float32 else 2 * rel(theirs.cpu(), want) + 1e-3
+        assert rel(got.cpu(), want) < limit, (rel(got.cpu(), want), rel(theirs.cpu(), want))
 
 
 def test_the_toeplitz_matrices_and_their_gradient_along_the_diagonals():

@@ -184,8 +184,8 @@ def test_the_fused_path_where_it_runs_and_one_line_where_it_cannot(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("L", [1024, 3000])
 def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L):
-    """The whole layer (fused convolution, GELU, GLU projection) on CUDA against the float64 FFT path on the CPU;
-    values and the input's and kernel's gradients."""
+    """The whole layer (fused convolution, GELU, GLU projection: the GLU in its own kernels) on CUDA against the
+    float64 FFT path on the CPU; values and the input's and kernel's gradients."""
     torch.manual_seed(0)
     H = 64
     ref = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fft")).double()
@@ -199,6 +199,7 @@ def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L):
     x = u.float().cuda().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
         y, _ = fast(x)
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_ProjectGLUChannelsFirstBackward"
     y.backward(g.to(y.dtype).cuda())
     x_ref = u.clone().requires_grad_(True)
     y_ref, _ = ref(x_ref)
