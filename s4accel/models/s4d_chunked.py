@@ -474,8 +474,7 @@ class _ProjectChannelsFirst(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
-        x, w = x.to(dtype), weight.to(dtype)
-        out = torch.mm(x.t(), w.t()) if bias is None else torch.addmm(bias.to(dtype), x.t(), w.t())
+        x, w, out = _projection(x, weight, bias, dtype)
         ctx.save_for_backward(x, w)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return out
@@ -484,11 +483,20 @@ class _ProjectChannelsFirst(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.contiguous()
-        grad_x = torch.mm(w.t(), g.t())  # (K, M)
-        grad_w = torch.mm(g.t(), x.t()).to(ctx.dtypes[0])  # (J, K)
         wide = torch.float64 if g.dtype == torch.float64 else torch.float32
         grad_b = None if ctx.dtypes[1] is None else g.sum(0, dtype=wide).to(ctx.dtypes[1])
-        return grad_x, grad_w, grad_b, None
+        return *_projection_grads(x, w, g, ctx.dtypes[0]), grad_b, None
+
+
+def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """x and the weight in `dtype`, and `x^T W^T + b (M, J)` from them."""
+    x, w = x.to(dtype), weight.to(dtype)
+    return x, w, torch.mm(x.t(), w.t()) if bias is None else torch.addmm(bias.to(dtype), x.t(), w.t())
+
+
+def _projection_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, weight_dtype: torch.dtype):
+    """The gradients of x (K, M) and of the weight (J, K), in its dtype, from the output's `g (M, J)`."""
+    return torch.mm(w.t(), g.t()), torch.mm(g.t(), x.t()).to(weight_dtype)
 
 
 def project_channels_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -542,11 +550,16 @@ if triton is not None:
 GLU_BLOCK = (32, 128)  # rows and columns per program of both GLU kernels
 
 
+def _on_device(x: torch.Tensor):
+    """Triton launches on x's CUDA device (nothing to set for the interpreter's CPU tensors)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _glu_forward(z: torch.Tensor) -> torch.Tensor:
     M, H = z.shape[0], z.shape[1] // 2
     y = z.new_empty((M, H))
     bm, bh = GLU_BLOCK
-    with contextlib.nullcontext() if not z.is_cuda else torch.cuda.device(z.device):
+    with _on_device(z):
         _glu_forward_kernel[(triton.cdiv(M, bm), triton.cdiv(H, bh))](z, y, M, H, BLOCK_M=bm, BLOCK_H=bh)
     return y
 
@@ -556,7 +569,7 @@ def _glu_backward(g: torch.Tensor, z: torch.Tensor, sums: bool) -> tuple[torch.T
     bm, bh = GLU_BLOCK
     dz = torch.empty_like(z)
     partial = torch.empty((triton.cdiv(M, bm), 2 * H) if sums else (1,), dtype=torch.float32, device=z.device)
-    with contextlib.nullcontext() if not z.is_cuda else torch.cuda.device(z.device):
+    with _on_device(z):
         _glu_backward_kernel[(triton.cdiv(M, bm), triton.cdiv(H, bh))](g, z, dz, partial, M, H, BLOCK_M=bm,
                                                                        BLOCK_H=bh, SUMS=sums)
     return dz, (partial.sum(0) if sums else None)
@@ -568,8 +581,7 @@ class _ProjectGLUChannelsFirst(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
-        x, w = x.to(dtype), weight.to(dtype)
-        z = torch.mm(x.t(), w.t()) if bias is None else torch.addmm(bias.to(dtype), x.t(), w.t())  # (M, J)
+        x, w, z = _projection(x, weight, bias, dtype)  # z (M, J)
         ctx.save_for_backward(x, w, z)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return _glu_forward(z)
@@ -578,14 +590,13 @@ class _ProjectGLUChannelsFirst(torch.autograd.Function):
     def backward(ctx, g):
         x, w, z = ctx.saved_tensors
         dz, grad_b = _glu_backward(g.contiguous().to(z.dtype), z, ctx.dtypes[1] is not None)
-        grad_x = torch.mm(w.t(), dz.t())  # (K, M)
-        grad_w = torch.mm(dz.t(), x.t()).to(ctx.dtypes[0])  # (J, K)
-        return grad_x, grad_w, None if grad_b is None else grad_b.to(ctx.dtypes[1]), None
+        return *_projection_grads(x, w, dz, ctx.dtypes[0]), None if grad_b is None else grad_b.to(ctx.dtypes[1]), None
 
 
 def glu_kernels_run(x: torch.Tensor) -> bool:
-    """Whether `project_glu_channels_first` runs here: on CUDA with Triton, outside `torch.compile`."""
-    return triton is not None and x.is_cuda and not torch.compiler.is_compiling()
+    """Whether `project_glu_channels_first` runs here: on CUDA with Triton, outside `torch.compile`, below float64
+    (the kernels compute in float32)."""
+    return triton is not None and x.is_cuda and x.dtype != torch.float64 and not torch.compiler.is_compiling()
 
 
 def project_glu_channels_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
