@@ -547,7 +547,9 @@ if triton is not None:
             tl.store(partial + blk * 2 * H + H + c, tl.sum(db.to(tl.float32), axis=0), mask=c < H)
 
 
-GLU_BLOCK = (32, 128)  # rows and columns per program of both GLU kernels
+# Rows, columns and warps per program of both GLU kernels: compiled for sm_90, 4 warps spill in the float32 backward
+# (tests/models/test_s4d_fused.py builds them)
+GLU_BLOCK = (32, 128, 8)
 
 
 def _on_device(x: torch.Tensor):
@@ -558,20 +560,21 @@ def _on_device(x: torch.Tensor):
 def _glu_forward(z: torch.Tensor) -> torch.Tensor:
     M, H = z.shape[0], z.shape[1] // 2
     y = z.new_empty((M, H))
-    bm, bh = GLU_BLOCK
+    bm, bh, warps = GLU_BLOCK
     with _on_device(z):
-        _glu_forward_kernel[(triton.cdiv(M, bm), triton.cdiv(H, bh))](z, y, M, H, BLOCK_M=bm, BLOCK_H=bh)
+        _glu_forward_kernel[(triton.cdiv(M, bm), triton.cdiv(H, bh))](z, y, M, H, BLOCK_M=bm, BLOCK_H=bh,
+                                                                      num_warps=warps)
     return y
 
 
 def _glu_backward(g: torch.Tensor, z: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     M, H = g.shape
-    bm, bh = GLU_BLOCK
+    bm, bh, warps = GLU_BLOCK
     dz = torch.empty_like(z)
     partial = torch.empty((triton.cdiv(M, bm), 2 * H) if sums else (1,), dtype=torch.float32, device=z.device)
     with _on_device(z):
         _glu_backward_kernel[(triton.cdiv(M, bm), triton.cdiv(H, bh))](g, z, dz, partial, M, H, BLOCK_M=bm,
-                                                                       BLOCK_H=bh, SUMS=sums)
+                                                                       BLOCK_H=bh, SUMS=sums, num_warps=warps)
     return dz, (partial.sum(0) if sums else None)
 
 

@@ -315,7 +315,7 @@ def test_the_projection_with_its_glu_in_one_kernel_each_way_equals_the_float64_g
     from s4accel.models.s4d_chunked import project_glu_channels_first
 
     torch.manual_seed(0)
-    K, M, H = 12, 70, 40  # (a block is 32 rows and 128 columns)
+    K, M, H = 12, 70, 40  # (a block is 32 rows and 128 columns: GLU_BLOCK)
     x = torch.randn(K, M, dtype=torch.float64, requires_grad=True)
     linear = torch.nn.Linear(K, 2 * H, bias=bias).double()
     params = [x, linear.weight] + ([linear.bias] if bias else [])

@@ -11,7 +11,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from s4accel import S4Config, S4ForCausalLM, S4ForSequenceClassification
-from s4accel.models import modeling_s4, s4d_fused, s4d_segments
+from s4accel.models import modeling_s4, s4d_chunked, s4d_fused, s4d_segments
 from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan
 from s4accel.models.s4d_chunked import chunk_matrices, conv_channels_first
 
@@ -219,13 +219,13 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from s4accel.models import s4d_fused
+from s4accel.models import s4d_chunked, s4d_fused
 
 
 def usage(which, dtype, constexprs, cubin):
-    fn = getattr(s4d_fused, f"_{which}_kernel")
-    operand = {"x", "y", "states", "g", "dx", "adjoints"}
-    signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps", "H")
+    fn = getattr(s4d_fused, f"_{which}_kernel", None) or getattr(s4d_chunked, f"_{which}_kernel")
+    operand = {"x", "y", "states", "g", "dx", "adjoints", "z", "dz"}
+    signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps", "H", "M")
                  else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
     warps = constexprs.pop("num_warps")
     log = io.StringIO()
@@ -341,6 +341,18 @@ def test_the_discretization_kernels_compile_for_an_h100_without_spilling(which, 
     """The fused path's discretization (ZOH), one program per channel over its modes and both kernels of a
     bidirectional layer, builds for sm_90 at N 64 and N 256 without spilling."""
     builds = [(which, "fp32", dict(n=n, c=2, num_warps=s4d_fused.discretize_warps(n))) for n in (32, 128)]
+    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
+        assert usage["spilled_bytes"] == 0, (build, usage)
+
+
+@pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
+def test_the_glu_kernels_compile_for_an_h100_without_spilling(tmp_path):
+    """The GLU after the layer's projection (`s4d_chunked.project_glu_channels_first`, eager on CUDA) builds for
+    sm_90 each way, in bfloat16 and float32, at its block shape, without spilling."""
+    bm, bh, warps = s4d_chunked.GLU_BLOCK
+    builds = [(f"glu_{way}", dtype, dict(BLOCK_M=bm, BLOCK_H=bh, num_warps=warps,
+                                         **({"SUMS": True} if way == "backward" else {})))
+              for way in ("forward", "backward") for dtype in ("bf16", "fp32")]
     for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
         assert usage["spilled_bytes"] == 0, (build, usage)
 
