@@ -276,8 +276,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _grouped_mm_pays(x: torch.Tensor) -> bool:
     """Where `grouped_mm` is the fastest: CUDA (compute capability >= 8) in bf16 or float32. Measured on an H200 (one
     layer, 8,192 tokens, d_model 512, experts 1,024 wide, E = 8, k = 2, forward + backward): 3.4 ms against 10.2 ms
-    for `fused` in bf16, 7.4 against 19.2 ms in float32. On CPU it runs a matmul per group anyway, under autograd's
-    bookkeeping; `fused` is within a few percent of it there and keeps a third of the activations."""
+    for `fused` in bf16, 7.4 against 19.2 ms in float32. (PyTorch's one-kernel form, without a host sync, is bf16 on
+    sm_90/sm_100; float32, fp16 and older GPUs take its fallback, a matmul per group after copying `offs` to the
+    host, which the float32 figure is.) On CPU it runs a matmul per group anyway, under autograd's bookkeeping;
+    `fused` is within a few percent of it there and keeps a third of the activations."""
     return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float32)
             and grouped_mm_traceable(compute_dtype(x)) and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
