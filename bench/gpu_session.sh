@@ -9,8 +9,10 @@
 #         routing, or its routing and experts, without a host sync), then the MoE layer (issue 40's last unmet
 #         figure, the eager E 8, k 2 layer: with its routing eager, compiled, and compiled with its experts,
 #         `moe_compiled_experts`, whose figure decides moe.COMPILE_EXPERTS's default); the fused layer eager (with
-#         the GLU kernels, and beside it with PyTorch's GLU: `layer/fused_torch_glu`) and compiled; the MoE language model eager and compiled beside the dense one; the profiles; what the time left
-#         does not reach is listed as skipped
+#         the GLU kernels, and beside it with PyTorch's GLU: `layer/fused_torch_glu`; with the GELU in the fused
+#         kernels, `layer/fused_gelu_forward` and `_both`, whose figures decide s4d_fused.GELU_IN_KERNELS) and
+#         compiled; the MoE language model eager and compiled beside the dense one; the profiles; what the time
+#         left does not reach is listed as skipped
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
 #     bash bench/gpu_session.sh
 #         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer

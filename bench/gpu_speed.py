@@ -180,20 +180,32 @@ def layer_pass(bench: Bench, module: nn.Module, B: int, L: int, H: int, autocast
 def section_layer_paths(bench: Bench, s, paths):
     """The S4 layer on these paths alone, eager (a rerun at other defaults). Beside the fused path, the same layer
     with PyTorch's GLU (`layer/fused_torch_glu`): the paired baseline of the GLU kernels
-    (`s4d_chunked.project_glu_channels_first`)."""
-    from s4accel.models import modeling_s4
+    (`s4d_chunked.project_glu_channels_first`); and with the GELU in the fused kernels, each way that
+    `s4d_fused.GELU_IN_KERNELS` offers (`layer/fused_gelu_forward`, `layer/fused_gelu_both`)."""
+    from s4accel.models import modeling_s4, s4d_fused
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
     for L in s["layer_lengths"]:
         for path in paths:
             bench.run(f"layer/{path}/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True))
-            if path == "fused":
-                kernels, modeling_s4.glu_kernels_run = modeling_s4.glu_kernels_run, lambda x: False
+            if path != "fused":
+                continue
+            kernels, modeling_s4.glu_kernels_run = modeling_s4.glu_kernels_run, lambda x: False
+            try:
+                bench.run(f"layer/fused_torch_glu/L{L}",
+                          lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True))
+            finally:
+                modeling_s4.glu_kernels_run = kernels
+            default = s4d_fused.GELU_IN_KERNELS
+            for mode in s4d_fused.GELU_MODES:
+                if mode == default:
+                    continue
+                s4d_fused.GELU_IN_KERNELS = mode
                 try:
-                    bench.run(f"layer/fused_torch_glu/L{L}",
+                    bench.run(f"layer/fused_gelu_{mode}/L{L}",
                               lambda: layer_pass(bench, s4_layer(H, N, conv_path=path), B, L, H, True))
                 finally:
-                    modeling_s4.glu_kernels_run = kernels
+                    s4d_fused.GELU_IN_KERNELS = default
 
 
 def section_layer(bench: Bench, s):
@@ -654,6 +666,10 @@ def layer_tables(R: dict, s) -> list[str]:
               "bf16 autocast, float32 input)", "", "Time (peak memory of the pass, inputs included).", "", head, sep]
     rows = [("S4Layer, fused path (eager)", "layer/fused"),
             ("the same with PyTorch's GLU (eager; before the GLU kernels)", "layer/fused_torch_glu"),
+            ("the same with GELU after the fused kernels (`s4d_fused.GELU_IN_KERNELS: off`)", "layer/fused_gelu_off"),
+            ("the same with GELU in the fused forward kernel (`GELU_IN_KERNELS: forward`)",
+             "layer/fused_gelu_forward"),
+            ("the same with GELU in both fused kernels (`GELU_IN_KERNELS: both`)", "layer/fused_gelu_both"),
             ("S4Layer, fused path (`torch.compile`)", "layer/fused_compiled"),
             ("S4Layer, fused path (`torch.compile`, CUDA graphs: mode reduce-overhead)", "layer/fused_graphs"),
             ("S4Layer, fused path (CUDA graphs, the input read in place: not copied into the graph each pass)",

@@ -49,7 +49,7 @@ from .moe import MOE_OUTPUTS, MoELayer, SwiGLUMLP, init_moe_weights, moe_losses
 from .s4d_chunked import (chunk_matrices, conv_channels_first, discretize_pairs, fp32_or_wider, from_channels_first,
                           glu_kernels_run, parameter_pairs, project_channels_first, project_glu_channels_first,
                           to_channels_first)
-from .s4d_fused import fused_discretize, ieee_products, why_not_fused
+from .s4d_fused import fused_discretize, gelu_in_kernels, ieee_products, why_not_fused
 from .s4d_segments import fused_conv
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -662,9 +662,15 @@ class S4Layer(nn.Module):
                 block = self.kernel.block(L)
                 reach = self._from_other_chunks(u, documents, rows, block)
             channels_first = plan.path != "fft" and documents is None and self._plain_projection()
+            # GELU in the fused kernels as they write y, where `s4d_fused.GELU_IN_KERNELS` says so: a causal layer
+            # (one kernel makes y) to whose y nothing is added after them
+            gelu = gelu_in_kernels() if plan.path == "fused" else 0
+            activated = (bool(gelu) and channels_first and reach is None and self.kernel.C.shape[0] == 1
+                         and self._plain_activation())
             if channels_first:
                 # channels first from the convolution through GELU and the projection: no transpose but the input's
-                y = self._chunked_channels_first(u, plan.chunk, plan.dtype, D, fused=plan.path == "fused")  # (H, B, L)
+                y = self._chunked_channels_first(u, plan.chunk, plan.dtype, D, fused=plan.path == "fused",
+                                                 gelu=gelu if activated else 0)  # (H, B, L)
                 if reach is not None:
                     y = y + reach.permute(1, 0, 2)
             else:
@@ -681,7 +687,7 @@ class S4Layer(nn.Module):
                     carried = None if state is None else state * (documents.single & documents.continues)[:, None, None]
                     new_state = self.kernel.forward_state(u32 * documents.last[:, None, :], carried)
         if channels_first:
-            return self._mix_channels_first(y.to(plan.dtype), autocast, rows), new_state
+            return self._mix_channels_first(y.to(plan.dtype), autocast, rows, activated), new_state
         # GELU and the Linear on a contiguous (B, L, H) rather than the transposed view: ~10% of the layer
         return self._mix(y.contiguous().to(u.dtype if plan.path == "fft" else plan.dtype), rows), new_state
 
@@ -734,18 +740,23 @@ class S4Layer(nn.Module):
         adapter such as PEFT's LoRA, nor one whose parameters DeepSpeed ZeRO-3 gathers in the module's own hook)."""
         return type(self.output_linear) is nn.Linear and not hasattr(self.output_linear.weight, "ds_id")
 
+    def _plain_activation(self) -> bool:
+        """The activation is the exact GELU the fused kernels can apply themselves (not one a user swapped in)."""
+        return type(self.activation) is nn.GELU and self.activation.approximate == "none"
+
     def _chunked_channels_first(self, u: torch.Tensor, T: int, dtype: torch.dtype, D: torch.Tensor,
-                                pairs=None, fused: bool = False) -> torch.Tensor:
+                                pairs=None, fused: bool = False, gelu: int = 0) -> torch.Tensor:
         """u (B, L, H) -> the convolution with its D skip in chunks of T steps, channels first: (H, B, L) in dtype.
         `pairs`: the kernel's `discretize_pairs()`, when the caller has them already. `fused`: the Triton kernel
-        (`s4d_fused`) rather than the batched matmuls (`s4d_chunked`); the same function to rounding."""
+        (`s4d_fused`) rather than the batched matmuls (`s4d_chunked`); the same function to rounding. `gelu`
+        (fused, causal: 1 or 2, `s4d_fused.GELU_MODES`' index): GELU of the result, in the kernels."""
         B, L, H = u.shape
         nc = -(-L // T)
         log_dA, (Cr, Ci) = pairs or self.kernel.discretize_pairs(fused)
 
         def conv(x, C, D, shift=0):  # (H, B, nc T) -> the same
             if fused:  # (short batches: their rows cut into segments, s4d_segments.py)
-                return fused_conv(x, log_dA, C, D, T, shift)
+                return fused_conv(x, log_dA, C, D, T, shift, gelu=gelu)
             return conv_channels_first(x, *chunk_matrices(log_dA, C, D, T, nc, shift), nc=nc, shift=shift)
 
         # one kernel: squeeze, whose backward is a view, rather than a select's zeros and copy (eager launches)
@@ -757,12 +768,12 @@ class S4Layer(nn.Module):
         return y[..., :L] if y.shape[-1] != L else y
 
     def _mix_channels_first(self, y: torch.Tensor, autocast: torch.dtype | None,
-                            rows: ChunkRows | None = None) -> torch.Tensor:
-        """`_mix` of a channels-first `y (H, B, L)` -> (B, L, H): GELU and dropout in that layout, the projection
-        reading it as it lies (`project_channels_first`), the GLU on its (B, L, 2H) output (on CUDA, eager: in a
-        Triton kernel each way, `project_glu_channels_first`)."""
+                            rows: ChunkRows | None = None, activated: bool = False) -> torch.Tensor:
+        """`_mix` of a channels-first `y (H, B, L)` -> (B, L, H): GELU (unless `activated`: y is GELU's output
+        already) and dropout in that layout, the projection reading it as it lies (`project_channels_first`), the GLU
+        on its (B, L, 2H) output (on CUDA, eager: in a Triton kernel each way, `project_glu_channels_first`)."""
         H, B, L = y.shape
-        z = _dropout(self.dropout, self.activation(y), rows, time_dim=2).reshape(H, B * L)
+        z = _dropout(self.dropout, y if activated else self.activation(y), rows, time_dim=2).reshape(H, B * L)
         linear = self.output_linear
         if glu_kernels_run(z):
             return project_glu_channels_first(z, linear.weight, linear.bias, autocast or z.dtype).view(B, L, H)

@@ -57,6 +57,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # spilling, 32 rows spill (tests/models/test_s4d_fused.py checks it). bench/gpu_speed.py --sections fused_sweep
 # times the alternatives on a GPU.
 LAUNCH = {"forward": (16, 4), "backward": (16, 4)}
+# Where a causal layer's GELU (between this convolution and the output projection) runs: "off", PyTorch's GELU
+# after the kernels; "forward", the forward kernel writes GELU(y) beside y (which PyTorch's GELU backward reads):
+# one read of y and one launch fewer; "both", it writes GELU(y) and GELU's slope, by which the backward kernel
+# multiplies the gradient as it reads it: a read and a launch fewer each way. Off until a GPU has timed them: built
+# for sm_90 at the defaults (bfloat16), "both" takes the forward and backward kernels from 142 and 160 registers a
+# thread to 179 and 188, room for two programs an SM rather than three ("forward": 162, still three).
+# `bench/gpu_speed.py --sections layer_fused` times each beside "off".
+GELU_IN_KERNELS = "off"
+GELU_MODES = ("off", "forward", "both")
 
 
 if triton is not None:
@@ -69,10 +78,23 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _forward_kernel(x, taps, to_state, from_state, step, y, states, B, Lp, NC, n_taps,
+    def _gelu(v):
+        """GELU of float32 `v`, exact (erf) and in the order of PyTorch's CUDA kernel (`GeluCUDAKernelImpl`)."""
+        return v * 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
+
+    @triton.jit
+    def _gelu_grad(v):
+        """d GELU(v) / dv for float32 `v`, as PyTorch's `GeluBackwardCUDAKernelImpl`: cdf + v pdf."""
+        return 0.5 * (1.0 + tl.erf(v * 0.7071067811865476)) + v * (_exp(-0.5 * v * v) * 0.3989422804014327)
+
+    @triton.jit
+    def _forward_kernel(x, taps, to_state, from_state, step, y, aux, states, B, Lp, NC, n_taps,
                         T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr, SHIFT: tl.constexpr,
-                        SAVE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """One (channel, block of rows) per program: y (H, B, Lp) from x (H, B, Lp), both in the operand dtype."""
+                        SAVE: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """One (channel, block of rows) per program: y (H, B, Lp) from x (H, B, Lp), both in the operand dtype.
+        `ACT` (`GELU_MODES`' index) 1 or 2: y is GELU of the convolution and, where the backward will need it
+        (`SAVE`), `aux` the convolution itself (1) or GELU's slope there (2: the backward kernel multiplies by it;
+        computing the slope in the backward kernel spilled)."""
         h = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BB + tl.arange(0, BB)
         keep = (rows < B)[:, None]
@@ -100,18 +122,29 @@ if triton is not None:
             acc = _dot(xc, toep, UPCAST, IEEE)
             acc += _dot(x_r.to(dt), from_r, UPCAST, IEEE)
             acc += _dot(x_i.to(dt), from_i, UPCAST, IEEE)
-            tl.store(y + at + c * T, acc.to(dt), mask=keep)
+            yc = acc.to(dt)
+            if ACT == 0:
+                tl.store(y + at + c * T, yc, mask=keep)
+            else:  # GELU of y as rounded, as PyTorch's GELU after the kernel would compute it
+                if SAVE and ACT == 1:  # (stored first: fewer registers live across the GELU)
+                    tl.store(aux + at + c * T, yc, mask=keep)
+                v = yc.to(tl.float32)
+                tl.store(y + at + c * T, _gelu(v).to(dt), mask=keep)
+                if SAVE and ACT == 2:
+                    tl.store(aux + at + c * T, _gelu_grad(v).to(dt), mask=keep)
             s_r = _dot(xc, to_r, UPCAST, IEEE)
             s_i = _dot(xc, to_i, UPCAST, IEEE)
             x_r, x_i = x_r * g_r - x_i * g_i + s_r, x_r * g_i + x_i * g_r + s_i
 
     @triton.jit
-    def _backward_kernel(g, states, taps, to_state, from_state, step, dx, adjoints, d_step,
+    def _backward_kernel(g, slope, gy, states, taps, to_state, from_state, step, dx, adjoints, d_step,
                          B, Lp, NC, n_taps, T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr,
-                         SHIFT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         SHIFT: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """The serial half of the backward: dx (H, B, Lp), the adjoints `A_(c+1)` each chunk's state update sends
         back (H, B, nc, N) in the operand dtype, and per program its partial sum of dA^T's gradient (float32). The
-        matrices' gradients are batched matmuls of what is stored (`_backward`): no chain runs through them."""
+        matrices' gradients are batched matmuls of what is stored (`_backward`): no chain runs through them. With
+        `ACT`, `g` is GELU's output's gradient: the convolution's, `g slope`, is made here and written to `gy` for
+        them."""
         h = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1).to(tl.int64)
         nblk = tl.num_programs(1)
@@ -138,6 +171,10 @@ if triton is not None:
         for cc in tl.range(0, NC):
             c = NC - 1 - cc
             gc = tl.load(g + at + c * T, mask=keep, other=0.0)
+            if ACT:  # in float32, rounded to the operand dtype, as PyTorch's GELU backward
+                d = tl.load(slope + at + c * T, mask=keep, other=0.0).to(tl.float32)
+                gc = (gc.to(tl.float32) * d).to(dt)
+                tl.store(gy + at + c * T, gc, mask=keep)
             ad_r = a_r.to(dt)
             ad_i = a_i.to(dt)
             tl.store(adjoints + kept + c * 2 * n, ad_r, mask=keep)
@@ -174,31 +211,38 @@ _NS = re.sub(r"\W", "_", __name__)
 
 @torch.library.custom_op(f"{_NS}::forward", mutates_args=())
 def _forward(x: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor, from_state: torch.Tensor,
-             step: torch.Tensor, T: int, shift: int, save: bool, ieee: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """y (H, B, Lp) and, with `save`, the states entering each chunk (H, B, nc, N) in x's dtype."""
+             step: torch.Tensor, T: int, shift: int, save: bool, ieee: bool,
+             act: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y (H, B, Lp) (`act` 1 or 2: GELU of the convolution); with `save`, `act`'s tensor for the backward (1: the
+    convolution, 2: GELU's slope, (H, B, Lp)) and the states entering each chunk (H, B, nc, N); all in x's dtype
+    (placeholders where there is nothing to keep)."""
     H, B, Lp = x.shape
     nc, n = Lp // T, step.shape[1]
     y = torch.empty_like(x)
+    aux = torch.empty_like(x) if act and save else x.new_empty((1,))
     states = x.new_empty((H, B, nc, 2 * n) if save else (1,))
     rows, warps = LAUNCH["forward"]
     with _on(x):
         _forward_kernel[(H, triton.cdiv(B, rows))](
-            x, taps, to_state, from_state, step, y, states, B, Lp, nc, taps.shape[-1],
-            T=T, n=n, BB=rows, SHIFT=shift, SAVE=save, UPCAST=INTERPRETED, IEEE=ieee, num_warps=warps)
-    return y, states
+            x, taps, to_state, from_state, step, y, aux, states, B, Lp, nc, taps.shape[-1],
+            T=T, n=n, BB=rows, SHIFT=shift, SAVE=save, ACT=act, UPCAST=INTERPRETED, IEEE=ieee, num_warps=warps)
+    return y, aux, states
 
 
 @_forward.register_fake
-def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee):
+def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee, act):
     H, B, Lp = x.shape
-    return torch.empty_like(x), x.new_empty((H, B, Lp // T, 2 * step.shape[1]) if save else (1,))
+    return (torch.empty_like(x), torch.empty_like(x) if act and save else x.new_empty((1,)),
+            x.new_empty((H, B, Lp // T, 2 * step.shape[1]) if save else (1,)))
 
 
 @torch.library.custom_op(f"{_NS}::backward", mutates_args=())
-def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor,
-              from_state: torch.Tensor, step: torch.Tensor, T: int, shift: int,
+def _backward(x: torch.Tensor, g: torch.Tensor, slope: torch.Tensor | None, states: torch.Tensor, taps: torch.Tensor,
+              to_state: torch.Tensor, from_state: torch.Tensor, step: torch.Tensor, T: int, shift: int,
               ieee: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx and the matrices' gradients: taps (H, m), to_state and from_state (H, N, T), step (H, n, 2), float32.
+    `slope`: GELU's slope, where the forward kernel applied GELU and kept it (`GELU_MODES` "both"; `g` is then
+    GELU's output's gradient), else None.
     The kernel walks the chunks backwards for dx and the adjoints; the matrices' gradients are then sums over every
     (row, chunk) pair, one batched matmul each (cuBLAS, float32 accumulation and output):
 
@@ -211,14 +255,15 @@ def _backward(x: torch.Tensor, g: torch.Tensor, states: torch.Tensor, taps: torc
     rows, warps = LAUNCH["backward"]
     nblk = triton.cdiv(B, rows)
     dx = torch.empty_like(x)
+    gy = g if slope is None else torch.empty_like(x)  # the convolution's gradient, made by the kernel after GELU
     adjoints = torch.empty_like(states)  # (H, B, nc, N), as the states
     d_step = torch.empty((H, nblk, n, 2), dtype=torch.float32, device=x.device)
     with _on(x):
         _backward_kernel[(H, nblk)](
-            g, states, taps, to_state, from_state, step, dx, adjoints, d_step,
-            B, Lp, nc, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, UPCAST=INTERPRETED, IEEE=ieee,
-            num_warps=warps)
-    xs, gs = x.view(H, B * nc, T), g.view(H, B * nc, T)  # one row per (batch row, chunk)
+            g, g if slope is None else slope, gy, states, taps, to_state, from_state, step, dx, adjoints, d_step,
+            B, Lp, nc, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, ACT=slope is not None, UPCAST=INTERPRETED,
+            IEEE=ieee, num_warps=warps)
+    xs, gs = x.view(H, B * nc, T), gy.view(H, B * nc, T)  # one row per (batch row, chunk)
     d_toep = _sum_of_products(xs, gs)  # (H, T, T)
     d_to = _sum_of_products(adjoints.view(H, B * nc, 2 * n), xs)  # (H, N, T): real rows, then imaginary
     d_from = _sum_of_products(states.view(H, B * nc, 2 * n), gs)
@@ -243,30 +288,39 @@ def _sum_of_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @_backward.register_fake
-def _backward_fake(x, g, states, taps, to_state, from_state, step, T, shift, ieee):
+def _backward_fake(x, g, slope, states, taps, to_state, from_state, step, T, shift, ieee):
     return (torch.empty_like(x), torch.empty_like(taps), torch.empty_like(to_state), torch.empty_like(from_state),
             torch.empty_like(step))
 
 
 class _FusedConv(torch.autograd.Function):
-    """`x (H, B, nc T)` -> `y` of the same shape and dtype, from the float32 matrices of `chunk_matrices` and
-    `dA^T (H, n, 2)`; the backward returns x's gradient and the matrices' (float32)."""
+    """`x (H, B, nc T)` -> `y` of the same shape and dtype (`gelu` 1 or 2: GELU of it, as `GELU_MODES` says), from
+    the float32 matrices of `chunk_matrices` and `dA^T (H, n, 2)`; the backward returns x's gradient and the
+    matrices' (float32)."""
 
     @staticmethod
-    def forward(ctx, x, taps, to_state, from_state, step, T: int, shift: int):
+    def forward(ctx, x, taps, to_state, from_state, step, T: int, shift: int, gelu: int):
         save = any(ctx.needs_input_grad[:5])
         ieee = ieee_products(x.dtype)
-        y, states = _forward(x, taps, to_state, from_state, step, T, shift, save, ieee)
-        ctx.save_for_backward(x, states, taps, to_state, from_state, step)
-        ctx.T, ctx.shift, ctx.ieee = T, shift, ieee
+        y, aux, states = _forward(x, taps, to_state, from_state, step, T, shift, save, ieee, gelu)
+        ctx.save_for_backward(x, states, taps, to_state, from_state, step, aux if gelu else None)
+        ctx.T, ctx.shift, ctx.ieee, ctx.gelu = T, shift, ieee, gelu
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, states, taps, to_state, from_state, step = ctx.saved_tensors
-        grads = _backward(x, g.contiguous().to(x.dtype), states, taps, to_state, from_state, step, ctx.T, ctx.shift,
-                          ctx.ieee)
-        return *grads, None, None
+        x, states, taps, to_state, from_state, step, aux = ctx.saved_tensors
+        g = g.contiguous().to(x.dtype)
+        if ctx.gelu == 1:  # PyTorch's GELU backward, from the convolution the forward kernel kept
+            g = torch.ops.aten.gelu_backward(g, aux)
+        grads = _backward(x, g, aux if ctx.gelu == 2 else None, states, taps, to_state, from_state, step, ctx.T,
+                          ctx.shift, ctx.ieee)
+        return *grads, None, None, None
+
+
+def gelu_in_kernels() -> int:
+    """`GELU_IN_KERNELS` as the kernels take it: its index in `GELU_MODES` (0: PyTorch's GELU after them)."""
+    return GELU_MODES.index(GELU_IN_KERNELS)
 
 
 def ieee_products(dtype: torch.dtype) -> bool:
@@ -288,14 +342,19 @@ def _on(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def fused_conv_channels_first(x: torch.Tensor, taps, to_state, from_state, step, shift: int = 0) -> torch.Tensor:
+def fused_conv_channels_first(x: torch.Tensor, taps, to_state, from_state, step, shift: int = 0,
+                              gelu: int = 0) -> torch.Tensor:
     """The chunked convolution of `x (H, B, nc T)` (channels first, zero-padded past the sequence) in one kernel:
     `taps (H, T - shift)`, `to_state`/`from_state (H, N, T)` from `chunk_matrices`, `step (H, N/2, 2)` = dA^T as
     (real, imaginary). Returns `(H, B, nc T)` in x's dtype. The matrices must be float32 (the kernel reads them as
-    such); T and N/2 powers of two of at least 16 (`tl.dot`'s smallest tile)."""
+    such); T and N/2 powers of two of at least 16 (`tl.dot`'s smallest tile). `gelu` 1 or 2 (`GELU_MODES`' index):
+    GELU of the result (exact, as `torch.nn.functional.gelu` of it), applied as the kernel writes it; 2 also writes
+    its slope, by which the backward kernel multiplies the gradient as it reads it (the same memory kept for the
+    backward as 1's convolution; in half precision the slope is rounded to it: one rounding more than PyTorch's GELU
+    backward, 2^-9 of the gradient in bfloat16)."""
     T = to_state.shape[-1]
     return _FusedConv.apply(x.contiguous(), taps.float().contiguous(), to_state.float().contiguous(),
-                            from_state.float().contiguous(), step.float().contiguous(), T, shift)
+                            from_state.float().contiguous(), step.float().contiguous(), T, shift, gelu)
 
 
 def supports(T: int, N: int) -> bool:

@@ -50,25 +50,28 @@ def segments(B: int, nc: int | None = None, rows: int | None = None) -> int:
     return S
 
 
-def fused_conv(x: torch.Tensor, log_dA, C_tilde, D, T: int, shift: int = 0, S: int | None = None) -> torch.Tensor:
+def fused_conv(x: torch.Tensor, log_dA, C_tilde, D, T: int, shift: int = 0, S: int | None = None,
+               gelu: int = 0) -> torch.Tensor:
     """The fused convolution of `x (H, B, nc T)` (channels first, zeros past the sequence) with the kernel of
-    `log_dA`, `C_tilde` (`(H, n)` pairs) and skip D, chunks of T steps: `(H, B, nc T)` in x's dtype. Rows are cut
-    into `S` segments where a batch would leave the kernels' programs part empty (default: `segments(B, nc)` under
-    `torch.compile` where `UNDER_COMPILE` says so, else 1; see the module's docs)."""
+    `log_dA`, `C_tilde` (`(H, n)` pairs) and skip D, chunks of T steps: `(H, B, nc T)` in x's dtype (`gelu` 1 or 2:
+    its GELU, in the kernels as `s4d_fused.GELU_MODES` says). Rows are cut into `S` segments where a batch would
+    leave the kernels' programs part empty (default: `segments(B, nc)` under `torch.compile` where `UNDER_COMPILE`
+    says so, else 1; see the module's docs)."""
     taps, to_state, from_state, step = fused_matrices(log_dA, C_tilde, D, T, shift)
     H, B, Lp = x.shape
     nc = Lp // T
     if S is None:
         S = segments(B, nc) if UNDER_COMPILE and torch.compiler.is_compiling() else 1
     if S == 1:
-        return fused_conv_channels_first(x, taps, to_state, from_state, step, shift)
+        return fused_conv_channels_first(x, taps, to_state, from_state, step, shift, gelu)
     m = -(-nc // S)  # chunks a segment
     if m * S != nc:  # zeros at the end change no earlier output
         x = torch.nn.functional.pad(x, (0, (m * S - nc) * T))
     Ls = m * T
     y = fused_conv_channels_first(x.reshape(H, B * S, Ls), taps, to_state, from_state, step, shift)
     y = y.view(H, B, S, m, T).float() + _from_earlier_segments(x, log_dA, to_state, from_state, T, S, m)
-    return y.to(x.dtype).view(H, B, S * Ls)[..., :Lp]
+    y = y.to(x.dtype).view(H, B, S * Ls)[..., :Lp]
+    return torch.nn.functional.gelu(y) if gelu else y  # (each segment's output is complete only here)
 
 
 def _from_earlier_segments(x, log_dA, to_state, from_state, T: int, S: int, m: int) -> torch.Tensor:

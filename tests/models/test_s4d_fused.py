@@ -35,11 +35,11 @@ def kernel_params(H, N, seed=0):
     return [t.detach().requires_grad_() for t in (ar, ai, Cr[0], Ci[0], Cr[1], Ci[1])]
 
 
-def check_against_the_float64_reference(conv, dtype, shift: int, B: int):
+def check_against_the_float64_reference(conv, dtype, shift: int, B: int, gelu: bool = False):
     """`conv(x, log_dA, C~, D, T, shift)` on `dtype` operands (x `(H, B, nc T)`, zeros past L 70 in the last of 5
     chunks of 16) against the batched-matmul form in float64 (itself checked against the FFT convolution and the
-    recurrence in test_s4d_chunked.py): the output, and the gradients of the input, log dA (real and imaginary), C~
-    and D (shift 0; shift 1, strictly causal, has none)."""
+    recurrence in test_s4d_chunked.py), or with `gelu` its exact GELU: the output, and the gradients of the input,
+    log dA (real and imaginary), C~ and D (shift 0; shift 1, strictly causal, has none)."""
     H, N, T, L = 3, 32, 16, 70
     nc = -(-L // T)
     ar, ai, cr, ci, cr1, ci1 = kernel_params(H, N)
@@ -51,6 +51,7 @@ def check_against_the_float64_reference(conv, dtype, shift: int, B: int):
     x.requires_grad_()
     params = [x, ar, ai, cr, ci] + ([D] if D is not None else [])
     ref = conv_channels_first(x, *chunk_matrices((ar, ai), (cr, ci), D, T, nc, shift), nc=nc, shift=shift)
+    ref = torch.nn.functional.gelu(ref) if gelu else ref
     g = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, params, g)
 
@@ -73,6 +74,19 @@ def test_fused_equals_the_float64_chunked_reference_values_and_every_gradient(dt
     def conv(x, log_dA, C, D, T, shift):
         return s4d_fused.fused_conv_channels_first(x, *s4d_fused.fused_matrices(log_dA, C, D, T, shift), shift)
     check_against_the_float64_reference(conv, dtype, shift, B)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("mode", "S"), [("forward", 1), ("both", 1), ("both", 2)],
+                         ids=["forward", "both", "both-segments"])
+def test_the_kernels_gelu_of_the_convolution_equals_the_float64_one_values_and_every_gradient(dtype, mode, S):
+    """GELU applied as the forward kernel writes y (`s4d_fused.GELU_IN_KERNELS`, which `S4Layer` reads for a causal
+    layer): its backward PyTorch's ("forward") or the backward kernel's ("both"), against the exact GELU of the
+    float64 reference; cut in segments, PyTorch's GELU after them. B 40: two blocks of rows."""
+    def conv(x, log_dA, C, D, T, shift):
+        return s4d_segments.fused_conv(x, log_dA, C, D, T, shift, S=S, gelu=s4d_fused.GELU_MODES.index(mode))
+    check_against_the_float64_reference(conv, dtype, 0, 40, gelu=True)
 
 
 @needs_triton
@@ -101,29 +115,40 @@ def test_in_eager_mode_short_batches_are_read_whole_by_default(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_the_model_on_the_fused_path_gives_the_fft_paths_logits_and_gradients(bidirectional):
+@pytest.mark.parametrize(("bidirectional", "gelu"), [(False, "off"), (False, "forward"), (False, "both"),
+                                                     (True, "both")])
+def test_the_model_on_the_fused_path_gives_the_fft_paths_logits_and_gradients(bidirectional, gelu, monkeypatch):
     """A causal LM and a bidirectional classifier, float32: the same logits and every parameter's gradient as the
-    FFT path, to float32 rounding."""
+    FFT path, to float32 rounding; with the GELU in the kernels (`s4d_fused.GELU_IN_KERNELS`) where the layer is
+    causal, PyTorch's GELU module left uncalled, and PyTorch's where it is bidirectional."""
+    monkeypatch.setattr(s4d_fused, "GELU_IN_KERNELS", gelu)
     grads = {}
     for path in ("fft", "fused"):
         torch.manual_seed(0)
         config = S4Config(vocab_size=50, d_model=16, n_layer=2, d_state=32, conv_path=path, conv_chunk=16,
                           bidirectional=bidirectional, num_labels=3)
         model = (S4ForSequenceClassification if bidirectional else S4ForCausalLM)(config).to(DEVICE)
+        calls = []
+        for module in model.modules():
+            if isinstance(module, S4Layer):
+                module.activation.register_forward_hook(lambda *args: calls.append(1))
         ids = torch.randint(3, 50, (3, 45), device=DEVICE)
         labels = torch.tensor([0, 2, 1], device=DEVICE) if bidirectional else ids
         out = model(ids, labels=labels)
         out.loss.backward()
         grads[path] = {n: p.grad for n, p in model.named_parameters()} | {"logits": out.logits}
+        assert len(calls) == (0 if path == "fused" and gelu != "off" and not bidirectional else 2)
     for name, g in grads["fft"].items():
         assert rel(grads["fused"][name], g) < 1e-4, name
 
 
 @needs_triton
-def test_the_fused_layer_compiles_as_one_graph_and_computes_what_eager_does():
+@pytest.mark.parametrize("gelu", s4d_fused.GELU_MODES)
+def test_the_fused_layer_compiles_as_one_graph_and_computes_what_eager_does(gelu, monkeypatch):
     """`torch.compile(fullgraph=True)`: the kernels are custom operators, whole in the graph (dynamo does not trace
-    into Triton's launcher, which broke the graph); the same output and input gradient as eager."""
+    into Triton's launcher, which broke the graph); the same output and input gradient as eager, wherever the GELU
+    runs (`s4d_fused.GELU_IN_KERNELS`)."""
+    monkeypatch.setattr(s4d_fused, "GELU_IN_KERNELS", gelu)
     torch.manual_seed(0)
     layer = S4Layer(S4Config(d_model=16, d_state=32, conv_path="fused", conv_chunk=16)).to(DEVICE)
     layer.kernel.reset_parameters()
@@ -182,10 +207,12 @@ def test_the_fused_path_where_it_runs_and_one_line_where_it_cannot(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("L", [1024, 3000])
-def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L):
+@pytest.mark.parametrize(("L", "gelu"), [(1024, "off"), (3000, "off"), (3000, "forward"), (3000, "both")])
+def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L, gelu, monkeypatch):
     """The whole layer (fused convolution, GELU, GLU projection: the GLU in its own kernels) on CUDA against the
-    float64 FFT path on the CPU; values and the input's and kernel's gradients."""
+    float64 FFT path on the CPU; values and the input's and kernel's gradients; the GELU after the fused kernels or
+    in them (`s4d_fused.GELU_IN_KERNELS`)."""
+    monkeypatch.setattr(s4d_fused, "GELU_IN_KERNELS", gelu)
     torch.manual_seed(0)
     H = 64
     ref = S4Layer(S4Config(d_model=H, d_state=64, conv_path="fft")).double()
@@ -224,7 +251,7 @@ from s4accel.models import s4d_chunked, s4d_fused
 
 def usage(which, dtype, constexprs, cubin):
     fn = getattr(s4d_fused, f"_{which}_kernel", None) or getattr(s4d_chunked, f"_{which}_kernel")
-    operand = {"x", "y", "states", "g", "dx", "adjoints", "z", "dz"}
+    operand = {"x", "y", "states", "g", "dx", "adjoints", "z", "dz", "aux", "slope", "gy"}
     signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps", "H", "M")
                  else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
     warps = constexprs.pop("num_warps")
@@ -272,15 +299,17 @@ def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(wh
     """What a GPU would compile, checked without one: both kernels at the default chunk (64 steps), N 64 and their
     default launch shapes build for sm_90 with bfloat16 operands, spill nothing to local memory and fit the shared
     memory of one SM (228 KiB); so do float32 operands with TF32 products at the same chunk, and with IEEE products at
-    their own chunk (32 steps: at 64 both kernels spill). Chunks of 64 with 32 rows per program spill in the bfloat16
-    backward (measured: ~1 KiB a thread), which is why its default is 16."""
+    their own chunk (32 steps: at 64 both kernels spill); each with and without the GELU they can apply for a causal
+    layer (`s4d_fused.GELU_IN_KERNELS`). Chunks of 64 with 32 rows per program spill in the bfloat16 backward
+    (measured: ~1 KiB a thread), which is why its default is 16."""
     rows, warps = s4d_fused.LAUNCH[which]
     common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
     if which == "forward":
         common["SAVE"] = True
-    builds = [(which, dtype, dict(IEEE=ieee, T=T, **common)) for dtype, ieee, T in (
+    acts = (0, 1, 2) if which == "forward" else (False, True)  # GELU in the kernels: s4d_fused.GELU_MODES
+    builds = [(which, dtype, dict(IEEE=ieee, T=T, ACT=act, **common)) for dtype, ieee, T in (
         ("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
-        ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE))]
+        ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)) for act in acts]
     for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
         assert usage["spilled_bytes"] == 0, (build, usage)
         assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
