@@ -557,14 +557,15 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def section_profile(bench: Bench, s, compiled_only: bool = False, moe: bool = False):
+def section_profile(bench: Bench, s, compiled_only: bool = False, moe: bool = False, longest: bool = False):
     """The CUDA kernels of one pass, by total time and by kind (where the time goes, for whoever speeds it up next):
     the S4 layer (conv_path auto: the fused kernels on CUDA) at the shortest layer length, eager and compiled, and a
     compiled training step (as `train.compile` compiles it) of the S4D and of the dense language model at L 2,048.
     `compiled_only`: the compiled layer at the two shortest lengths and the S4D model. `moe`: instead, the first MoE
-    layer shape of `section_moe_layer` (issue 40's E 8, k 2) eager, and the dense SwiGLU beside it. Beside each, the
-    pass's wall time (CUDA events, without the profiler): where it is well above the kernels' sum, the GPU waits for
-    the host to launch them."""
+    layer shape of `section_moe_layer` (issue 40's E 8, k 2) eager, and the dense SwiGLU beside it. `longest`:
+    instead, the S4D and dense models compiled at the longest model length (where a step's batch has the fewest
+    rows: the fused kernels' programs are longest and fewest). Beside each, the pass's wall time (CUDA events,
+    without the profiler): where it is well above the kernels' sum, the GPU waits for the host to launch them."""
     from torch.profiler import ProfilerActivity, profile
 
     B, H, N = s["layer_batch"], s["d_model"], s["d_state"]
@@ -578,6 +579,10 @@ def section_profile(bench: Bench, s, compiled_only: bool = False, moe: bool = Fa
         L2 = s["layer_lengths"][1]
         targets = {f"layer_compiled_L{L2}": lambda: layer_pass(bench, s4_layer(H, N), B, L2, H, True, compiled=True),
                    **{k: v for k, v in targets.items() if k.startswith(("layer_compiled", "s4d_lm"))}}
+    if longest:
+        Ll = max(s["model_lengths"])
+        targets = {f"s4d_lm_compiled_L{Ll}": lambda: lm_pass(bench, "s4d", Ll, True, s),
+                   f"dense_lm_compiled_L{Ll}": lambda: lm_pass(bench, "dense", Ll, True, s)}
     if moe:
         E, k = s["moe_configs"][0]
         targets = {f"moe_layer_eager_E{E}k{k}": lambda: moe_passes(bench, s, E, k)["moe"],
@@ -913,7 +918,7 @@ def main(argv=None) -> int:
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
                              "layer_graphs", "profile_compiled", "segments", "attention_compiled", "profile_moe",
-                             "fused_eager"])
+                             "profile_longest", "fused_eager"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -978,6 +983,7 @@ def main(argv=None) -> int:
                 "attention_compiled": lambda: section_layer_compiled(bench, s, ("attention",)),
                 "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
                 "profile_moe": lambda: section_profile(bench, s, moe=True),
+                "profile_longest": lambda: section_profile(bench, s, longest=True),
                 "s4d_paths": lambda: section_models(bench, s, [
                     ("s4d_chunked", L, c) for c in (True, False) for L in s["model_lengths"]]),
                 "moe_models": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
