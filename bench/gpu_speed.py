@@ -29,7 +29,10 @@ models  a training step (forward, backward, fused AdamW, bf16 autocast, 32,768 t
         memory.
 profile the CUDA kernels of one pass of the layer at L 1K (eager and compiled) and of a compiled training step of
         the S4D and the dense models at L 2,048, summed by kind (the fused kernels, matmuls, inductor's fusions,
-        attention, the loss...), beside the pass's wall time and the number of kernels launched.
+        attention, the loss...), beside the pass's wall time and the number of kernels launched (profile_longest:
+        the two models at the longest model length).
+short_batches  one fused layer at the batch a model step has where it is short (B 4 at L 8K, 2 at 16K), chunks
+        of 64 and 128 steps.
 
 Everything runs in priority order within `--budget-s` seconds (the lease of a GPU is short): what did not fit is
 listed in the file as not measured. The JSON holds every sample.
@@ -266,6 +269,21 @@ def section_fused_sweep(bench: Bench, s):
     s4d_fused.LAUNCH = {"forward": best[2], "backward": best[3]}
     bench.results["fused_chosen"] = {"chunk": best[1], "forward": best[2], "backward": best[3], "at_L": L}
     print(json.dumps({"fused_chosen": bench.results["fused_chosen"]}), flush=True)
+
+
+def section_short_batches(bench: Bench, s):
+    """One S4 layer (fused path, eager) at the batch a language-model step of `tokens` has at each model length
+    whose batch is short (fewer rows than a program takes): there the kernels' programs are as few as the channels
+    and as long as the sequence, so the chain of chunks, not the memory, sets their time. Chunks of 64 steps (the
+    default) beside 128 (half the chain, heavier steps), to choose the chunk by batch."""
+    H, N = s["d_model"], s["d_state"]
+    for L in s["model_lengths"]:
+        B = max(1, s["tokens"] // L)
+        if B >= 16:
+            continue
+        for T in (64, 128):
+            bench.run(f"short/T{T}/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused", conv_chunk=T),
+                                                             B, L, H, True))
 
 
 def section_chunks(bench: Bench, s):
@@ -705,6 +723,16 @@ def layer_tables(R: dict, s) -> list[str]:
             T, forward, backward, _ = (part[1:] for part in key.split("/")[1:])
             lines.append(f"| {T} | {forward} | {backward} | {fmt_ms(R[key])} |")
         lines.append("")
+    short = sorted({int(k.split("/L")[-1]) for k in R if k.startswith("short/")})
+    if short:
+        lines += ["## The fused layer at a language-model step's short batches (eager)", "",
+                  f"B = {s['tokens']:,} tokens / L rows, H {s['d_model']}, N {s['d_state']}, bf16 autocast, forward "
+                  "+ backward: the kernels' programs are as few as the channels and their chains as long as L.", "",
+                  "| steps per chunk | " + " | ".join(f"L {L:,} (B {max(1, s['tokens'] // L)})" for L in short) + " |",
+                  "|---" * (len(short) + 1) + "|"]
+        for T in sorted({int(k.split("/")[1][1:]) for k in R if k.startswith("short/")}):
+            lines.append(f"| {T} | " + " | ".join(fmt_ms(R.get(f"short/T{T}/L{L}")) for L in short) + " |")
+        lines.append("")
     if any(k.startswith("chunks/") for k in R):
         lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
         for dtype in ("bf16", "fp32"):
@@ -780,7 +808,7 @@ def markdown(report: dict, s) -> str:
         lines += [f"{i}. commit `{run['commit']}`: `{run['command']}` ({len(run['keys'])} cells)"
                   for i, run in enumerate(report["runs"], 1)]
         lines.append("")
-    if any(k.startswith(("layer/", "chunks/", "fp32/", "fused_sweep/")) for k in R):
+    if any(k.startswith(("layer/", "chunks/", "fp32/", "fused_sweep/", "short/")) for k in R):
         lines += layer_tables(R, s)
     if any(k.startswith("models/") for k in R):
         lines += model_table(R, s)
@@ -918,7 +946,7 @@ def main(argv=None) -> int:
                              "models_first", "s4d_compiled", "moe_layer", "small", "moe_models", "fused_sweep",
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
                              "layer_graphs", "profile_compiled", "segments", "attention_compiled", "profile_moe",
-                             "profile_longest", "fused_eager"])
+                             "profile_longest", "short_batches", "fused_eager"])
     ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
@@ -984,6 +1012,7 @@ def main(argv=None) -> int:
                 "profile_compiled": lambda: section_profile(bench, s, compiled_only=True),
                 "profile_moe": lambda: section_profile(bench, s, moe=True),
                 "profile_longest": lambda: section_profile(bench, s, longest=True),
+                "short_batches": lambda: section_short_batches(bench, s),
                 "s4d_paths": lambda: section_models(bench, s, [
                     ("s4d_chunked", L, c) for c in (True, False) for L in s["model_lengths"]]),
                 "moe_models": lambda: section_models(bench, s, [(f, L, False) for L in s["model_lengths"]
