@@ -21,10 +21,11 @@
 #         issue 40's missing rows: the MoE language model eager and compiled, beside the dense one
 #   PYTEST_S=0 SECTIONS="moe_layer small" NOSYNC_S=90 bash bench/gpu_session.sh
 #         the MoE layer eager and compiled, CUDA graphs of the small model, host syncs
-#   PYTEST_S=0 SECTIONS="short_batches profile_longest" LENGTHS="8192 16384" bash bench/gpu_session.sh
+#   PYTEST_S=0 SECTIONS="short_batches segments profile_longest" LENGTHS="8192 16384" bash bench/gpu_session.sh
 #         issue 39's 2x at L 8,192: the fused layer at a model step's short batches (4 rows at 8K, 2 at 16K, where
-#         the kernels' programs are few and long) with chunks of 64 and 128 steps, then where the S4D and dense
-#         models' compiled steps spend their time at the longest length
+#         the kernels' programs are few and long) with chunks of 64 and 128 steps and with its rows cut into
+#         segments by the kernels (s4d_fused.SEGMENTS_IN_KERNELS), the compiled S4D model with segments both ways
+#         beside the default, then where the S4D and dense models' compiled steps spend their time
 #   PYTEST_S=0 SECTIONS="moe_layer profile_moe" bash bench/gpu_session.sh
 #         the eager E 8, k 2 MoE layer (issue 40's last unmet figure) with its routing eager and compiled (moe.py's
 #         COMPILE_ROUTING: its cells `moe` and `moe_compiled_routing`, in the same paired run), then where its

@@ -32,7 +32,7 @@ profile the CUDA kernels of one pass of the layer at L 1K (eager and compiled) a
         attention, the loss...), beside the pass's wall time and the number of kernels launched (profile_longest:
         the two models at the longest model length).
 short_batches  one fused layer at the batch a model step has where it is short (B 4 at L 8K, 2 at 16K), chunks
-        of 64 and 128 steps.
+        of 64 and 128 steps, and its rows cut into segments by the kernels.
 
 Everything runs in priority order within `--budget-s` seconds (the lease of a GPU is short): what did not fit is
 listed in the file as not measured. The JSON holds every sample.
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import platform
 import re
 import statistics
@@ -275,15 +274,22 @@ def section_short_batches(bench: Bench, s):
     """One S4 layer (fused path, eager) at the batch a language-model step of `tokens` has at each model length
     whose batch is short (fewer rows than a program takes): there the kernels' programs are as few as the channels
     and as long as the sequence, so the chain of chunks, not the memory, sets their time. Chunks of 64 steps (the
-    default) beside 128 (half the chain, heavier steps), to choose the chunk by batch."""
+    default) beside 128 (half the chain, heavier steps), and the rows cut into segments by the kernels
+    (`s4d_fused.SEGMENTS_IN_KERNELS`): to choose the chunk, and the segments, by batch."""
+    from s4accel.models import s4d_fused
+
     H, N = s["d_model"], s["d_state"]
     for L in s["model_lengths"]:
         B = max(1, s["tokens"] // L)
         if B >= 16:
             continue
-        for T in (64, 128):
-            bench.run(f"short/T{T}/L{L}", lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused", conv_chunk=T),
-                                                             B, L, H, True))
+        for T, cut in ((64, False), (128, False), (64, True)):
+            s4d_fused.SEGMENTS_IN_KERNELS = cut
+            try:
+                bench.run(f"short/T{T}{'_segments' if cut else ''}/L{L}",
+                          lambda: layer_pass(bench, s4_layer(H, N, conv_path="fused", conv_chunk=T), B, L, H, True))
+            finally:
+                s4d_fused.SEGMENTS_IN_KERNELS = False
 
 
 def section_chunks(bench: Bench, s):
@@ -346,8 +352,9 @@ def import_reference(ref_dir):
 
 def build_lm(family: str, s) -> nn.Module:
     common = dict(vocab_size=s["vocab"], d_model=s["d_model"], n_layer=s["n_layer"])
-    # s4d (s4d_segments: with UNDER_COMPILE set by its section): the path `auto` takes; s4d_chunked: batched matmuls
-    if family in ("s4d", "s4d_chunked", "s4d_segments"):
+    # s4d (s4d_segments, s4d_kernel_segments: with the switch set by their section): the path `auto` takes;
+    # s4d_chunked: batched matmuls
+    if family in ("s4d", "s4d_chunked", "s4d_segments", "s4d_kernel_segments"):
         path = "chunked" if family == "s4d_chunked" else "auto"
         return S4ForCausalLM(S4Config(d_state=s["d_state"], ffn="mlp", d_ffn=s["d_ffn"], conv_path=path, **common))
     if family == "dense":
@@ -389,8 +396,9 @@ def lm_pass(bench: Bench, family: str, L: int, compiled: bool | str, s):
 
 def section_segments(bench: Bench, s):
     """The S4D model compiled with the rows of short batches cut into segments (`s4d_segments.UNDER_COMPILE`, off by
-    default) and as by default (rows read whole), side by side at the lengths whose batches are short."""
-    from s4accel.models import s4d_segments
+    default; and by the kernels themselves, `s4d_fused.SEGMENTS_IN_KERNELS`, off too) and as by default (rows read
+    whole), side by side at the lengths whose batches are short."""
+    from s4accel.models import s4d_fused, s4d_segments
 
     short = [L for L in s["model_lengths"] if s["tokens"] // L < 16]
     for L in short:
@@ -400,6 +408,11 @@ def section_segments(bench: Bench, s):
             section_models(bench, s, [("s4d_segments", L, True)])
         finally:
             s4d_segments.UNDER_COMPILE = False
+        s4d_fused.SEGMENTS_IN_KERNELS = True
+        try:
+            section_models(bench, s, [("s4d_kernel_segments", L, True)])
+        finally:
+            s4d_fused.SEGMENTS_IN_KERNELS = False
 
 
 def section_models(bench: Bench, s, plan):
@@ -728,10 +741,12 @@ def layer_tables(R: dict, s) -> list[str]:
         lines += ["## The fused layer at a language-model step's short batches (eager)", "",
                   f"B = {s['tokens']:,} tokens / L rows, H {s['d_model']}, N {s['d_state']}, bf16 autocast, forward "
                   "+ backward: the kernels' programs are as few as the channels and their chains as long as L.", "",
-                  "| steps per chunk | " + " | ".join(f"L {L:,} (B {max(1, s['tokens'] // L)})" for L in short) + " |",
+                  "| | " + " | ".join(f"L {L:,} (B {max(1, s['tokens'] // L)})" for L in short) + " |",
                   "|---" * (len(short) + 1) + "|"]
-        for T in sorted({int(k.split("/")[1][1:]) for k in R if k.startswith("short/")}):
-            lines.append(f"| {T} | " + " | ".join(fmt_ms(R.get(f"short/T{T}/L{L}")) for L in short) + " |")
+        for name, key in (("chunks of 64 steps (the default)", "T64"), ("chunks of 128", "T128"),
+                          ("chunks of 64, rows cut into segments by the kernels (`SEGMENTS_IN_KERNELS`)",
+                           "T64_segments")):
+            lines.append(f"| {name} | " + " | ".join(fmt_ms(R.get(f"short/{key}/L{L}")) for L in short) + " |")
         lines.append("")
     if any(k.startswith("chunks/") for k in R):
         lines += ["## Chunk size of the chunked path (eager)", "", head, sep]
@@ -768,9 +783,11 @@ def model_table(R: dict, s) -> list[str]:
               "have s4accel/training/devices/compiled_loss.py.", "",
               "| model | mode | " + " | ".join(f"L {L:,}" for L in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
     for family, name in (("s4d", "S4D"), ("s4d_segments", "S4D, short batches cut into segments"),
+                         ("s4d_kernel_segments", "S4D, short batches cut into segments by the kernels"),
                          ("s4d_chunked", "S4D, chunked path"), ("dense", "dense transformer"),
                          ("moe", "MoE transformer")):
-        if family in ("s4d_chunked", "s4d_segments") and not any(k.startswith(f"models/{family}/") for k in R):
+        if (family in ("s4d_chunked", "s4d_segments", "s4d_kernel_segments")
+                and not any(k.startswith(f"models/{family}/") for k in R)):
             continue
         for mode in MODES.values():
             if mode == "graphs" and not any(k.startswith(f"models/{family}/graphs/") for k in R):

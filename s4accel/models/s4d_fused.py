@@ -66,6 +66,17 @@ LAUNCH = {"forward": (16, 4), "backward": (16, 4)}
 # `bench/gpu_speed.py --sections layer_fused` times each beside "off".
 GELU_IN_KERNELS = "off"
 GELU_MODES = ("off", "forward", "both")
+# Whether the kernels cut the rows of a short batch into segments themselves (`kernel_segments`). A program owns one
+# channel and `LAUNCH` rows and walks its rows' chunks in order: with fewer rows than that (a language-model step of
+# 32K tokens has 4 rows at L 8,192, 2 at 16,384) the programs are as few as the channels and their chains as long
+# as the sequence, and the GPU waits on that chain. Cut into S segments, a row is S rows of a program, each started
+# from its true state: a first kernel walks each segment for its end state alone (`_end_state_kernel`: two products
+# a chunk, no outputs), a scan over the S segments (`_segment_starts`, small) gives the state each starts from, and
+# the forward kernel starts there; the backward likewise with the adjoint (`_start_adjoint_kernel`,
+# `_segment_adjoints`). Exact to rounding, and unlike `s4d_segments.py` (a correction added to the outputs after
+# the kernels, which on an H200 cost more than it saved) nothing the size of an activation is added: one more read
+# of the input and of the gradient. Off until a GPU has timed it (`bench/gpu_speed.py --sections short_batches`).
+SEGMENTS_IN_KERNELS = False
 
 
 if triton is not None:
@@ -88,13 +99,89 @@ if triton is not None:
         return 0.5 * (1.0 + tl.erf(v * 0.7071067811865476)) + v * (_exp(-0.5 * v * v) * 0.3989422804014327)
 
     @triton.jit
-    def _forward_kernel(x, taps, to_state, from_state, step, y, aux, states, B, Lp, NC, n_taps,
+    def _row_pairs(init, h, rows, B, n: tl.constexpr, BB: tl.constexpr, keep, INIT: tl.constexpr):
+        """Each row's complex (BB, n) float32 pair from `init` (H, B, N): real parts, then imaginary; zeros when
+        not `INIT`."""
+        if INIT:
+            at = (h * B + rows[:, None].to(tl.int64)) * 2 * n + tl.arange(0, n)[None, :]
+            p_r = tl.load(init + at, mask=keep, other=0.0)
+            p_i = tl.load(init + at + n, mask=keep, other=0.0)
+        else:
+            p_r = tl.zeros((BB, n), dtype=tl.float32)
+            p_i = tl.zeros((BB, n), dtype=tl.float32)
+        return p_r, p_i
+
+    @triton.jit
+    def _end_state_kernel(x, to_state, step, ends, B, Lp, NC, T: tl.constexpr, n: tl.constexpr,
+                          BB: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """The state each row of x (H, B, Lp) ends in from a zero one, `ends` (H, B, N) float32: the forward's
+        state recurrence alone, two products a chunk rather than five and nothing written but the end."""
+        h = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BB + tl.arange(0, BB)
+        keep = (rows < B)[:, None]
+        t = tl.arange(0, T)
+        m = tl.arange(0, n)
+        dt = x.dtype.element_ty
+        pair = h * 2 * n * T + 2 * m * T
+        to_r = tl.load(to_state + pair[None, :] + t[:, None]).to(dt)  # (T, n): to_state^T
+        to_i = tl.load(to_state + pair[None, :] + T + t[:, None]).to(dt)
+        g_r = tl.load(step + h * 2 * n + 2 * m)[None, :]
+        g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
+        x_r = tl.zeros((BB, n), dtype=tl.float32)
+        x_i = tl.zeros((BB, n), dtype=tl.float32)
+        at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]
+        for c in tl.range(0, NC):
+            xc = tl.load(x + at + c * T, mask=keep, other=0.0)
+            s_r = _dot(xc, to_r, UPCAST, IEEE)
+            s_i = _dot(xc, to_i, UPCAST, IEEE)
+            x_r, x_i = x_r * g_r - x_i * g_i + s_r, x_r * g_i + x_i * g_r + s_i
+        out = (h * B + rows[:, None].to(tl.int64)) * 2 * n + m[None, :]
+        tl.store(ends + out, x_r, mask=keep)
+        tl.store(ends + out + n, x_i, mask=keep)
+
+    @triton.jit
+    def _start_adjoint_kernel(g, slope, from_state, step, starts, B, Lp, NC, T: tl.constexpr, n: tl.constexpr,
+                              BB: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """dL/dX_0 of each row of the gradient g (H, B, Lp), the adjoint of the state entering its first chunk, from
+        a zero one after its last: `starts` (H, B, N) float32. The backward's adjoint recurrence alone (two products
+        a chunk); `ACT` as the backward kernel's."""
+        h = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BB + tl.arange(0, BB)
+        keep = (rows < B)[:, None]
+        t = tl.arange(0, T)
+        m = tl.arange(0, n)
+        dt = g.dtype.element_ty
+        pair = h * 2 * n * T + 2 * m * T
+        from_r = tl.load(from_state + pair[None, :] + t[:, None]).to(dt)  # (T, n): from_state^T
+        from_i = tl.load(from_state + pair[None, :] + T + t[:, None]).to(dt)
+        g_r = tl.load(step + h * 2 * n + 2 * m)[None, :]
+        g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
+        a_r = tl.zeros((BB, n), dtype=tl.float32)
+        a_i = tl.zeros((BB, n), dtype=tl.float32)
+        at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]
+        for cc in tl.range(0, NC):
+            c = NC - 1 - cc
+            gc = tl.load(g + at + c * T, mask=keep, other=0.0)
+            if ACT:
+                d = tl.load(slope + at + c * T, mask=keep, other=0.0).to(tl.float32)
+                gc = (gc.to(tl.float32) * d).to(dt)
+            e_r = _dot(gc, from_r, UPCAST, IEEE)
+            e_i = _dot(gc, from_i, UPCAST, IEEE)
+            a_r, a_i = e_r + a_r * g_r + a_i * g_i, e_i - a_r * g_i + a_i * g_r
+        out = (h * B + rows[:, None].to(tl.int64)) * 2 * n + m[None, :]
+        tl.store(starts + out, a_r, mask=keep)
+        tl.store(starts + out + n, a_i, mask=keep)
+
+    @triton.jit
+    def _forward_kernel(x, taps, to_state, from_state, step, y, aux, states, init, B, Lp, NC, n_taps,
                         T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr, SHIFT: tl.constexpr,
-                        SAVE: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                        SAVE: tl.constexpr, ACT: tl.constexpr, INIT: tl.constexpr, UPCAST: tl.constexpr,
+                        IEEE: tl.constexpr):
         """One (channel, block of rows) per program: y (H, B, Lp) from x (H, B, Lp), both in the operand dtype.
         `ACT` (`GELU_MODES`' index) 1 or 2: y is GELU of the convolution and, where the backward will need it
         (`SAVE`), `aux` the convolution itself (1) or GELU's slope there (2: the backward kernel multiplies by it;
-        computing the slope in the backward kernel spilled)."""
+        computing the slope in the backward kernel spilled). `INIT`: each row starts from the state in `init`
+        (B, N) float32, real parts then imaginary (a segment of a longer row: `_segment_starts`), not from zero."""
         h = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BB + tl.arange(0, BB)
         keep = (rows < B)[:, None]
@@ -110,8 +197,7 @@ if triton is not None:
         from_i = tl.load(from_state + pair[:, None] + T + t[None, :]).to(dt)
         g_r = tl.load(step + h * 2 * n + 2 * m)[None, :]  # dA^T, float32: (1, n)
         g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
-        x_r = tl.zeros((BB, n), dtype=tl.float32)  # the state entering the chunk
-        x_i = tl.zeros((BB, n), dtype=tl.float32)
+        x_r, x_i = _row_pairs(init, h, rows, B, n, BB, keep, INIT)  # the state entering the chunk
         at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]  # (BB, T) offsets of chunk 0
         kept = h * B * NC * 2 * n + rows[:, None].to(tl.int64) * NC * 2 * n + m[None, :]
         for c in tl.range(0, NC):
@@ -137,14 +223,15 @@ if triton is not None:
             x_r, x_i = x_r * g_r - x_i * g_i + s_r, x_r * g_i + x_i * g_r + s_i
 
     @triton.jit
-    def _backward_kernel(g, slope, gy, states, taps, to_state, from_state, step, dx, adjoints, d_step,
+    def _backward_kernel(g, slope, gy, states, taps, to_state, from_state, step, dx, adjoints, d_step, init,
                          B, Lp, NC, n_taps, T: tl.constexpr, n: tl.constexpr, BB: tl.constexpr,
-                         SHIFT: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         SHIFT: tl.constexpr, ACT: tl.constexpr, INIT: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr):
         """The serial half of the backward: dx (H, B, Lp), the adjoints `A_(c+1)` each chunk's state update sends
         back (H, B, nc, N) in the operand dtype, and per program its partial sum of dA^T's gradient (float32). The
         matrices' gradients are batched matmuls of what is stored (`_backward`): no chain runs through them. With
         `ACT`, `g` is GELU's output's gradient: the convolution's, `g slope`, is made here and written to `gy` for
-        them."""
+        them. `INIT`: the adjoint after each row's last chunk is `init`'s (B, N), not zero (`_segment_adjoints`)."""
         h = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1).to(tl.int64)
         nblk = tl.num_programs(1)
@@ -162,8 +249,7 @@ if triton is not None:
         from_i = tl.load(from_state + pair[None, :] + T + t[:, None]).to(dt)
         g_r = tl.load(step + h * 2 * n + 2 * m)[None, :]
         g_i = tl.load(step + h * 2 * n + 2 * m + 1)[None, :]
-        a_r = tl.zeros((BB, n), dtype=tl.float32)  # dL/dX_(c+1): zero after the last chunk
-        a_i = tl.zeros((BB, n), dtype=tl.float32)
+        a_r, a_i = _row_pairs(init, h, rows, B, n, BB, keep, INIT)  # dL/dX_(c+1): after the last chunk, 0 or init
         acc_g_r = tl.zeros((n,), dtype=tl.float32)
         acc_g_i = tl.zeros((n,), dtype=tl.float32)
         at = h * B * Lp + rows[:, None].to(tl.int64) * Lp + t[None, :]
@@ -211,26 +297,65 @@ _NS = re.sub(r"\W", "_", __name__)
 
 @torch.library.custom_op(f"{_NS}::forward", mutates_args=())
 def _forward(x: torch.Tensor, taps: torch.Tensor, to_state: torch.Tensor, from_state: torch.Tensor,
-             step: torch.Tensor, T: int, shift: int, save: bool, ieee: bool,
-             act: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             step: torch.Tensor, T: int, shift: int, save: bool, ieee: bool, act: int,
+             segments: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y (H, B, Lp) (`act` 1 or 2: GELU of the convolution); with `save`, `act`'s tensor for the backward (1: the
     convolution, 2: GELU's slope, (H, B, Lp)) and the states entering each chunk (H, B, nc, N); all in x's dtype
-    (placeholders where there is nothing to keep)."""
+    (placeholders where there is nothing to keep). `segments` S > 1: each row read as S rows of nc / S chunks, each
+    started from its true state (`_segment_starts`, from each segment's end state from zero)."""
     H, B, Lp = x.shape
     nc, n = Lp // T, step.shape[1]
     y = torch.empty_like(x)
     aux = torch.empty_like(x) if act and save else x.new_empty((1,))
     states = x.new_empty((H, B, nc, 2 * n) if save else (1,))
     rows, warps = LAUNCH["forward"]
+    S = segments
+    R, grid = B * S, (H, triton.cdiv(B * S, rows))  # (H, B, Lp) read as (H, B S, Lp / S): the same memory
+    init = x  # (read only with INIT)
     with _on(x):
-        _forward_kernel[(H, triton.cdiv(B, rows))](
-            x, taps, to_state, from_state, step, y, aux, states, B, Lp, nc, taps.shape[-1],
-            T=T, n=n, BB=rows, SHIFT=shift, SAVE=save, ACT=act, UPCAST=INTERPRETED, IEEE=ieee, num_warps=warps)
+        if S > 1:
+            ends = torch.empty((H, R, 2 * n), dtype=torch.float32, device=x.device)
+            _end_state_kernel[grid](x, to_state, step, ends, R, Lp // S, nc // S, T=T, n=n, BB=rows,
+                                    UPCAST=INTERPRETED, IEEE=ieee, num_warps=warps)
+            init = _segment_starts(ends.view(H, B, S, 2 * n), step, nc // S)
+        _forward_kernel[grid](
+            x, taps, to_state, from_state, step, y, aux, states, init, R, Lp // S, nc // S, taps.shape[-1],
+            T=T, n=n, BB=rows, SHIFT=shift, SAVE=save, ACT=act, INIT=S > 1, UPCAST=INTERPRETED, IEEE=ieee,
+            num_warps=warps)
     return y, aux, states
 
 
+def _segment_starts(ends: torch.Tensor, step: torch.Tensor, m: int) -> torch.Tensor:
+    """`ends (H, B, S, N)` float32, the state each segment of m chunks ends in from a zero one -> the state each
+    starts from, `(H, B S, N)`: `X_0 = 0`, `X_(s+1) = (dA^T)^m X_s + E_s` (complex, per mode; S is small)."""
+    H, B, S, N = ends.shape
+    n = N // 2
+    P = torch.complex(step[..., 0], step[..., 1]).pow(m)[:, None]  # (H, 1, n)
+    E = torch.complex(ends[..., :n], ends[..., n:])
+    X = [torch.zeros_like(E[:, :, 0])]
+    for s in range(S - 1):
+        X.append(P * X[-1] + E[:, :, s])
+    X = torch.stack(X, 2)
+    return torch.cat([X.real, X.imag], -1).reshape(H, B * S, N).contiguous()
+
+
+def _segment_adjoints(starts: torch.Tensor, step: torch.Tensor, m: int) -> torch.Tensor:
+    """`starts (H, B, S, N)` float32, each segment's adjoint at its start (dL/dX_0) from its own outputs alone ->
+    the adjoint each segment's backward starts from after its last chunk, `(H, B S, N)`: with `D_S = 0` and
+    `D_s = G_s + conj(dA^T)^m D_(s+1)`, segment s starts from `D_(s+1)`."""
+    H, B, S, N = starts.shape
+    n = N // 2
+    P = torch.complex(step[..., 0], -step[..., 1]).pow(m)[:, None]
+    G = torch.complex(starts[..., :n], starts[..., n:])
+    D = [torch.zeros_like(G[:, :, 0])]  # D_S, D_(S-1), ..., D_1
+    for s in range(S - 1, 0, -1):
+        D.append(G[:, :, s] + P * D[-1])
+    D = torch.stack(D[::-1], 2)  # [s] = D_(s+1)
+    return torch.cat([D.real, D.imag], -1).reshape(H, B * S, N).contiguous()
+
+
 @_forward.register_fake
-def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee, act):
+def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee, act, segments):
     H, B, Lp = x.shape
     return (torch.empty_like(x), torch.empty_like(x) if act and save else x.new_empty((1,)),
             x.new_empty((H, B, Lp // T, 2 * step.shape[1]) if save else (1,)))
@@ -238,11 +363,12 @@ def _forward_fake(x, taps, to_state, from_state, step, T, shift, save, ieee, act
 
 @torch.library.custom_op(f"{_NS}::backward", mutates_args=())
 def _backward(x: torch.Tensor, g: torch.Tensor, slope: torch.Tensor | None, states: torch.Tensor, taps: torch.Tensor,
-              to_state: torch.Tensor, from_state: torch.Tensor, step: torch.Tensor, T: int, shift: int,
-              ieee: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              to_state: torch.Tensor, from_state: torch.Tensor, step: torch.Tensor, T: int, shift: int, ieee: bool,
+              segments: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx and the matrices' gradients: taps (H, m), to_state and from_state (H, N, T), step (H, n, 2), float32.
     `slope`: GELU's slope, where the forward kernel applied GELU and kept it (`GELU_MODES` "both"; `g` is then
-    GELU's output's gradient), else None.
+    GELU's output's gradient), else None. `segments` as the forward's: each segment's walk starts from the adjoint
+    the later ones send back (`_segment_adjoints`, from each segment's own adjoint at its start).
     The kernel walks the chunks backwards for dx and the adjoints; the matrices' gradients are then sums over every
     (row, chunk) pair, one batched matmul each (cuBLAS, float32 accumulation and output):
 
@@ -253,16 +379,24 @@ def _backward(x: torch.Tensor, g: torch.Tensor, slope: torch.Tensor | None, stat
     H, B, Lp = x.shape
     nc, n = Lp // T, step.shape[1]
     rows, warps = LAUNCH["backward"]
-    nblk = triton.cdiv(B, rows)
+    S = segments
+    R, nblk = B * S, triton.cdiv(B * S, rows)
     dx = torch.empty_like(x)
     gy = g if slope is None else torch.empty_like(x)  # the convolution's gradient, made by the kernel after GELU
     adjoints = torch.empty_like(states)  # (H, B, nc, N), as the states
     d_step = torch.empty((H, nblk, n, 2), dtype=torch.float32, device=x.device)
+    init = g  # (read only with INIT)
     with _on(x):
+        if S > 1:
+            starts = torch.empty((H, R, 2 * n), dtype=torch.float32, device=x.device)
+            _start_adjoint_kernel[(H, nblk)](g, g if slope is None else slope, from_state, step, starts, R, Lp // S,
+                                             nc // S, T=T, n=n, BB=rows, ACT=slope is not None, UPCAST=INTERPRETED,
+                                             IEEE=ieee, num_warps=warps)
+            init = _segment_adjoints(starts.view(H, B, S, 2 * n), step, nc // S)
         _backward_kernel[(H, nblk)](
             g, g if slope is None else slope, gy, states, taps, to_state, from_state, step, dx, adjoints, d_step,
-            B, Lp, nc, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, ACT=slope is not None, UPCAST=INTERPRETED,
-            IEEE=ieee, num_warps=warps)
+            init, R, Lp // S, nc // S, taps.shape[-1], T=T, n=n, BB=rows, SHIFT=shift, ACT=slope is not None,
+            INIT=S > 1, UPCAST=INTERPRETED, IEEE=ieee, num_warps=warps)
     xs, gs = x.view(H, B * nc, T), gy.view(H, B * nc, T)  # one row per (batch row, chunk)
     d_toep = _sum_of_products(xs, gs)  # (H, T, T)
     d_to = _sum_of_products(adjoints.view(H, B * nc, 2 * n), xs)  # (H, N, T): real rows, then imaginary
@@ -288,7 +422,7 @@ def _sum_of_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @_backward.register_fake
-def _backward_fake(x, g, slope, states, taps, to_state, from_state, step, T, shift, ieee):
+def _backward_fake(x, g, slope, states, taps, to_state, from_state, step, T, shift, ieee, segments):
     return (torch.empty_like(x), torch.empty_like(taps), torch.empty_like(to_state), torch.empty_like(from_state),
             torch.empty_like(step))
 
@@ -299,12 +433,12 @@ class _FusedConv(torch.autograd.Function):
     matrices' (float32)."""
 
     @staticmethod
-    def forward(ctx, x, taps, to_state, from_state, step, T: int, shift: int, gelu: int):
+    def forward(ctx, x, taps, to_state, from_state, step, T: int, shift: int, gelu: int, segments: int):
         save = any(ctx.needs_input_grad[:5])
         ieee = ieee_products(x.dtype)
-        y, aux, states = _forward(x, taps, to_state, from_state, step, T, shift, save, ieee, gelu)
+        y, aux, states = _forward(x, taps, to_state, from_state, step, T, shift, save, ieee, gelu, segments)
         ctx.save_for_backward(x, states, taps, to_state, from_state, step, aux if gelu else None)
-        ctx.T, ctx.shift, ctx.ieee, ctx.gelu = T, shift, ieee, gelu
+        ctx.T, ctx.shift, ctx.ieee, ctx.gelu, ctx.segments = T, shift, ieee, gelu, segments
         return y
 
     @staticmethod
@@ -314,8 +448,8 @@ class _FusedConv(torch.autograd.Function):
         if ctx.gelu == 1:  # PyTorch's GELU backward, from the convolution the forward kernel kept
             g = torch.ops.aten.gelu_backward(g, aux)
         grads = _backward(x, g, aux if ctx.gelu == 2 else None, states, taps, to_state, from_state, step, ctx.T,
-                          ctx.shift, ctx.ieee)
-        return *grads, None, None, None
+                          ctx.shift, ctx.ieee, ctx.segments)
+        return *grads, None, None, None, None
 
 
 def gelu_in_kernels() -> int:
@@ -342,8 +476,18 @@ def _on(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def kernel_segments(B: int, nc: int) -> int:
+    """How many segments the kernels cut each of B rows of nc chunks into (`SEGMENTS_IN_KERNELS`; else 1): the
+    smallest power of two that fills a program's rows, dividing nc."""
+    rows = min(LAUNCH["forward"][0], LAUNCH["backward"][0])
+    S = 1
+    while SEGMENTS_IN_KERNELS and B * S < rows and nc % (2 * S) == 0:
+        S *= 2
+    return S
+
+
 def fused_conv_channels_first(x: torch.Tensor, taps, to_state, from_state, step, shift: int = 0,
-                              gelu: int = 0) -> torch.Tensor:
+                              gelu: int = 0, segments: int | None = None) -> torch.Tensor:
     """The chunked convolution of `x (H, B, nc T)` (channels first, zero-padded past the sequence) in one kernel:
     `taps (H, T - shift)`, `to_state`/`from_state (H, N, T)` from `chunk_matrices`, `step (H, N/2, 2)` = dA^T as
     (real, imaginary). Returns `(H, B, nc T)` in x's dtype. The matrices must be float32 (the kernel reads them as
@@ -351,10 +495,14 @@ def fused_conv_channels_first(x: torch.Tensor, taps, to_state, from_state, step,
     GELU of the result (exact, as `torch.nn.functional.gelu` of it), applied as the kernel writes it; 2 also writes
     its slope, by which the backward kernel multiplies the gradient as it reads it (the same memory kept for the
     backward as 1's convolution; in half precision the slope is rounded to it: one rounding more than PyTorch's GELU
-    backward, 2^-9 of the gradient in bfloat16)."""
+    backward, 2^-9 of the gradient in bfloat16). `segments`: how many segments the kernels cut each row into
+    (default: `kernel_segments`)."""
     T = to_state.shape[-1]
+    S = kernel_segments(x.shape[1], x.shape[2] // T) if segments is None else segments
+    if (x.shape[2] // T) % S:
+        raise ValueError(f"{S} segments do not divide a row of {x.shape[2] // T} chunks")
     return _FusedConv.apply(x.contiguous(), taps.float().contiguous(), to_state.float().contiguous(),
-                            from_state.float().contiguous(), step.float().contiguous(), T, shift, gelu)
+                            from_state.float().contiguous(), step.float().contiguous(), T, shift, gelu, S)
 
 
 def supports(T: int, N: int) -> bool:

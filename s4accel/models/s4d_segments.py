@@ -68,7 +68,7 @@ def fused_conv(x: torch.Tensor, log_dA, C_tilde, D, T: int, shift: int = 0, S: i
     if m * S != nc:  # zeros at the end change no earlier output
         x = torch.nn.functional.pad(x, (0, (m * S - nc) * T))
     Ls = m * T
-    y = fused_conv_channels_first(x.reshape(H, B * S, Ls), taps, to_state, from_state, step, shift)
+    y = fused_conv_channels_first(x.reshape(H, B * S, Ls), taps, to_state, from_state, step, shift, segments=1)
     y = y.view(H, B, S, m, T).float() + _from_earlier_segments(x, log_dA, to_state, from_state, T, S, m)
     y = y.to(x.dtype).view(H, B, S * Ls)[..., :Lp]
     return torch.nn.functional.gelu(y) if gelu else y  # (each segment's output is complete only here)

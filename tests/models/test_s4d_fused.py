@@ -35,12 +35,12 @@ def kernel_params(H, N, seed=0):
     return [t.detach().requires_grad_() for t in (ar, ai, Cr[0], Ci[0], Cr[1], Ci[1])]
 
 
-def check_against_the_float64_reference(conv, dtype, shift: int, B: int, gelu: bool = False):
-    """`conv(x, log_dA, C~, D, T, shift)` on `dtype` operands (x `(H, B, nc T)`, zeros past L 70 in the last of 5
+def check_against_the_float64_reference(conv, dtype, shift: int, B: int, gelu: bool = False, L: int = 70):
+    """`conv(x, log_dA, C~, D, T, shift)` on `dtype` operands (x `(H, B, nc T)`, zeros past L (70: in the last of 5
     chunks of 16) against the batched-matmul form in float64 (itself checked against the FFT convolution and the
     recurrence in test_s4d_chunked.py), or with `gelu` its exact GELU: the output, and the gradients of the input,
     log dA (real and imaginary), C~ and D (shift 0; shift 1, strictly causal, has none)."""
-    H, N, T, L = 3, 32, 16, 70
+    H, N, T = 3, 32, 16
     nc = -(-L // T)
     ar, ai, cr, ci, cr1, ci1 = kernel_params(H, N)
     if shift:
@@ -103,6 +103,39 @@ def test_short_batches_cut_into_segments_equal_the_float64_reference_values_and_
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shift", [0, 1], ids=["causal", "strictly-causal"])
+@pytest.mark.parametrize(("B", "S"), [(1, 8), (3, 2)], ids=["1x8", "3x2"])
+def test_the_kernels_cut_short_rows_into_segments_and_equal_the_float64_reference(dtype, shift, B, S):
+    """`s4d_fused.SEGMENTS_IN_KERNELS`: each row read as S rows of a program, each started from its true state (a
+    first kernel walks each segment for its end state, a scan over the segments gives each one's start) and in the
+    backward from its true adjoint, against the float64 reference: values and every gradient. 8 chunks (L 120)."""
+    def conv(x, log_dA, C, D, T, shift):
+        return s4d_fused.fused_conv_channels_first(x, *s4d_fused.fused_matrices(log_dA, C, D, T, shift), shift,
+                                                   segments=S)
+    check_against_the_float64_reference(conv, dtype, shift, B, L=120)
+
+
+@needs_triton
+def test_segments_in_the_kernels_with_the_gelu_in_them_equal_the_float64_reference():
+    """Segments with GELU's slope kept by the forward kernel: the backward's first walk multiplies by it too."""
+    def conv(x, log_dA, C, D, T, shift):
+        return s4d_fused.fused_conv_channels_first(x, *s4d_fused.fused_matrices(log_dA, C, D, T, shift), shift,
+                                                   gelu=2, segments=4)
+    check_against_the_float64_reference(conv, torch.float32, 0, 2, gelu=True, L=120)
+
+
+def test_the_kernels_cut_rows_only_when_switched_on_and_only_into_segments_that_divide_them(monkeypatch):
+    """Off by default; on, the smallest power of two that fills a program's rows and divides the row's chunks."""
+    assert s4d_fused.kernel_segments(1, 128) == 1
+    monkeypatch.setattr(s4d_fused, "SEGMENTS_IN_KERNELS", True)
+    rows = min(s4d_fused.LAUNCH["forward"][0], s4d_fused.LAUNCH["backward"][0])
+    assert s4d_fused.kernel_segments(rows, 128) == 1
+    assert s4d_fused.kernel_segments(1, 128) == rows and s4d_fused.kernel_segments(rows // 4, 128) == 4
+    assert s4d_fused.kernel_segments(1, 12) == 4 and s4d_fused.kernel_segments(1, 7) == 1
+
+
+@needs_triton
 def test_in_eager_mode_short_batches_are_read_whole_by_default(monkeypatch):
     """Eager, the segments' correction would cost more launches than the programs' empty rows cost (the module's
     docs): a batch of 2 rows is read whole unless S is given."""
@@ -138,6 +171,30 @@ def test_the_model_on_the_fused_path_gives_the_fft_paths_logits_and_gradients(bi
         out.loss.backward()
         grads[path] = {n: p.grad for n, p in model.named_parameters()} | {"logits": out.logits}
         assert len(calls) == (0 if path == "fused" and gelu != "off" and not bidirectional else 2)
+    for name, g in grads["fft"].items():
+        assert rel(grads["fused"][name], g) < 1e-4, name
+
+
+@needs_triton
+def test_a_model_whose_kernels_cut_its_rows_into_segments_gives_the_fft_paths_logits_and_gradients(monkeypatch):
+    """`SEGMENTS_IN_KERNELS` on (and the GELU in the kernels, both ways), float32: a causal LM of 3 rows of 4 chunks,
+    each cut into 4 segments, has the FFT path's logits and every parameter's gradient to float32 rounding."""
+    monkeypatch.setattr(s4d_fused, "SEGMENTS_IN_KERNELS", True)
+    monkeypatch.setattr(s4d_fused, "GELU_IN_KERNELS", "both")
+    cuts = []
+    starts = s4d_fused._segment_starts
+    monkeypatch.setattr(s4d_fused, "_segment_starts", lambda ends, *args: cuts.append(ends.shape[2]) or
+                        starts(ends, *args))
+    grads = {}
+    for path in ("fft", "fused"):
+        torch.manual_seed(0)
+        config = S4Config(vocab_size=50, d_model=16, n_layer=2, d_state=32, conv_path=path, conv_chunk=16)
+        model = S4ForCausalLM(config).to(DEVICE)
+        ids = torch.randint(3, 50, (3, 64), device=DEVICE)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads[path] = {n: p.grad for n, p in model.named_parameters()} | {"logits": out.logits}
+    assert cuts == [4, 4]  # each layer's forward
     for name, g in grads["fft"].items():
         assert rel(grads["fused"][name], g) < 1e-4, name
 
@@ -306,13 +363,30 @@ def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(wh
     common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
     if which == "forward":
         common["SAVE"] = True
-    acts = (0, 1, 2) if which == "forward" else (False, True)  # GELU in the kernels: s4d_fused.GELU_MODES
-    builds = [(which, dtype, dict(IEEE=ieee, T=T, ACT=act, **common)) for dtype, ieee, T in (
+    # GELU in the kernels (s4d_fused.GELU_MODES); the state a segment starts from (SEGMENTS_IN_KERNELS) with the
+    # GELU mode that needs the most registers
+    most = 2 if which == "forward" else True
+    acts = [(act, False) for act in ((0, 1, 2) if which == "forward" else (False, True))] + [(most, True)]
+    builds = [(which, dtype, dict(IEEE=ieee, T=T, ACT=act, INIT=init, **common)) for dtype, ieee, T in (
         ("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
-        ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)) for act in acts]
+        ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)) for act, init in acts]
     for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
         assert usage["spilled_bytes"] == 0, (build, usage)
         assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
+
+
+@pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
+def test_the_segments_kernels_compile_for_an_h100_without_spilling(tmp_path):
+    """The walks that give each segment's end state and its adjoint at its start (`SEGMENTS_IN_KERNELS`) build for
+    sm_90 at the fused kernels' defaults, bfloat16 and float32 (TF32 and IEEE products), without spilling."""
+    builds = []
+    for dtype, ieee, T in (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
+                           ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)):
+        for which, extra in (("end_state", {}), ("start_adjoint", {"ACT": True})):
+            rows, warps = s4d_fused.LAUNCH["forward" if which == "end_state" else "backward"]
+            builds.append((which, dtype, dict(n=32, BB=rows, T=T, UPCAST=False, IEEE=ieee, num_warps=warps, **extra)))
+    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
+        assert usage["spilled_bytes"] == 0, (build, usage)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
