@@ -263,8 +263,9 @@ def test_the_fused_path_where_it_runs_and_one_line_where_it_cannot(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("L", "gelu"), [(1024, "off"), (3000, "off"), (3000, "forward"), (3000, "both")])
+@pytest.mark.parametrize(("dtype", "L", "gelu"), [
+    *[(dtype, L, "off") for dtype in (torch.float32, torch.bfloat16) for L in (1024, 3000)],
+    (torch.bfloat16, 3000, "forward"), (torch.bfloat16, 3000, "both")])  # (float32's GELU modes: interpreted)
 def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L, gelu, monkeypatch):
     """The whole layer (fused convolution, GELU, GLU projection: the GLU in its own kernels) on CUDA against the
     float64 FFT path on the CPU; values and the input's and kernel's gradients; the GELU after the fused kernels or
@@ -350,43 +351,48 @@ def sm90_usage(builds: list[tuple[str, str, dict]], tmp_path) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+FUSED_BUILDS = (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
+                ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE))  # operands, IEEE products, steps per chunk
+
+
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(which, tmp_path):
     """What a GPU would compile, checked without one: both kernels at the default chunk (64 steps), N 64 and their
     default launch shapes build for sm_90 with bfloat16 operands, spill nothing to local memory and fit the shared
     memory of one SM (228 KiB); so do float32 operands with TF32 products at the same chunk, and with IEEE products at
-    their own chunk (32 steps: at 64 both kernels spill); each with and without the GELU they can apply for a causal
-    layer (`s4d_fused.GELU_IN_KERNELS`). Chunks of 64 with 32 rows per program spill in the bfloat16 backward
-    (measured: ~1 KiB a thread), which is why its default is 16."""
+    their own chunk (32 steps: at 64 both kernels spill). Chunks of 64 with 32 rows per program spill in the bfloat16
+    backward (measured: ~1 KiB a thread), which is why its default is 16."""
     rows, warps = s4d_fused.LAUNCH[which]
-    common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps)
+    common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps, ACT=0, INIT=False)
     if which == "forward":
         common["SAVE"] = True
-    # GELU in the kernels (s4d_fused.GELU_MODES); the state a segment starts from (SEGMENTS_IN_KERNELS) with the
-    # GELU mode that needs the most registers
-    most = 2 if which == "forward" else True
-    acts = [(act, False) for act in ((0, 1, 2) if which == "forward" else (False, True))] + [(most, True)]
-    builds = [(which, dtype, dict(IEEE=ieee, T=T, ACT=act, INIT=init, **common)) for dtype, ieee, T in (
-        ("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
-        ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)) for act, init in acts]
+    builds = [(which, dtype, dict(IEEE=ieee, T=T, **common)) for dtype, ieee, T in FUSED_BUILDS]
     for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
         assert usage["spilled_bytes"] == 0, (build, usage)
         assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
-def test_the_segments_kernels_compile_for_an_h100_without_spilling(tmp_path):
-    """The walks that give each segment's end state and its adjoint at its start (`SEGMENTS_IN_KERNELS`) build for
-    sm_90 at the fused kernels' defaults, bfloat16 and float32 (TF32 and IEEE products), without spilling."""
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_the_kernels_optional_variants_compile_for_an_h100_without_spilling(which, tmp_path):
+    """The variants behind switches that are off by default build for sm_90 at the same shapes without spilling:
+    each GELU mode (`s4d_fused.GELU_IN_KERNELS`), a start from a segment's state or adjoint with the mode that needs
+    the most registers, and the walks that give each segment's end state and its adjoint at its start
+    (`SEGMENTS_IN_KERNELS`). (bench/gpu_session.sh leaves them out on the GPU machine, where each build takes many
+    seconds.)"""
+    rows, warps = s4d_fused.LAUNCH[which]
+    common = dict(n=32, BB=rows, UPCAST=False, num_warps=warps)
+    kernel = dict(SHIFT=0, **common, **({"SAVE": True} if which == "forward" else {}))
+    modes = [(1, False), (2, False), (2, True)] if which == "forward" else [(True, False), (True, True)]
+    walk = ("end_state", {}) if which == "forward" else ("start_adjoint", {"ACT": True})
     builds = []
-    for dtype, ieee, T in (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
-                           ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE)):
-        for which, extra in (("end_state", {}), ("start_adjoint", {"ACT": True})):
-            rows, warps = s4d_fused.LAUNCH["forward" if which == "end_state" else "backward"]
-            builds.append((which, dtype, dict(n=32, BB=rows, T=T, UPCAST=False, IEEE=ieee, num_warps=warps, **extra)))
+    for dtype, ieee, T in FUSED_BUILDS:
+        builds += [(which, dtype, dict(IEEE=ieee, T=T, ACT=act, INIT=init, **kernel)) for act, init in modes]
+        builds.append((walk[0], dtype, dict(IEEE=ieee, T=T, **common, **walk[1])))
     for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
         assert usage["spilled_bytes"] == 0, (build, usage)
+        assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
