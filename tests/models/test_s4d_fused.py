@@ -355,6 +355,13 @@ FUSED_BUILDS = (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeli
                 ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE))  # operands, IEEE products, steps per chunk
 
 
+def assert_they_fit_an_sm(builds, tmp_path):
+    """Each build for sm_90 spills nothing and fits the shared memory of one SM (228 KiB)."""
+    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
+        assert usage["spilled_bytes"] == 0, (build, usage)
+        assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
+
+
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(which, tmp_path):
@@ -367,10 +374,8 @@ def test_the_kernels_compile_for_an_h100_and_fit_in_registers_at_the_defaults(wh
     common = dict(n=32, BB=rows, SHIFT=0, UPCAST=False, num_warps=warps, ACT=0, INIT=False)
     if which == "forward":
         common["SAVE"] = True
-    builds = [(which, dtype, dict(IEEE=ieee, T=T, **common)) for dtype, ieee, T in FUSED_BUILDS]
-    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
-        assert usage["spilled_bytes"] == 0, (build, usage)
-        assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
+    assert_they_fit_an_sm([(which, dtype, dict(IEEE=ieee, T=T, **common)) for dtype, ieee, T in FUSED_BUILDS],
+                          tmp_path)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
@@ -390,9 +395,7 @@ def test_the_kernels_optional_variants_compile_for_an_h100_without_spilling(whic
     for dtype, ieee, T in FUSED_BUILDS:
         builds += [(which, dtype, dict(IEEE=ieee, T=T, ACT=act, INIT=init, **kernel)) for act, init in modes]
         builds.append((walk[0], dtype, dict(IEEE=ieee, T=T, **common, **walk[1])))
-    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
-        assert usage["spilled_bytes"] == 0, (build, usage)
-        assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
+    assert_they_fit_an_sm(builds, tmp_path)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
