@@ -62,9 +62,10 @@ if [ "${PYTEST_S:-200}" -gt 0 ]; then
   # limit, so that pytest still prints its summary (and exits 2, after which the second run does not start).
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
   P="python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE $xdist"
-  # (not the sm_90 builds of variants that are off by default: each build takes many seconds here)
-  timeout -s INT -k 20 "${PYTEST_S:-200}" bash -c "$P -k 'not optional_variants' '$lm[fused]' \
-    tests/models/test_s4d_fused.py; \
+  # (not the sm_90 builds of variants that are off by default, nor the MoE kernels': each takes many seconds here;
+  # the MoE kernels' own tests run on CUDA tensors, compiled, where a GPU is)
+  timeout -s INT -k 20 "${PYTEST_S:-200}" bash -c "$P -k 'not optional_variants and not moe_kernels_compile' \
+    '$lm[fused]' tests/models/test_s4d_fused.py tests/models/test_moe_kernels.py; \
     [ \$? -ne 2 ] && $P -m gpu tests/models/test_moe.py tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 \
     | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi

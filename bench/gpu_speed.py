@@ -480,19 +480,22 @@ def section_moe_layer(bench: Bench, s):
     args = moe_args(bench, s)
     baseline = None
     if bench.args.moe_baseline:
-        spec = importlib.util.spec_from_file_location("moe_baseline", bench.args.moe_baseline)
+        # named inside s4accel.models, so that its relative imports (`from .moe_kernels import ...`) are this
+        # checkout's modules
+        spec = importlib.util.spec_from_file_location("s4accel.models.moe_baseline", bench.args.moe_baseline)
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for E, k in s["moe_configs"]:
         fns = moe_passes(bench, s, E, k, compiled=bench.device == "cuda")  # compiling: a GPU run only
-        for name in ("moe", "dense", "matmuls_only", "routing_only", "harness", "moe_compiled_routing",
-                     "routing_only_compiled", "moe_compiled_experts", "moe_compiled", "dense_compiled"):
+        for name in ("moe", "moe_torch_ops", "dense", "matmuls_only", "routing_only", "harness",
+                     "moe_compiled_routing", "routing_only_compiled", "moe_compiled_experts", "moe_compiled",
+                     "dense_compiled"):
             if name not in fns:
                 continue
             result = bench.run(f"moe_layer/{name}/E{E}k{k}", lambda: fns[name],
                                need_s=60 if "compiled" in name else 10)  # a compile takes 15 s or more
-            if result and "ms" in result and name in ("moe", "matmuls_only", "moe_compiled", "moe_compiled_routing",
-                                                      "moe_compiled_experts"):
+            if result and "ms" in result and name in ("moe", "moe_torch_ops", "matmuls_only", "moe_compiled",
+                                                      "moe_compiled_routing", "moe_compiled_experts"):
                 result["tflops"] = round(moe_flops(T, k, D, Fh) / (result["ms"] / 1000) / 1e12, 1)
         if baseline is not None:
             result = bench.run(f"moe_layer/baseline/E{E}k{k}", lambda: baseline_pass(bench, baseline, args, E, k),
@@ -576,7 +579,8 @@ def section_small(bench: Bench, s):
 
 
 # What a profiled kernel is, by its name: the summary of each profile adds their times by kind.
-KERNEL_KINDS = (("s4d_fused", r"^_(forward|backward)_kernel\b"), ("attention", r"flash|fmha|attention|sdpa"),
+KERNEL_KINDS = (("s4d_fused", r"^_(forward|backward)_kernel\b"), ("moe_kernels", r"^_(pair_sums|swiglu_weighted)"),
+                ("attention", r"flash|fmha|attention|sdpa"),
                 ("matmul", r"gemm|nvjet|cutlass|sm90_xmma|sm80_xmma|cublas|_mm_|matmul"),
                 ("inductor", r"^triton_"), ("optimizer", r"adam|multi_tensor|foreach"),
                 ("softmax_loss", r"softmax|nll|cross_entropy|log_sum"), ("glu", r"glu"),
@@ -835,12 +839,14 @@ def markdown(report: dict, s) -> str:
         lines += ["", f"## One MoE layer, forward + backward ({s['moe_tokens']:,} tokens, d_model {s['moe_d_model']}, "
                   f"experts {s['moe_d_ffn']} wide, bf16 autocast, router losses included)", "",
                   "ms (TFLOP/s of the expert matmuls). Baseline: the layer of the commit named in the command "
-                  "(`--moe-baseline`), on the same weights and input.", "",
-                  "| E, k | MoE layer | baseline layer | dense SwiGLU of k x F | MoE / dense | expert matmuls alone | "
-                  "routing alone |", "|---" * 7 + "|"]
+                  "(`--moe-baseline`), on the same weights and input. PyTorch's operators: the layer with its k-way "
+                  "sums and weighted SwiGLU in PyTorch's operators (`moe_kernels.MOE_KERNELS = \"never\"`), where "
+                  "the other cells take the Triton kernels.", "",
+                  "| E, k | MoE layer | PyTorch's operators | baseline layer | dense SwiGLU of k x F | MoE / dense | "
+                  "expert matmuls alone | routing alone |", "|---" * 8 + "|"]
         for E, k in s["moe_configs"]:
-            cell = {n: R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe", "baseline", "dense", "matmuls_only",
-                                                                   "routing_only")}
+            cell = {n: R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe", "moe_torch_ops", "baseline", "dense",
+                                                                   "matmuls_only", "routing_only")}
 
             def ms(r):
                 if r is None or "ms" not in r:
@@ -848,8 +854,8 @@ def markdown(report: dict, s) -> str:
                 return f"{r['ms']:.2f}" + (f" ({r['tflops']:.0f})" if r.get("tflops") else "")
             ratio = (f"{cell['moe']['ms'] / cell['dense']['ms']:.2f}" if all(
                 cell[n] and "ms" in cell[n] for n in ("moe", "dense")) else "-")
-            lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['baseline'])} | {ms(cell['dense'])} | {ratio} | "
-                         f"{ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
+            lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['moe_torch_ops'])} | {ms(cell['baseline'])} | "
+                         f"{ms(cell['dense'])} | {ratio} | {ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
         if any(("_compiled_routing/" in k or "_compiled_experts/" in k) for k in moe_keys):
             lines += ["", "With the routing compiled (`moe.COMPILE_ROUTING`: softmax, top-k, the row layout and the "
                       "losses as one compiled graph), the rest of the layer eager; then with the routing and the "
@@ -964,7 +970,9 @@ def main(argv=None) -> int:
                              "s4d_vs_dense", "s4d_paths", "layer_fused", "s4d_models", "models_graphs",
                              "layer_graphs", "profile_compiled", "segments", "attention_compiled", "profile_moe",
                              "profile_longest", "short_batches", "fused_eager"])
-    ap.add_argument("--moe-baseline", type=Path, help="an earlier s4accel/models/moe.py: its layer timed beside")
+    ap.add_argument("--moe-baseline", type=Path,
+                    help="an earlier s4accel/models/moe.py: its layer timed beside (its relative imports: this "
+                    "checkout's)")
     ap.add_argument("--model-lengths", type=int, nargs="+", help="only these language-model lengths")
     ap.add_argument("--merge", type=Path, nargs="+", help="JSON reports of earlier runs to merge into one file")
     ap.add_argument("--note", help="with --merge: a paragraph the merged file carries (what a reader must know)")

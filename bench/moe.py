@@ -32,6 +32,10 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
     moe_compiled_experts
                  `moe_grouped` with its routing and experts compiled together (`moe.COMPILE_EXPERTS = "always"`: the
                  routing, gathers, grouped matmuls and k-way sums as one graph; the router's matmul eager)
+    moe_torch_ops
+                 `moe_grouped` with PyTorch's operators for its k-way sums and weighted SwiGLU
+                 (`moe_kernels.MOE_KERNELS = "never"`), where the other cells take the Triton kernels on CUDA (the
+                 default there; on CPU both are PyTorch's): `kernels_over_torch_ops` compares them
 
 `floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
 the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),
@@ -69,6 +73,7 @@ from s4_layer import paired_rounds, ratio_summary, timed  # noqa: E402
 from s4accel.allocator import keep_freed_memory  # noqa: E402
 from s4accel.models.configuration_moe import MoEConfig  # noqa: E402
 from s4accel.models import moe as moe_module  # noqa: E402
+from s4accel.models import moe_kernels  # noqa: E402
 from s4accel.models.moe import MoELayer, SwiGLUMLP  # noqa: E402
 
 GOALS = {"moe_over_dense_at_most": 1.3, "onehot_over_moe_at_least_at_E64": 2.0}
@@ -176,14 +181,15 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             synchronize(device)
         return run
 
-    def routing_mode(run, routing: str, experts: str = "never"):
+    def routing_mode(run, routing: str, experts: str = "never", kernels: str | None = None):
         def timed():
-            saved = moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS
+            saved = moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS, moe_kernels.MOE_KERNELS
             moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS = routing, experts
+            moe_kernels.MOE_KERNELS = saved[2] if kernels is None else kernels
             try:
                 run()
             finally:
-                moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS = saved
+                moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS, moe_kernels.MOE_KERNELS = saved
         return timed
 
     def compiled_routing(run):
@@ -214,6 +220,7 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             "moe_compiled_routing": compiled_routing(pass_of(grouped, moe_with_losses(grouped))),
             "routing_only_compiled": compiled_routing(pass_of(routing_grouped, moe_with_losses(routing_grouped))),
             "moe_compiled_experts": routing_mode(pass_of(grouped, moe_with_losses(grouped)), "never", "always"),
+            "moe_torch_ops": routing_mode(pass_of(grouped, moe_with_losses(grouped)), "never", kernels="never"),
             **({"moe_compiled": pass_of(moe, torch.compile(moe_with_losses(moe))),
                 "dense_compiled": pass_of(dense, torch.compile(dense))} if compiled else {})}
 
@@ -270,6 +277,7 @@ def main(argv=None):
                  "moe_loop_over_moe": ratio_summary(times, "moe_loop", "moe"),
                  "compiled_routing_over_eager": ratio_summary(times, "moe_compiled_routing", "moe_grouped"),
                  "compiled_experts_over_eager": ratio_summary(times, "moe_compiled_experts", "moe_grouped"),
+                 "kernels_over_torch_ops": ratio_summary(times, "moe_grouped", "moe_torch_ops"),
                  "matmuls_only_over_dense": ratio_summary(times, "matmuls_only", "dense")}
         entry["floor_over_dense"] = floor_over_dense(entry["seconds_median"])
         out["results"][f"E{E}_k{k}"] = entry

@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .moe_kernels import moe_kernels_run, pair_sums, swiglu_weighted
+
 DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
 _CHUNK_BYTES = 4 * 2**20  # size of the `fused` path's largest per-chunk buffer: in cache, and well under glibc's
 # mmap threshold, so the buffers are recycled between steps instead of being page-faulted in again (s4accel.allocator)
@@ -241,7 +243,14 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (pair_row,) = ctx.saved_tensors
-        return g.index_select(0, pair_row).view(-1, ctx.T, g.shape[1]).sum(0), None, None
+        return _sum_rows(g, pair_row, ctx.T), None, None
+
+
+def _sum_rows(src: torch.Tensor, pair_row: torch.Tensor, T: int) -> torch.Tensor:
+    """`src (R, D)` -> each token's k rows `pair_row (k T,)` summed, in slot order: `(T, D)`."""
+    if moe_kernels_run(src):
+        return pair_sums(src, pair_row, T)
+    return src.index_select(0, pair_row).view(-1, T, src.shape[1]).sum(0)
 
 
 class _SumPairs(torch.autograd.Function):
@@ -253,7 +262,7 @@ class _SumPairs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, pair_row, token, T: int):
         ctx.save_for_backward(token)
-        return y.index_select(0, pair_row).view(-1, T, y.shape[1]).sum(0)
+        return _sum_rows(y, pair_row, T)
 
     @staticmethod
     def backward(ctx, g):
@@ -422,8 +431,12 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     token by gathers both ways, forward and backward, so no step adds atomically (measured on an H100: the atomic
     index_add_ of the plain gathers' backward took a quarter of the layer) and the sums run in a fixed order."""
     xs = _GatherRows.apply(x, token, pair_row)  # (R, D), sorted by expert
-    gate, up = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (R, F) each
-    act = F.silu(gate) * up * row_weight.to(x.dtype)[:, None]
+    h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # (R, 2F): (gate | up)
+    if moe_kernels_run(h):
+        act = swiglu_weighted(h, row_weight)
+    else:
+        gate, up = h.chunk(2, dim=-1)  # (R, F) each
+        act = F.silu(gate) * up * row_weight.to(x.dtype)[:, None]
     y = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (R, D); rows of weight 0 are exact zeros
     return _SumPairs.apply(y, pair_row, token, x.shape[0])
 

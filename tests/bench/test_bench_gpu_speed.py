@@ -58,7 +58,7 @@ def test_the_moe_layer_rows_time_this_layer_beside_a_baseline_file(tmp_path):
               str(baseline))
     (report,) = tmp_path.glob("*-gpu-speed-*.json")
     results = json.loads(report.read_text())["results"]
-    for name in ("moe", "baseline", "dense", "matmuls_only", "routing_only", "harness"):
+    for name in ("moe", "moe_torch_ops", "baseline", "dense", "matmuls_only", "routing_only", "harness"):
         assert results[f"moe_layer/{name}/E8k2"]["ms"] > 0
     assert json.loads(report.read_text())["command"].endswith("--moe-baseline moe.py")
     assert "| 8, 2 | " in report.with_suffix(".md").read_text()
@@ -74,6 +74,7 @@ def test_a_profile_is_summed_by_kind_of_kernel_in_the_report():
              "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<ch": "fill",
              "void at::native::glu_backward_kernel<c10::BFloat16, OffsetCalculator<3, unsigned int": "glu",
              "_glu_backward_kernel": "glu", "triton_poi_fused_glu_backward_5": "inductor",
+             "_pair_sums_kernel": "moe_kernels", "_swiglu_weighted_backward_kernel": "moe_kernels",
              "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits": "attention",
              "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float": "softmax_loss"}
     assert {name: gpu_speed.kernel_kind(name) for name in kinds} == kinds

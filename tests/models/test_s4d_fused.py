@@ -4,8 +4,6 @@ the whole model on the fused path (packed documents, carried state and generatio
 test_s4d_chunked.py); when the path is refused. Without a GPU the kernels run in Triton's interpreter
 (tests/conftest.py sets `TRITON_INTERPRET=1`); GPU-only checks are marked `gpu`."""
 
-import os
-
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -14,6 +12,7 @@ from s4accel import S4Config, S4ForCausalLM, S4ForSequenceClassification
 from s4accel.models import modeling_s4, s4d_chunked, s4d_fused, s4d_segments
 from s4accel.models.modeling_s4 import S4DKernel, S4Layer, conv_plan
 from s4accel.models.s4d_chunked import chunk_matrices, conv_channels_first
+from sm90 import assert_they_fit_an_sm, sm90_usage
 
 needs_triton = pytest.mark.skipif(s4d_fused.triton is None or not (torch.cuda.is_available() or s4d_fused.INTERPRETED),
                                   reason="needs Triton (on a GPU, or its interpreter)")
@@ -297,69 +296,8 @@ def test_on_cuda_the_fused_layer_matches_the_float64_cpu_reference(dtype, L, gel
         assert rel(got, want) < (5e-2 if half else 1e-4), name
 
 
-SM90_USAGE = r"""
-import contextlib, io, json, os, re, subprocess, sys
-os.environ.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1")  # a cached kernel runs no ptxas
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from s4accel.models import s4d_chunked, s4d_fused
-
-
-def usage(which, dtype, constexprs, cubin):
-    fn = getattr(s4d_fused, f"_{which}_kernel", None) or getattr(s4d_chunked, f"_{which}_kernel")
-    operand = {"x", "y", "states", "g", "dx", "adjoints", "z", "dz", "aux", "slope", "gy"}
-    signature = {name: "constexpr" if name in constexprs else "i32" if name in ("B", "Lp", "NC", "n_taps", "H", "M")
-                 else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
-    warps = constexprs.pop("num_warps")
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):  # ptxas's own report (TRITON_DUMP_PTXAS_LOG)
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    cubin.write_bytes(compiled.asm["cubin"])
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
-    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", out).groups()
-    # Spilled bytes as ptxas counts its spill stores; the stack frame also holds a function's own local arrays
-    # (libdevice's sinf keeps one for its rare huge-argument path), so it is the bound only where a Triton prints no
-    # ptxas report.
-    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
-    return {"registers": int(regs), "spilled_bytes": int(spills.group(1)) if spills else int(stack),
-            "stack_bytes": int(stack), "ptxas_report": bool(spills), "shared_bytes": compiled.metadata.shared}
-
-
-builds, folder = json.loads(sys.argv[1]), Path(sys.argv[2])
-print(json.dumps([usage(which, dtype, constexprs, folder / f"{i}.cubin")
-                  for i, (which, dtype, constexprs) in enumerate(builds)]))
-"""
-
-
-def sm90_usage(builds: list[tuple[str, str, dict]], tmp_path) -> list[dict]:
-    """Compile fused kernels for an H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: for each build
-    (kernel, operand dtype, constexprs), its registers per thread, the bytes each thread spills to local memory
-    (ptxas's spill stores) and its shared memory. In a process of its own (the kernels must be defined as compiled
-    kernels, not interpreted ones), one for all the builds: a process costs seconds to import torch and Triton."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SM90_USAGE, json.dumps(builds), str(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 FUSED_BUILDS = (("bf16", False, modeling_s4.FUSED_CHUNK), ("fp32", False, modeling_s4.FUSED_CHUNK),
                 ("fp32", True, modeling_s4.FUSED_CHUNK_IEEE))  # operands, IEEE products, steps per chunk
-
-
-def assert_they_fit_an_sm(builds, tmp_path):
-    """Each build for sm_90 spills nothing and fits the shared memory of one SM (228 KiB)."""
-    for build, usage in zip(builds, sm90_usage(builds, tmp_path)):
-        assert usage["spilled_bytes"] == 0, (build, usage)
-        assert usage["shared_bytes"] <= 228 * 1024, (build, usage)
 
 
 @pytest.mark.skipif(s4d_fused.triton is None, reason="needs Triton")
