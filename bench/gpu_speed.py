@@ -91,8 +91,12 @@ class Bench:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def time_pass(self, fn, warmup: int = 2, seconds: float = 1.5, most: int = 20) -> dict:
-        """Median of timed passes (CUDA events), after `warmup` passes; as many as fit in `seconds` (3 to `most`)."""
+    def time_pass(self, fn, warmup: int = 2, seconds: float = 1.5, most: int = 20, back_to_back: bool = False) -> dict:
+        """Median of timed passes (CUDA events), after `warmup` passes; as many as fit in `seconds` (3 to `most`).
+        Each pass starts on an idle GPU (the host waits for the one before), so a pass's time includes the GPU's wait
+        for the host's first launches. `back_to_back` (CUDA): also `ms_back_to_back`, the median over three groups
+        of passes launched one after the other with no wait between them, each group's time over its passes: what
+        a pass costs where the host runs ahead of the GPU, as it does between the layers of a model."""
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if self.quick:
@@ -117,16 +121,29 @@ class Bench:
                 fn()
                 samples.append(1000 * (time.perf_counter() - t))
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device == "cuda" else None
-        return {"ms": statistics.median(samples), "samples_ms": [round(s, 4) for s in samples],
-                "warmup_s": round(first * warmup, 2), "peak_gib": None if peak is None else round(peak, 3)}
+        result = {"ms": statistics.median(samples), "samples_ms": [round(s, 4) for s in samples],
+                  "warmup_s": round(first * warmup, 2), "peak_gib": None if peak is None else round(peak, 3)}
+        if back_to_back and self.device == "cuda":
+            n, groups = max(1, reps // 3), []
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(n):
+                    fn()
+                end.record()
+                end.synchronize()
+                groups.append(start.elapsed_time(end) / n)
+            result["ms_back_to_back"], result["back_to_back_ms"] = statistics.median(groups), groups
+        return result
 
     def run(self, key: str, build, need_s: float = 5.0, **timing) -> dict | None:
-        """Measure `build()` (which returns the pass) under `key`, unless fewer than `need_s` seconds are left."""
+        """Measure `build()` (which returns the pass) under `key`, unless fewer than `need_s` seconds are left. The
+        one-layer cells (`layer/...`) are timed back to back too (`time_pass`)."""
         if self.left() < need_s:
             self.skipped.append(key)
             return None
         try:
-            result = self.time_pass(build(), **timing)
+            result = self.time_pass(build(), **{"back_to_back": key.startswith("layer/"), **timing})
         except torch.cuda.OutOfMemoryError as e:
             result = {"error": f"out of memory: {str(e).splitlines()[0][:200]}"}
         except Exception as e:  # one failing configuration must not hide the others
@@ -135,7 +152,8 @@ class Bench:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         self.results[key] = result
-        print(json.dumps({key: {k: v for k, v in result.items() if k not in ("samples_ms", "traceback")}}),
+        print(json.dumps({key: {k: v for k, v in result.items() if k not in ("samples_ms", "back_to_back_ms",
+                                                                           "traceback")}}),
               flush=True)
         return result
 
@@ -729,6 +747,17 @@ def layer_tables(R: dict, s) -> list[str]:
         if any(r != "-" for r in ratios):
             lines += [f"| attention / {path} ({mode}) | " + " | ".join(ratios) + " |"]
     lines += [""]
+
+    def back_to_back(key, L):
+        r = R.get(f"{key}/L{L}") or {}
+        return f"{r['ms_back_to_back']:.2f} ms" if "ms_back_to_back" in r else "not measured"
+    timed = [(name, key) for name, key in rows if any(back_to_back(key, L) != "not measured" for L in Ls)]
+    if timed:
+        lines += ["The same passes launched back to back, with no wait between them: a pass's cost where the host "
+                  "runs ahead of the GPU, as between a model's layers (above, each pass starts on an idle GPU and "
+                  "waits for its first launches).", "", head, sep]
+        lines += [f"| {name} | " + " | ".join(back_to_back(key, L) for L in Ls) + " |" for name, key in timed]
+        lines += [""]
     sweep = [k for k in R if k.startswith("fused_sweep/")]
     if sweep:
         chosen = R.get("fused_chosen", {})

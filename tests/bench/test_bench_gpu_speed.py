@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import torch
 
 from helpers import REPO
 
@@ -115,3 +118,46 @@ def test_the_layer_table_sets_the_compiled_s4_layer_against_compiled_attention()
     lines = gpu_speed.layer_tables(R, s)
     assert any(line.startswith("| the same attention layer (`torch.compile`) | 3.00 ms") for line in lines)
     assert "| attention / fused (compiled) | 1.50x | - |" in lines
+
+
+def test_layer_cells_are_also_timed_back_to_back_and_get_a_table_of_their_own(monkeypatch):
+    """On CUDA a one-layer cell (`layer/...`) is timed twice: each pass on an idle GPU (`ms`, the table's figure
+    since the first runs) and passes launched one after the other (`ms_back_to_back`: three groups, their median),
+    which gets a table of its own beside the first; other cells only the first way. CUDA's events and memory
+    counters stood in for by the host's clock here."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_speed
+
+    class Event:  # a CUDA event on the host's clock
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1000 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    for name in ("reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    bench = gpu_speed.Bench(argparse.Namespace(device="cuda", quick=False, budget_s=60))
+    calls = []
+    layer = bench.run("layer/fused/L1024", lambda: lambda: calls.append(time.sleep(0.002)), seconds=0.05)
+    assert layer["ms"] >= 2 and len(layer["back_to_back_ms"]) == 3 and layer["ms_back_to_back"] >= 2
+    assert len(calls) == 2 + len(layer["samples_ms"]) + 3 * max(1, len(layer["samples_ms"]) // 3)
+    model = bench.run("models/s4d/eager/L1024", lambda: lambda: time.sleep(0.001), seconds=0.01)
+    assert "ms_back_to_back" not in model
+
+    s = gpu_speed.shapes(argparse.Namespace(quick=True))
+    L1, L2 = s["layer_lengths"]
+    R = {f"layer/fused/L{L1}": {"ms": 3.0, "ms_back_to_back": 2.5}, f"layer/attention/L{L1}": {"ms": 4.0}}
+    lines = gpu_speed.layer_tables(R, s)
+    first = lines.index(next(line for line in lines if line.startswith("The same passes launched back to back")))
+    assert "| S4Layer, fused path (eager) | 3.00 ms | not measured |" in lines[:first]
+    assert lines[first + 4] == "| S4Layer, fused path (eager) | 2.50 ms | not measured |"
+    assert not any(line.startswith("| causal attention") for line in lines[first:])
