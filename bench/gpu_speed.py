@@ -138,12 +138,12 @@ class Bench:
 
     def run(self, key: str, build, need_s: float = 5.0, **timing) -> dict | None:
         """Measure `build()` (which returns the pass) under `key`, unless fewer than `need_s` seconds are left. The
-        one-layer cells (`layer/...`) are timed back to back too (`time_pass`)."""
+        one-layer cells (`layer/...`, `moe_layer/...`) are timed back to back too (`time_pass`)."""
         if self.left() < need_s:
             self.skipped.append(key)
             return None
         try:
-            result = self.time_pass(build(), **{"back_to_back": key.startswith("layer/"), **timing})
+            result = self.time_pass(build(), **{"back_to_back": key.startswith(("layer/", "moe_layer/")), **timing})
         except torch.cuda.OutOfMemoryError as e:
             result = {"error": f"out of memory: {str(e).splitlines()[0][:200]}"}
         except Exception as e:  # one failing configuration must not hide the others
@@ -534,6 +534,7 @@ def moe_args(bench: Bench, s):
 def moe_passes(bench: Bench, s, E: int, k: int, compiled: bool = False) -> dict:
     """bench/moe.py's passes (name -> a forward + backward) at this run's MoE layer shape."""
     import moe as moe_bench  # bench/moe.py
+    moe_bench.SYNC_EACH_PASS = False  # CUDA events time them here
     return moe_bench.build(moe_args(bench, s), E, k, compiled=compiled)
 
 
@@ -885,6 +886,20 @@ def markdown(report: dict, s) -> str:
                 cell[n] and "ms" in cell[n] for n in ("moe", "dense")) else "-")
             lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['moe_torch_ops'])} | {ms(cell['baseline'])} | "
                          f"{ms(cell['dense'])} | {ratio} | {ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
+        if any("ms_back_to_back" in R[k] for k in moe_keys):
+            names = ("moe", "moe_torch_ops", "moe_compiled_routing", "moe_compiled_experts", "dense")
+            lines += ["", "The same passes launched back to back, with no wait between them (a layer's cost where the "
+                      "host runs ahead of the GPU, as between a model's layers): ms a pass, and each MoE layer's over "
+                      "the dense SwiGLU's.", "",
+                      "| E, k | MoE layer | PyTorch's operators | routing compiled | routing and experts compiled | "
+                      "dense SwiGLU |", "|---" * 6 + "|"]
+            for E, k in s["moe_configs"]:
+                b2b = {n: (R.get(f"moe_layer/{n}/E{E}k{k}") or {}).get("ms_back_to_back") for n in names}
+                dense_ms = b2b["dense"]
+                cells = [("-" if b2b[n] is None else f"{b2b[n]:.2f}" + (f" ({b2b[n] / dense_ms:.2f}x)" if dense_ms
+                                                                         else "")) for n in names[:-1]]
+                dense_cell = "-" if dense_ms is None else f"{dense_ms:.2f}"
+                lines.append(f"| {E}, {k} | " + " | ".join(cells) + f" | {dense_cell} |")
         if any(("_compiled_routing/" in k or "_compiled_experts/" in k) for k in moe_keys):
             lines += ["", "With the routing compiled (`moe.COMPILE_ROUTING`: softmax, top-k, the row layout and the "
                       "losses as one compiled graph), the rest of the layer eager; then with the routing and the "

@@ -96,8 +96,13 @@ def onehot_loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Each CUDA pass ends waiting for the GPU, so that this script's host clock times it; bench/gpu_speed.py, which
+# times the same passes with CUDA events (and also back to back), turns it off.
+SYNC_EACH_PASS = True
+
+
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
+    if device.type == "cuda" and SYNC_EACH_PASS:
         torch.cuda.synchronize(device)
 
 

@@ -161,3 +161,20 @@ def test_layer_cells_are_also_timed_back_to_back_and_get_a_table_of_their_own(mo
     assert "| S4Layer, fused path (eager) | 3.00 ms | not measured |" in lines[:first]
     assert lines[first + 4] == "| S4Layer, fused path (eager) | 2.50 ms | not measured |"
     assert not any(line.startswith("| causal attention") for line in lines[first:])
+
+
+def test_the_moe_table_shows_the_back_to_back_passes_against_the_dense_swiglu():
+    """MoE layer cells timed back to back get their own table: each variant's ms a pass and its ratio to the dense
+    SwiGLU's, also back to back."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_speed
+
+    s = gpu_speed.shapes(argparse.Namespace(quick=True))
+    E, k = s["moe_configs"][0]
+    R = {f"moe_layer/{n}/E{E}k{k}": {"ms": ms + 1, "ms_back_to_back": ms}
+         for n, ms in (("moe", 6.0), ("moe_torch_ops", 8.0), ("dense", 4.0))}
+    report = {"device": "GPU", "date": "2026-11-28", "commit": "c", "torch": "t", "cuda": "c", "cudnn": 1,
+              "transformers": "t", "accelerate": "a", "triton": "t", "python": "p", "command": "c", "results": R,
+              "skipped": []}
+    text = gpu_speed.markdown(report, s)
+    assert f"| {E}, {k} | 6.00 (1.50x) | 8.00 (2.00x) | - | - | 4.00 |" in text
