@@ -23,6 +23,7 @@ ARGS   ?=
 # gradients only there), so beside the tests a library release breaks first, the floor lane runs those of what
 # torch.compile makes of our autograd Functions, Triton kernels (in Triton's interpreter) and MoE dispatch.
 FLOOR_TESTS := tests/models/test_s4d_chunked.py tests/models/test_s4d_fused.py tests/models/test_moe.py \
+	tests/models/test_moe_kernels.py \
 	tests/test_graphs.py tests/test_compiled_loss.py \
 	tests/test_switches.py::test_compiled_run_matches_eager_and_exports_plain_parameter_names
 
