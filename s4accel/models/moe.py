@@ -14,7 +14,8 @@ Three ways to run the experts over those slices (`moe_dispatch`), all giving the
 - `grouped_mm`: `torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA, in bf16 and float32,
   where it is one kernel), on rows laid out by `static_layout` in sizes fixed by T, k and E: nothing in the forward
   or backward waits for the GPU to say how many pairs each expert got, and each token's k results are gathered back
-  and summed in a fixed order;
+  and summed in a fixed order (eagerly on CUDA those sums and the weighted SwiGLU are Triton kernels:
+  moe_kernels.py);
 - `fused` (the default elsewhere): the pairs go through in windows of a few thousand rows; per window one matmul per
   expert slice into a window-sized buffer, with the gather, activation, routing weight and scatter-add on rows that
   are still in cache, and a hand-written backward (`SwiGLUExpertsFunction`) that writes each expert's weight gradient
@@ -35,7 +36,8 @@ With `capacity_factor` set, an expert takes at most `ceil(capacity_factor T k / 
 before second choices, each in token order. A dropped pair contributes nothing; a token whose pairs are all dropped
 gets a zero output, so the residual connection around the layer passes it through unchanged.
 
-This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch.
+This file is copied into Hub repositories for `trust_remote_code` loading: it imports only torch and its sibling
+moe_kernels.py (which imports Triton where it is installed).
 """
 
 import functools
