@@ -100,7 +100,8 @@ def moe_kernels_run(x: torch.Tensor) -> bool:
 
 
 def _moe_device(x: torch.Tensor):
-    """Triton launches on x's CUDA device (nothing to set for the interpreter's CPU tensors)."""
+    """Triton launches on x's CUDA device (nothing to set for the interpreter's CPU tensors). s4d_chunked's
+    `_on_device` does the same; importing it would fold that module into every saved MoE model's code file."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
