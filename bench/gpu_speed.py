@@ -598,7 +598,8 @@ def section_small(bench: Bench, s):
 
 
 # What a profiled kernel is, by its name: the summary of each profile adds their times by kind.
-KERNEL_KINDS = (("s4d_fused", r"^_(forward|backward)_kernel\b"), ("moe_kernels", r"^_(pair_sums|swiglu_weighted)"),
+KERNEL_KINDS = (("s4d_fused", r"^_(forward|backward)_kernel\b"),
+                ("moe_kernels", r"^_(pair_sums|swiglu_weighted|route_cast)"),
                 ("attention", r"flash|fmha|attention|sdpa"),
                 ("matmul", r"gemm|nvjet|cutlass|sm90_xmma|sm80_xmma|cublas|_mm_|matmul"),
                 ("inductor", r"^triton_"), ("optimizer", r"adam|multi_tensor|foreach"),
@@ -870,8 +871,8 @@ def markdown(report: dict, s) -> str:
                   f"experts {s['moe_d_ffn']} wide, bf16 autocast, router losses included)", "",
                   "ms (TFLOP/s of the expert matmuls). Baseline: the layer of the commit named in the command "
                   "(`--moe-baseline`), on the same weights and input. PyTorch's operators: the layer with its k-way "
-                  "sums and weighted SwiGLU in PyTorch's operators (`moe_kernels.MOE_KERNELS = \"never\"`), where "
-                  "the other cells take the Triton kernels.", "",
+                  "sums, weighted SwiGLU and router in PyTorch's operators "
+                  "(`moe_kernels.MOE_KERNELS = \"never\"`), where the other cells take the Triton kernels.", "",
                   "| E, k | MoE layer | PyTorch's operators | baseline layer | dense SwiGLU of k x F | MoE / dense | "
                   "expert matmuls alone | routing alone |", "|---" * 8 + "|"]
         for E, k in s["moe_configs"]:

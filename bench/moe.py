@@ -33,9 +33,10 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
                  `moe_grouped` with its routing and experts compiled together (`moe.COMPILE_EXPERTS = "always"`: the
                  routing, gathers, grouped matmuls and k-way sums as one graph; the router's matmul eager)
     moe_torch_ops
-                 `moe_grouped` with PyTorch's operators for its k-way sums and weighted SwiGLU
-                 (`moe_kernels.MOE_KERNELS = "never"`), where the other cells take the Triton kernels on CUDA (the
-                 default there; on CPU both are PyTorch's): `kernels_over_torch_ops` compares them
+                 `moe_grouped` with PyTorch's operators for its k-way sums, weighted SwiGLU and router with the
+                 experts' cast (`moe_kernels.MOE_KERNELS = "never"`), where the other cells take the Triton
+                 kernels on CUDA (the default there; on CPU both are PyTorch's): `kernels_over_torch_ops` compares
+                 them
 
 `floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
 the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 from s4accel.models import moe_kernels, s4d_chunked, s4d_fused
 
 INTS = {"B", "Lp", "NC", "n_taps", "H", "M"}  # the S4 kernels' integer arguments
-MOE_INTS = {"T", "D", "R", "Fh"}  # the MoE kernels' (their D and T are sizes; the S4 kernels' are not)
+MOE_INTS = {"T", "D", "R", "Fh", "E"}  # the MoE kernels' (their D and T are sizes; the S4 kernels' are not)
 
 
 def usage(which, dtype, constexprs, cubin):
@@ -26,8 +26,9 @@ def usage(which, dtype, constexprs, cubin):
     operand = {"x", "y", "states", "g", "dx", "adjoints", "z", "dz", "aux", "slope", "gy", "src", "out", "h", "act",
                "dh"}
     ints = INTS | (MOE_INTS if moe else set())
+    types = constexprs.pop("_types", {})  # pointers whose dtype is neither `dtype` nor float32
     signature = {name: "constexpr" if name in constexprs else "i32" if name in ints else "*i64" if name == "rows"
-                 else f"*{dtype}" if name in operand else "*fp32" for name in fn.arg_names}
+                 else types.get(name) or (f"*{dtype}" if name in operand else "*fp32") for name in fn.arg_names}
     options = {"num_warps": constexprs.pop("num_warps"), **({"num_stages": constexprs.pop("num_stages")}
                                                            if "num_stages" in constexprs else {})}
     log = io.StringIO()
@@ -54,7 +55,8 @@ print(json.dumps([usage(which, dtype, constexprs, folder / f"{i}.cubin")
 
 def sm90_usage(builds: list[tuple[str, str, dict]], tmp_path) -> list[dict]:
     """Compile kernels for sm_90, no GPU needed: for each build (kernel name without `_` and `_kernel`, operand
-    dtype, constexprs with `num_warps` and, where not Triton's default, `num_stages`), its registers per thread,
+    dtype, constexprs with `num_warps` and, where not Triton's default, `num_stages`; `_types` names pointers of
+    other dtypes), its registers per thread,
     the bytes each thread spills to local memory (ptxas's spill stores) and its shared memory. In a process of its
     own (the kernels must be defined as compiled kernels, not interpreted ones), one for all the builds: a process
     costs seconds to import torch and Triton."""

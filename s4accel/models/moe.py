@@ -14,8 +14,8 @@ Three ways to run the experts over those slices (`moe_dispatch`), all giving the
 - `grouped_mm`: `torch.nn.functional.grouped_mm` over all slices at once (the default on CUDA, in bf16 and float32,
   where it is one kernel), on rows laid out by `static_layout` in sizes fixed by T, k and E: nothing in the forward
   or backward waits for the GPU to say how many pairs each expert got, and each token's k results are gathered back
-  and summed in a fixed order (eagerly on CUDA those sums and the weighted SwiGLU are Triton kernels:
-  moe_kernels.py);
+  and summed in a fixed order (eagerly on CUDA those sums, the weighted SwiGLU, and the float32 router with the
+  experts' cast of its input are Triton kernels: moe_kernels.py);
 - `fused` (the default elsewhere): the pairs go through in windows of a few thousand rows; per window one matmul per
   expert slice into a window-sized buffer, with the gather, activation, routing weight and scatter-add on rows that
   are still in cache, and a hand-written backward (`SwiGLUExpertsFunction`) that writes each expert's weight gradient
@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .moe_kernels import moe_kernels_run, pair_sums, swiglu_weighted
+from .moe_kernels import moe_kernels_run, pair_sums, route_and_cast, router_kernel_takes, swiglu_weighted
 
 DISPATCHES = ("auto", "grouped_mm", "fused", "loop")
 _CHUNK_BYTES = 4 * 2**20  # size of the `fused` path's largest per-chunk buffer: in cache, and well under glibc's
@@ -513,6 +513,15 @@ class MoEExperts(nn.Module):
         return x.new_zeros(x.shape).index_add_(0, token, torch.cat(out) * weight[:, None])
 
 
+class MoERouter(nn.Linear):
+    """The router, `Linear(d_model, E, bias=False)` in float32. `forward(x, cast=dtype)`: `(logits, x in dtype)` from
+    one read of a float32 x (moe_kernels.route_and_cast; only where `router_kernel_takes`), still through the module,
+    so that an FSDP unit of its own gathers the weight first."""
+
+    def forward(self, x: torch.Tensor, cast: torch.dtype | None = None):
+        return super().forward(x) if cast is None else route_and_cast(x, self.weight, cast)
+
+
 class MoELayer(nn.Module):
     """Router, top-k SwiGLU experts and optional shared experts: forward(x (B, L, D), mask (B, L)) -> (y, aux).
 
@@ -530,7 +539,7 @@ class MoELayer(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.jitter = config.router_jitter
         self.capacity_factor = config.capacity_factor
-        self.router = nn.Linear(d_model, self.num_experts, bias=False, dtype=torch.float32)  # float32 always
+        self.router = MoERouter(d_model, self.num_experts, bias=False, dtype=torch.float32)  # float32 always
         self.dispatch = config.moe_dispatch
         self.experts = MoEExperts(self.num_experts, d_model, config.d_ffn, config.moe_dispatch)
         n_shared = config.num_shared_experts
@@ -546,6 +555,16 @@ class MoELayer(nn.Module):
             # Through the module where it is float32 already, so that an FSDP unit of its own gathers it (in float32)
             return self.router(x) if w.dtype == x.dtype else F.linear(x, w.to(x.dtype))
 
+    def route_and_cast(self, x: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route(x)`, and x as the experts multiply it (in autocast's dtype): both in one pass where the kernels run
+        (the eager `grouped_mm` dispatch on CUDA, a float32 x under autocast, no jitter drawn, the router not wrapped
+        by an adapter), else `(route(x), x)` and the experts cast x themselves."""
+        dtype = compute_dtype(x)
+        if (grouped and isinstance(self.router, MoERouter) and not (self.training and self.jitter > 0)
+                and router_kernel_takes(x, self.router.weight, dtype)):
+            return self.router(x, cast=dtype)
+        return self.route(x), x
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, parallel=None) -> tuple[torch.Tensor, dict]:
         """`parallel` (a `ContextParallel`): x is this process's chunk of sequences split across a group, whose
         router losses are those of the whole sequences."""
@@ -557,22 +576,22 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, shape[-1])  # (T, D)
         T, E, k = flat.shape[0], self.num_experts, self.top_k
         valid = mask.reshape(-1).bool() if mask is not None else None
-        logits = self.route(flat)  # (T, E) fp32
         capacity = None if self.capacity_factor is None else math.ceil(self.capacity_factor * T * k / E)
         grouped = resolve_dispatch(self.dispatch, flat) == "grouped_mm"  # static shapes: no host sync at all
+        logits, xin = self.route_and_cast(flat, grouped)  # (T, E) fp32; the experts' input (T, D)
         if (grouped and parallel is None and compiles_here(COMPILE_EXPERTS, _EXPERTS_FAILED, flat)
                 and grouped_mm_traceable(compute_dtype(flat), compiling=True)):
-            out, counts, dropped, balance, z = self.experts(flat, routed=(logits, valid, capacity, E, k,
-                                                                          self.norm_topk_prob))
+            out, counts, dropped, balance, z = self.experts(xin, routed=(logits, valid, capacity, E, k,
+                                                                         self.norm_topk_prob))
         elif grouped and parallel is None:  # the routing and its losses in one piece (compiled: COMPILE_ROUTING)
             rows, counts, dropped, balance, z = route_eagerly_or_compiled(logits, valid, capacity, E, k,
                                                                           self.norm_topk_prob)
-            out = self.experts(flat, rows=rows)
+            out = self.experts(xin, rows=rows)
         else:
             probs, weights, experts = top_k_routes(logits, k, self.norm_topk_prob)  # (T, E), (T, k), (T, k)
             if grouped:  # (context parallelism: the losses below are the whole group's)
                 *rows, counts, dropped = static_layout(experts, weights, valid, capacity, E)
-                out = self.experts(flat, rows=tuple(rows))
+                out = self.experts(xin, rows=tuple(rows))
             else:
                 out, counts, dropped = self._sorted_dispatch(flat, experts, weights, valid, capacity)
             if parallel is None:

@@ -1,5 +1,6 @@
-"""Triton kernels for the eager `grouped_mm` MoE dispatch on CUDA (moe.py): the k-way sums of gathered rows, and
-the SwiGLU activation scaled by each row's routing weight, one kernel each way.
+"""Triton kernels for the eager `grouped_mm` MoE dispatch on CUDA (moe.py): the k-way sums of gathered rows, the
+SwiGLU activation scaled by each row's routing weight, and the float32 router with the experts' cast of its input,
+one kernel each way.
 
 Hand-written because eager PyTorch spreads each over several generic kernels. Profiled on an H200 (one E 8, k 2
 layer, 32,768 tokens, d_model 2,048, experts 768 wide, bf16; bench/results/2026-11-28-gpu-speed-NVIDIA-H200-e1664d1):
@@ -10,11 +11,19 @@ layer's 7.3 ms of kernels. Here each sum reads every gathered row once and write
 activation reads the gate and up halves once each way. Both compute in float32 and round once to the output's dtype
 (PyTorch rounds `silu(gate)`, the product and the weight each to bf16).
 
+The router stays float32 under autocast (its softmax decides the routing), and its input is the model's float32
+residual stream: in the same profile its three matmuls, with 8 outputs, ran as CUDA-core kernels (0.38 ms, where one pass over x
+takes about 0.08 ms); the experts read x again to cast it to bf16; and x's gradient is the router's
+float32 one plus the experts' bf16 one cast up, two more passes over `(T, D)` float32. `route_and_cast` reads x once
+for the logits and the cast, and writes x's whole gradient in one pass with W's: by the passes it saves, about
+0.5 ms of that layer, if its CUDA-core products keep pace with memory (an estimate, until a GPU times it).
+
 Inside `torch.compile` inductor fuses these operations itself, so compiled layers keep PyTorch's operators;
 Triton's interpreter (`TRITON_INTERPRET=1`) runs the kernels on CPU tensors for the tests.
 
 Notation as in moe.py: `T` tokens of width `D`, `k` pairs a token, `R` rows of the static layout, `F` experts'
-hidden width; `h (R, 2F)` is the first grouped matmul's output, `(gate | up)`.
+hidden width, `E` experts; `h (R, 2F)` is the first grouped matmul's output, `(gate | up)`; `W (E, D)` the
+router's weight.
 """
 
 import contextlib
@@ -83,11 +92,60 @@ if triton is not None:
         tl.store(dw_out + r, dw, mask=in_r)
 
 
+    @triton.jit
+    def _route_cast_forward_kernel(x, w, logits, xc, T, D, E, EP: tl.constexpr, BLOCK_T: tl.constexpr,
+                                   BLOCK_D: tl.constexpr):
+        """logits[t] = W x[t] (T, E) with IEEE float32 products, and xc = x rounded to xc's dtype, from one read of
+        x (T, D) float32; W (E, D) float32, E padded to EP rows (zeros) for `tl.dot`."""
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        e = tl.arange(0, EP)
+        in_t, in_e = t < T, e < E
+        acc = tl.zeros((BLOCK_T, EP), dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            in_d = d < D
+            mask = in_t[:, None] & in_d[None, :]
+            xt = tl.load(x + t[:, None] * D + d[None, :], mask=mask, other=0.0)  # (BLOCK_T, BLOCK_D)
+            tl.store(xc + t[:, None] * D + d[None, :], xt.to(xc.dtype.element_ty), mask=mask)
+            wt = tl.load(w + e[:, None] * D + d[None, :], mask=in_e[:, None] & in_d[None, :], other=0.0)  # (EP, BD)
+            acc = tl.dot(xt, tl.trans(wt), acc=acc, input_precision="ieee")
+        tl.store(logits + t[:, None] * E + e[None, :], acc, mask=in_t[:, None] & in_e[None, :])
+
+    @triton.jit
+    def _route_cast_backward_kernel(gl, gc, x, w, dx, dw_part, T, D, E, EP: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+        """dx = gc + gl W (T, D) float32, from the logits' gradient gl (T, E) float32 and the cast's gc (T, D); and
+        the share of W's gradient, gl^T x, of this program's ROWS rows, into its slice of dw_part (blocks, E, D)
+        float32 (one slice per ROWS rows: the partial sums stay a small fraction of x)."""
+        blk = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+        e = tl.arange(0, EP)
+        in_d, in_e = d < D, e < E
+        wt = tl.load(w + e[:, None] * D + d[None, :], mask=in_e[:, None] & in_d[None, :], other=0.0)  # (EP, BD)
+        part = tl.zeros((EP, BLOCK_D), dtype=tl.float32)
+        for start in range(0, ROWS, BLOCK_T):
+            t = blk * ROWS + start + tl.arange(0, BLOCK_T)
+            in_t = t < T
+            g = tl.load(gl + t[:, None] * E + e[None, :], mask=in_t[:, None] & in_e[None, :], other=0.0)  # (BT, EP)
+            mask = in_t[:, None] & in_d[None, :]
+            at = t[:, None] * D + d[None, :]
+            grad = tl.load(gc + at, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx + at, tl.dot(g, wt, acc=grad, input_precision="ieee"), mask=mask)
+            xt = tl.load(x + at, mask=mask, other=0.0)
+            part = tl.dot(tl.trans(g), xt, acc=part, input_precision="ieee")  # masked rows are zeros
+        tl.store(dw_part + blk * E * D + e[:, None] * D + d[None, :], part, mask=in_e[:, None] & in_d[None, :])
+
+
 # (rows, columns, warps) a program, 16 values a thread. Built for sm_90 (tests/models/test_moe_kernels.py), none
 # spills; the activation's backward keeps five values an element live (and a 64-bit address for each of its five
 # tensors), so it takes 8 rows where the forward takes 16: 152 and 72 registers a thread in bfloat16. Untuned: the
 # GPU timing (bench/gpu_speed.py, `moe_layer`) compares the layer with PyTorch's operators.
 PAIR_SUMS_BLOCK = (8, 256, 4)
+# Both ways; the forward walks every column of its rows, a backward program ROUTER_GRAD_ROWS rows of its columns.
+# `tl.dot` in IEEE float32 runs on CUDA cores and holds its operands in registers: at 32 rows the forward spilled.
+ROUTE_CAST_BLOCK = (16, 64, 8)
+ROUTER_GRAD_ROWS = 256
+ROUTER_MAX_EXPERTS = 32  # beyond, the router's IEEE float32 products (no tensor cores) outweigh the memory it saves
 SWIGLU_BLOCK = {"forward": (16, 128, 4), "backward": (8, 256, 4)}  # the backward walks every column of its rows
 
 
@@ -156,3 +214,58 @@ def swiglu_weighted(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up * w[:, None]` for `h = (gate | up) (R, 2F)` and the rows' routing weights `w (R,)` (float32,
     with their gradient): one kernel each way, in float32, rounded once to h's dtype."""
     return _SwiGLUWeighted.apply(h, w)
+
+
+class _RouteAndCast(torch.autograd.Function):
+    """`x (T, D)` float32, `W (E, D)` float32 -> `(x W^T (T, E) float32, x in dtype)`; backward: x's gradient, the
+    cast's plus the logits', float32, and W's."""
+
+    @staticmethod
+    def forward(ctx, x, w, dtype):
+        x, w = x.contiguous(), w.contiguous()
+        ctx.save_for_backward(x, w)
+        (T, D), E = x.shape, w.shape[0]
+        logits, xc = x.new_empty((T, E)), x.new_empty((T, D), dtype=dtype)
+        if T and D:
+            bt, bd, warps = ROUTE_CAST_BLOCK
+            with _moe_device(x):
+                _route_cast_forward_kernel[(triton.cdiv(T, bt),)](x, w, logits, xc, T, D, E, EP=_padded(E),
+                                                                  BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
+        else:
+            logits.zero_()
+        return logits, xc
+
+    @staticmethod
+    def backward(ctx, g_logits, g_cast):
+        x, w = ctx.saved_tensors
+        (T, D), E = x.shape, w.shape[0]
+        bt, bd, warps = ROUTE_CAST_BLOCK
+        nblk = triton.cdiv(T, ROUTER_GRAD_ROWS)
+        dx, parts = torch.empty_like(x), x.new_zeros((nblk, E, D))
+        if T and D:
+            with _moe_device(x):
+                _route_cast_backward_kernel[(nblk, triton.cdiv(D, bd))](
+                    g_logits.contiguous().float(), g_cast.contiguous(), x, w, dx, parts, T, D, E, EP=_padded(E),
+                    BLOCK_T=bt, BLOCK_D=bd, ROWS=ROUTER_GRAD_ROWS, num_warps=warps)
+        return dx, parts.sum(0), None
+
+
+def _padded(E: int) -> int:
+    """The experts' rows as `tl.dot` takes them: a power of two of at least 16."""
+    return max(16, triton.next_power_of_2(E))
+
+
+def router_kernel_takes(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `route_and_cast` runs for `x (T, D)` and the router's `w (E, D)` with experts in `dtype`: float32 x
+    and router (the residual stream and master weights of a model under autocast), a half-precision `dtype`, at most
+    `ROUTER_MAX_EXPERTS` experts, where these kernels run."""
+    return (moe_kernels_run(x) and x.dtype == w.dtype == torch.float32 and x.dim() == 2
+            and dtype in (torch.bfloat16, torch.float16) and w.shape[0] <= ROUTER_MAX_EXPERTS)
+
+
+def route_and_cast(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits `x W^T (T, E)` in float32 (IEEE products, as PyTorch's float32 matmul without TF32) and
+    `x` rounded to the experts' `dtype`, from one read of `x`; backward in one pass too: x's float32 gradient is the
+    cast's (the experts') plus the router's, each token's from its own rows alone, and W's is summed per block of
+    rows, then over the blocks (no atomics: the same sum every run)."""
+    return _RouteAndCast.apply(x, w, dtype)

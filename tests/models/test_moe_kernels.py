@@ -1,6 +1,7 @@
 """The MoE layer's Triton kernels (`moe_kernels.py`: the k-way sums of gathered rows, the SwiGLU scaled by the
-routing weight; the eager `grouped_mm` dispatch on CUDA) against float64 references and PyTorch's operators, alone
-and in the layer; their sm_90 builds. Without a GPU they run in Triton's interpreter (tests/conftest.py)."""
+routing weight, the float32 router with the experts' cast; the eager `grouped_mm` dispatch on CUDA) against float64
+references and PyTorch's operators, alone and in the layer; their sm_90 builds. Without a GPU they run in Triton's
+interpreter (tests/conftest.py)."""
 
 import os
 
@@ -91,10 +92,41 @@ def test_the_weighted_swiglu_kernels_equal_the_float64_activation_values_and_gra
             assert err <= (torch_ops.double() - exact).abs().max().item()
 
 
+@needs_triton
+@pytest.mark.parametrize("E", [3, 8, 32])
+def test_the_router_kernels_equal_the_float64_router_and_cast_values_and_gradients(E):
+    """`route_and_cast(x, W, bf16)` = `(x W^T, x.to(bf16))`: the logits, x's gradient (the cast's plus the
+    router's) and W's against float64, to float32's rounding of sums of D products (IEEE products: no TF32); the cast
+    to one rounding of bfloat16 (bit for bit PyTorch's with compiled kernels; the interpreter truncates). Sizes that
+    fill no block exactly, and E padded for `tl.dot`."""
+    torch.manual_seed(E)
+    T, D = 300, 200  # the backward's programs take 256 rows: two, the second partly empty
+    x = torch.randn(T, D, device=DEVICE, requires_grad=True)
+    w = (torch.randn(E, D, device=DEVICE) / D**0.5).requires_grad_()
+    logits, xc = moe_kernels.route_and_cast(x, w, torch.bfloat16)
+    assert logits.dtype == torch.float32 and logits.shape == (T, E) and xc.dtype == torch.bfloat16
+    g_logits, g_cast = torch.randn(T, E, device=DEVICE), torch.randn(T, D, device=DEVICE).to(torch.bfloat16)
+    dx, dw = torch.autograd.grad((logits, xc), (x, w), (g_logits, g_cast))
+    assert dx.dtype == dw.dtype == torch.float32
+
+    x64, w64, gl64 = x.detach().double(), w.detach().double(), g_logits.double()
+    sums = {  # (ours, exact, the sum of the terms' magnitudes: float32's bound scales with it)
+        "logits": (logits, x64 @ w64.T, x64.abs() @ w64.abs().T),
+        "dx": (dx, g_cast.double() + gl64 @ w64, g_cast.double().abs() + gl64.abs() @ w64.abs()),
+        "dw": (dw, gl64.T @ x64, gl64.abs().T @ x64.abs()),
+    }
+    for name, (ours, exact, magnitude) in sums.items():
+        err = (ours.double() - exact).abs()
+        assert (err <= 2 * max(D, T) * 2.0**-24 * magnitude).all(), (name, err.max().item())
+    assert ((xc.double() - x64).abs() <= rounding(torch.bfloat16) * x64.abs()).all()
+    if not INTERPRETED:
+        assert torch.equal(xc, x.detach().to(torch.bfloat16))
+
+
 def layer(dispatch="grouped_mm", **overrides):
     torch.manual_seed(0)
-    config = MoEConfig(d_model=32, d_ffn=48, num_experts=4, num_experts_per_tok=2, n_head=4, moe_dispatch=dispatch,
-                       **overrides)
+    config = MoEConfig(**{**dict(d_model=32, d_ffn=48, num_experts=4, num_experts_per_tok=2, n_head=4,
+                                 moe_dispatch=dispatch), **overrides})
     m = moe.MoELayer(config, 32)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -119,8 +151,8 @@ def test_the_grouped_layer_with_its_kernels_equals_the_float64_loop_and_uses_the
     """The eager `grouped_mm` layer with the kernels (`MOE_KERNELS`; on CUDA by default) against the `loop`
     dispatch in float64, with capacity, a shared expert and padded tokens: its output and every gradient (the
     router's, through the routing weights, included) as close as PyTorch's operators in the same layer get; and the
-    kernels did run, each sum both ways and the activation."""
-    calls = {"pair_sums": 0, "swiglu_weighted": 0}
+    kernels did run, each sum both ways and the activation, and under autocast the router with the experts' cast."""
+    calls = {"pair_sums": 0, "swiglu_weighted": 0, "route_and_cast": 0}
     for name in calls:
         def spy(*args, _name=name, _fn=getattr(moe, name)):
             calls[_name] += 1
@@ -134,10 +166,11 @@ def test_the_grouped_layer_with_its_kernels_equals_the_float64_loop_and_uses_the
     ref = pass_of(ref_layer, x.double(), g.double(), mask)
     monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "always")
     ours = pass_of(m, x, g, mask, autocast)
-    assert calls == {"pair_sums": 2, "swiglu_weighted": 1}
+    expected = {"pair_sums": 2, "swiglu_weighted": 1, "route_and_cast": int(autocast)}
+    assert calls == expected
     monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "never")
     plain = pass_of(m, x, g, mask, autocast)
-    assert calls == {"pair_sums": 2, "swiglu_weighted": 1}  # "never": PyTorch's operators
+    assert calls == expected  # "never": PyTorch's operators
     for a, p, r in zip(ours, plain, ref):
         scale = r.abs().max().item()
         ours_err, plain_err = (a - r).abs().max().item(), (p - r).abs().max().item()
@@ -145,9 +178,11 @@ def test_the_grouped_layer_with_its_kernels_equals_the_float64_loop_and_uses_the
 
 
 @needs_triton
-def test_with_the_kernels_a_tokens_output_does_not_depend_on_the_other_tokens(monkeypatch):
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_with_the_kernels_a_tokens_output_does_not_depend_on_the_other_tokens(autocast, monkeypatch):
     """Bit for bit, as the layout's padded slices promise: a sequence's outputs and input gradients are the same
-    whatever the other sequence of the batch is, with the kernels summing each token's rows."""
+    whatever the other sequence of the batch is, with the kernels summing each token's rows (and, under autocast,
+    computing each token's logits and input gradient from its own row)."""
     monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "always")
     m = layer()
     torch.manual_seed(1)
@@ -155,8 +190,9 @@ def test_with_the_kernels_a_tokens_output_does_not_depend_on_the_other_tokens(mo
     outs = []
     for _ in range(2):
         x = torch.cat([first, torch.randn(1, 24, 32, device=DEVICE)]).requires_grad_()
-        y, _ = m(x)
-        (y * g).sum().backward()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            y, _ = m(x)
+        (y.float() * g).sum().backward()
         outs.append((y[0].detach(), x.grad[0]))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
@@ -179,6 +215,49 @@ def test_the_kernels_run_where_the_switch_says():
             moe_kernels.MOE_KERNELS = saved
 
 
+@needs_triton
+def test_the_router_kernel_runs_only_where_it_computes_the_same_router(monkeypatch):
+    """The router and the experts' cast in one kernel only for a float32 input under half-precision autocast, at
+    most `ROUTER_MAX_EXPERTS` experts, on the `grouped_mm` dispatch, when no jitter is drawn, and with the router as
+    the layer made it (an adapter wrapping it keeps its own forward)."""
+    monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "always")
+    calls = []
+    real = moe.route_and_cast
+    monkeypatch.setattr(moe, "route_and_cast", lambda *a: calls.append(1) or real(*a))
+
+    def took(m, x, autocast=True):
+        calls.clear()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            m(x)
+        return bool(calls)
+    x = torch.randn(2, 16, 32, device=DEVICE)
+    assert took(layer(), x)
+    assert not took(layer(), x, autocast=False)
+    assert not took(layer(), x.to(torch.bfloat16))  # a bf16 model: nothing to cast
+    assert not took(layer("fused"), x)
+    jittery = layer(router_jitter=0.1)
+    assert not took(jittery, x) and took(jittery.eval(), x)
+    wide = layer(num_experts=moe_kernels.ROUTER_MAX_EXPERTS + 1)
+    assert not took(wide, x)
+    wrapped = layer()
+
+    class Adapter(torch.nn.Module):  # as PEFT's LoRA wraps a Linear: the wrapper's forward takes x alone
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        @property
+        def weight(self):
+            return self.base.weight
+
+        def forward(self, x):
+            return self.base(x)
+    wrapped.router = Adapter(wrapped.router)
+    assert not took(wrapped, x)
+    monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "never")
+    assert not took(layer(), x)
+
+
 @pytest.mark.skipif(moe_kernels.triton is None, reason="needs Triton")
 def test_the_moe_kernels_compile_for_an_h100_without_spilling(tmp_path):
     """Each kernel builds for sm_90 at its block shape, in bfloat16 and float32, spilling nothing (the sums at k 2 and
@@ -189,6 +268,12 @@ def test_the_moe_kernels_compile_for_an_h100_without_spilling(tmp_path):
         builds += [("pair_sums", dtype, dict(K=k, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)) for k in (2, 8)]
         for way, (br, bf, swiglu_warps) in moe_kernels.SWIGLU_BLOCK.items():
             builds.append((f"swiglu_weighted_{way}", dtype, dict(BLOCK_R=br, BLOCK_F=bf, num_warps=swiglu_warps)))
+    bt, bd, warps = moe_kernels.ROUTE_CAST_BLOCK
+    for E in (8, moe_kernels.ROUTER_MAX_EXPERTS):  # float32 x and router; the cast and its gradient in bfloat16
+        for way in ("forward", "backward"):
+            rows = {"ROWS": moe_kernels.ROUTER_GRAD_ROWS} if way == "backward" else {}
+            builds.append((f"route_cast_{way}", "fp32", dict(EP=max(16, E), BLOCK_T=bt, BLOCK_D=bd, num_warps=warps,
+                                                             **rows, _types={"xc": "*bf16", "gc": "*bf16"})))
     assert_they_fit_an_sm(builds, tmp_path)
 
 
@@ -199,8 +284,8 @@ def test_on_cuda_the_default_layer_takes_the_kernels_and_is_as_accurate_as_pytor
     kernels by default, and its output and gradients are as close to the float32 layer's as PyTorch's operators'
     are."""
     calls = []
-    real = moe.swiglu_weighted
-    monkeypatch.setattr(moe, "swiglu_weighted", lambda *a: calls.append(1) or real(*a))
+    for name in ("swiglu_weighted", "route_and_cast"):
+        monkeypatch.setattr(moe, name, lambda *a, _real=getattr(moe, name): calls.append(1) or _real(*a))
     monkeypatch.setattr(moe, "COMPILE_ROUTING", "never")  # the eager layer whole
     torch.manual_seed(0)
     config = MoEConfig(d_model=512, d_ffn=768, num_experts=8, num_experts_per_tok=2, n_head=4,
@@ -211,11 +296,11 @@ def test_on_cuda_the_default_layer_takes_the_kernels_and_is_as_accurate_as_pytor
     x, g = torch.randn(4, 2048, 512, device="cuda"), torch.randn(4, 2048, 512, device="cuda")
     assert moe_kernels.MOE_KERNELS == "cuda"
     ours = pass_of(m, x, g, autocast=True)
-    assert calls == [1]
+    assert calls == [1, 1]
     monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "never")
     plain = pass_of(m, x, g, autocast=True)
     ref = pass_of(m, x, g)  # float32, PyTorch's operators
-    assert calls == [1]
+    assert calls == [1, 1]
     for a, p, r in zip(ours, plain, ref):
         ours_err, plain_err = (a - r).norm().item(), (p - r).norm().item()
         assert ours_err <= 1.1 * plain_err, (ours_err, plain_err)
