@@ -9,7 +9,8 @@
 #         routing, or its routing and experts, without a host sync), then the MoE layer (issue 40's last unmet
 #         figure, the eager E 8, k 2 layer: with its routing eager, compiled, and compiled with its experts,
 #         `moe_compiled_experts`, whose figure decides moe.COMPILE_EXPERTS's default; with PyTorch's operators in
-#         place of the Triton kernels of moe_kernels.py, `moe_torch_ops`, which says whether MOE_KERNELS stays on;
+#         place of the Triton kernels of moe_kernels.py, `moe_torch_ops`, which says whether MOE_KERNELS stays on,
+#         and with PyTorch's router alone, `moe_torch_router`, which says whether ROUTER_MAX_EXPERTS stays 32 or 0;
 #         every layer cell is also timed back to back, no wait between passes); the fused layer eager (with
 #         the GLU kernels, and beside it with PyTorch's GLU: `layer/fused_torch_glu`; with the GELU in the fused
 #         kernels, `layer/fused_gelu_forward` and `_both`, whose figures decide s4d_fused.GELU_IN_KERNELS) and

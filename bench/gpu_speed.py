@@ -505,15 +505,15 @@ def section_moe_layer(bench: Bench, s):
         spec.loader.exec_module(baseline)
     for E, k in s["moe_configs"]:
         fns = moe_passes(bench, s, E, k, compiled=bench.device == "cuda")  # compiling: a GPU run only
-        for name in ("moe", "moe_torch_ops", "dense", "matmuls_only", "routing_only", "harness",
+        for name in ("moe", "moe_torch_ops", "moe_torch_router", "dense", "matmuls_only", "routing_only", "harness",
                      "moe_compiled_routing", "routing_only_compiled", "moe_compiled_experts", "moe_compiled",
                      "dense_compiled"):
             if name not in fns:
                 continue
             result = bench.run(f"moe_layer/{name}/E{E}k{k}", lambda: fns[name],
                                need_s=60 if "compiled" in name else 10)  # a compile takes 15 s or more
-            if result and "ms" in result and name in ("moe", "moe_torch_ops", "matmuls_only", "moe_compiled",
-                                                      "moe_compiled_routing", "moe_compiled_experts"):
+            if result and "ms" in result and name in ("moe", "moe_torch_ops", "moe_torch_router", "matmuls_only",
+                                                      "moe_compiled", "moe_compiled_routing", "moe_compiled_experts"):
                 result["tflops"] = round(moe_flops(T, k, D, Fh) / (result["ms"] / 1000) / 1e12, 1)
         if baseline is not None:
             result = bench.run(f"moe_layer/baseline/E{E}k{k}", lambda: baseline_pass(bench, baseline, args, E, k),
@@ -872,12 +872,15 @@ def markdown(report: dict, s) -> str:
                   "ms (TFLOP/s of the expert matmuls). Baseline: the layer of the commit named in the command "
                   "(`--moe-baseline`), on the same weights and input. PyTorch's operators: the layer with its k-way "
                   "sums, weighted SwiGLU and router in PyTorch's operators "
-                  "(`moe_kernels.MOE_KERNELS = \"never\"`), where the other cells take the Triton kernels.", "",
-                  "| E, k | MoE layer | PyTorch's operators | baseline layer | dense SwiGLU of k x F | MoE / dense | "
-                  "expert matmuls alone | routing alone |", "|---" * 8 + "|"]
+                  "(`moe_kernels.MOE_KERNELS = \"never\"`), where the other cells take the Triton kernels. "
+                  "PyTorch's router: the layer with its other kernels, the router and the experts' cast in PyTorch's "
+                  "operators (`moe_kernels.ROUTER_MAX_EXPERTS = 0`).", "",
+                  "| E, k | MoE layer | PyTorch's operators | PyTorch's router | baseline layer | dense SwiGLU of k x F "
+                  "| MoE / dense | expert matmuls alone | routing alone |", "|---" * 9 + "|"]
         for E, k in s["moe_configs"]:
-            cell = {n: R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe", "moe_torch_ops", "baseline", "dense",
-                                                                   "matmuls_only", "routing_only")}
+            cell = {n: R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe", "moe_torch_ops", "moe_torch_router",
+                                                                   "baseline", "dense", "matmuls_only",
+                                                                   "routing_only")}
 
             def ms(r):
                 if r is None or "ms" not in r:
@@ -885,15 +888,17 @@ def markdown(report: dict, s) -> str:
                 return f"{r['ms']:.2f}" + (f" ({r['tflops']:.0f})" if r.get("tflops") else "")
             ratio = (f"{cell['moe']['ms'] / cell['dense']['ms']:.2f}" if all(
                 cell[n] and "ms" in cell[n] for n in ("moe", "dense")) else "-")
-            lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['moe_torch_ops'])} | {ms(cell['baseline'])} | "
-                         f"{ms(cell['dense'])} | {ratio} | {ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
+            lines.append(f"| {E}, {k} | {ms(cell['moe'])} | {ms(cell['moe_torch_ops'])} | "
+                         f"{ms(cell['moe_torch_router'])} | {ms(cell['baseline'])} | {ms(cell['dense'])} | {ratio} | "
+                         f"{ms(cell['matmuls_only'])} | {ms(cell['routing_only'])} |")
         if any("ms_back_to_back" in R[k] for k in moe_keys):
-            names = ("moe", "moe_torch_ops", "moe_compiled_routing", "moe_compiled_experts", "dense")
+            names = ("moe", "moe_torch_ops", "moe_torch_router", "moe_compiled_routing", "moe_compiled_experts",
+                     "dense")
             lines += ["", "The same passes launched back to back, with no wait between them (a layer's cost where the "
                       "host runs ahead of the GPU, as between a model's layers): ms a pass, and each MoE layer's over "
                       "the dense SwiGLU's.", "",
-                      "| E, k | MoE layer | PyTorch's operators | routing compiled | routing and experts compiled | "
-                      "dense SwiGLU |", "|---" * 6 + "|"]
+                      "| E, k | MoE layer | PyTorch's operators | PyTorch's router | routing compiled | "
+                      "routing and experts compiled | dense SwiGLU |", "|---" * 7 + "|"]
             for E, k in s["moe_configs"]:
                 b2b = {n: (R.get(f"moe_layer/{n}/E{E}k{k}") or {}).get("ms_back_to_back") for n in names}
                 dense_ms = b2b["dense"]

@@ -37,6 +37,9 @@ output; the input requires grad, as inside a network), in float32 or under bf16 
                  experts' cast (`moe_kernels.MOE_KERNELS = "never"`), where the other cells take the Triton
                  kernels on CUDA (the default there; on CPU both are PyTorch's): `kernels_over_torch_ops` compares
                  them
+    moe_torch_router
+                 `moe_grouped` with PyTorch's router and the experts' own cast (`moe_kernels.ROUTER_MAX_EXPERTS =
+                 0`), its other kernels as the default: `router_kernel_over_torch` compares them
 
 `floor_over_dense` = (matmuls_only + routing_only - harness + dense - dense_matmuls_only) / dense, from the medians:
 the expert matmuls, the routing, and the same SwiGLU elementwise work as the dense MLP (the same number of elements),
@@ -187,15 +190,19 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             synchronize(device)
         return run
 
-    def routing_mode(run, routing: str, experts: str = "never", kernels: str | None = None):
+    def routing_mode(run, routing: str, experts: str = "never", kernels: str | None = None,
+                     router_max: int | None = None):
         def timed():
-            saved = moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS, moe_kernels.MOE_KERNELS
+            saved = (moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS, moe_kernels.MOE_KERNELS,
+                     moe_kernels.ROUTER_MAX_EXPERTS)
             moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS = routing, experts
             moe_kernels.MOE_KERNELS = saved[2] if kernels is None else kernels
+            moe_kernels.ROUTER_MAX_EXPERTS = saved[3] if router_max is None else router_max
             try:
                 run()
             finally:
-                moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS, moe_kernels.MOE_KERNELS = saved
+                (moe_module.COMPILE_ROUTING, moe_module.COMPILE_EXPERTS, moe_kernels.MOE_KERNELS,
+                 moe_kernels.ROUTER_MAX_EXPERTS) = saved
         return timed
 
     def compiled_routing(run):
@@ -227,6 +234,7 @@ def build(args, E: int, k: int, compiled: bool = False) -> dict:
             "routing_only_compiled": compiled_routing(pass_of(routing_grouped, moe_with_losses(routing_grouped))),
             "moe_compiled_experts": routing_mode(pass_of(grouped, moe_with_losses(grouped)), "never", "always"),
             "moe_torch_ops": routing_mode(pass_of(grouped, moe_with_losses(grouped)), "never", kernels="never"),
+            "moe_torch_router": routing_mode(pass_of(grouped, moe_with_losses(grouped)), "never", router_max=0),
             **({"moe_compiled": pass_of(moe, torch.compile(moe_with_losses(moe))),
                 "dense_compiled": pass_of(dense, torch.compile(dense))} if compiled else {})}
 
@@ -284,6 +292,7 @@ def main(argv=None):
                  "compiled_routing_over_eager": ratio_summary(times, "moe_compiled_routing", "moe_grouped"),
                  "compiled_experts_over_eager": ratio_summary(times, "moe_compiled_experts", "moe_grouped"),
                  "kernels_over_torch_ops": ratio_summary(times, "moe_grouped", "moe_torch_ops"),
+                 "router_kernel_over_torch": ratio_summary(times, "moe_grouped", "moe_torch_router"),
                  "matmuls_only_over_dense": ratio_summary(times, "matmuls_only", "dense")}
         entry["floor_over_dense"] = floor_over_dense(entry["seconds_median"])
         out["results"][f"E{E}_k{k}"] = entry

@@ -145,7 +145,9 @@ PAIR_SUMS_BLOCK = (8, 256, 4)
 # `tl.dot` in IEEE float32 runs on CUDA cores and holds its operands in registers: at 32 rows the forward spilled.
 ROUTE_CAST_BLOCK = (16, 64, 8)
 ROUTER_GRAD_ROWS = 256
-ROUTER_MAX_EXPERTS = 32  # beyond, the router's IEEE float32 products (no tensor cores) outweigh the memory it saves
+# The most experts `route_and_cast` takes (0: never). Its IEEE float32 products run on CUDA cores and grow with E,
+# while the memory it saves does not; at 32 its sm_90 builds still spill nothing.
+ROUTER_MAX_EXPERTS = 32
 SWIGLU_BLOCK = {"forward": (16, 128, 4), "backward": (8, 256, 4)}  # the backward walks every column of its rows
 
 

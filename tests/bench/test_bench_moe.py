@@ -12,7 +12,7 @@ from helpers import REPO
 
 VARIANTS = {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop", "matmuls_only", "routing_only",
             "dense_matmuls_only", "harness", "moe_compiled_routing", "routing_only_compiled",
-            "moe_compiled_experts", "moe_torch_ops"}
+            "moe_compiled_experts", "moe_torch_ops", "moe_torch_router"}
 
 
 def test_onehot_loop_baseline_computes_the_same_layer():
@@ -70,6 +70,7 @@ def test_moe_bench_prints_timings_and_ratios_as_json():
         assert entry["onehot_loop_over_moe"]["paired_median"] > 0
         assert entry["compiled_routing_over_eager"]["paired_median"] > 0
         assert entry["kernels_over_torch_ops"]["paired_median"] > 0
+        assert entry["router_kernel_over_torch"]["paired_median"] > 0
 
 
 def test_moe_bench_runs_under_bf16_autocast_and_says_what_it_left_out():
