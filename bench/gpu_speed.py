@@ -875,8 +875,8 @@ def markdown(report: dict, s) -> str:
                   "(`moe_kernels.MOE_KERNELS = \"never\"`), where the other cells take the Triton kernels. "
                   "PyTorch's router: the layer with its other kernels, the router and the experts' cast in PyTorch's "
                   "operators (`moe_kernels.ROUTER_MAX_EXPERTS = 0`).", "",
-                  "| E, k | MoE layer | PyTorch's operators | PyTorch's router | baseline layer | dense SwiGLU of k x F "
-                  "| MoE / dense | expert matmuls alone | routing alone |", "|---" * 9 + "|"]
+                  "| E, k | MoE layer | PyTorch's operators | PyTorch's router | baseline layer | "
+                  "dense SwiGLU of k x F | MoE / dense | expert matmuls alone | routing alone |", "|---" * 9 + "|"]
         for E, k in s["moe_configs"]:
             cell = {n: R.get(f"moe_layer/{n}/E{E}k{k}") for n in ("moe", "moe_torch_ops", "moe_torch_router",
                                                                    "baseline", "dense", "matmuls_only",

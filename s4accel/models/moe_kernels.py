@@ -12,8 +12,8 @@ activation reads the gate and up halves once each way. Both compute in float32 a
 (PyTorch rounds `silu(gate)`, the product and the weight each to bf16).
 
 The router stays float32 under autocast (its softmax decides the routing), and its input is the model's float32
-residual stream: in the same profile its three matmuls, with 8 outputs, ran as CUDA-core kernels (0.38 ms, where one pass over x
-takes about 0.08 ms); the experts read x again to cast it to bf16; and x's gradient is the router's
+residual stream: in the same profile its three matmuls, with 8 outputs, ran as CUDA-core kernels (0.38 ms, where one
+pass over x takes about 0.08 ms); the experts read x again to cast it to bf16; and x's gradient is the router's
 float32 one plus the experts' bf16 one cast up, two more passes over `(T, D)` float32. `route_and_cast` reads x once
 for the logits and the cast, and writes x's whole gradient in one pass with W's: by the passes it saves, about
 0.5 ms of that layer, if its CUDA-core products keep pace with memory (an estimate, until a GPU times it).
