@@ -243,7 +243,7 @@ class _RouteAndCast(torch.autograd.Function):
         (T, D), E = x.shape, w.shape[0]
         bt, bd, warps = ROUTE_CAST_BLOCK
         nblk = triton.cdiv(T, ROUTER_GRAD_ROWS)
-        dx, parts = torch.empty_like(x), x.new_zeros((nblk, E, D))
+        dx, parts = torch.empty_like(x), x.new_empty((nblk, E, D))  # every slice written whole
         if T and D:
             with _moe_device(x):
                 _route_cast_backward_kernel[(nblk, triton.cdiv(D, bd))](
