@@ -15,7 +15,8 @@
 #         the GLU kernels, and beside it with PyTorch's GLU: `layer/fused_torch_glu`; with the GELU in the fused
 #         kernels, `layer/fused_gelu_forward` and `_both`, whose figures decide s4d_fused.GELU_IN_KERNELS) and
 #         compiled; the MoE language model eager and compiled beside the dense one; the profiles; what the time
-#         left does not reach is listed as skipped
+#         left does not reach is listed as skipped; last, decisions.json (bench/gpu_decide.py): the value each of
+#         those switches' rules asks for, and which ones change
 #   COMMIT=... LENGTHS="1024 2048 4096 8192 16384" SECTIONS="s4d_vs_dense layer_graphs models models_later" \
 #     bash bench/gpu_session.sh
 #         the whole language-model table (S4D, dense and MoE at every length, eager and compiled) and the fused layer
@@ -79,6 +80,12 @@ timeout "${SPEED_S:-340}" python3 bench/gpu_speed.py --commit "${COMMIT:-unknown
   --budget-s "${BUDGET_S:-300}" --sections ${SECTIONS:-$speed} \
   --model-lengths ${LENGTHS:-2048 8192 1024 4096 16384} ${REFERENCE_DIR:+--reference-dir "$REFERENCE_DIR"} \
   ${MOE_BASELINE:+--moe-baseline "$MOE_BASELINE"} 2>&1 | grep -v "warnings.warn\|UserWarning" | tail -80
+# What those figures ask of the switches that wait for them (bench/gpu_decide.py, a few seconds): decisions.json
+report=$(ls -t "$OUT"/*-gpu-speed-*.json 2>/dev/null | head -1)
+if [ -n "$report" ] && timeout 60 python3 bench/gpu_decide.py "$report" > "$OUT/decisions.json"; then
+  python3 -c "import json, sys; print('switches to change:', json.load(open(sys.argv[1]))['changes'])" \
+    "$OUT/decisions.json"
+fi
 # 3. optional (NOSYNC_S=90): issue 40's host-sync check of a training step, with the MoE transformer's op-by-op search
 if [ "${NOSYNC_S:-0}" -gt 0 ]; then
   timeout "$NOSYNC_S" python3 bench/gpu_check.py --only no_sync 2>&1 | tail -40 | tee "$OUT/no_sync.txt"
