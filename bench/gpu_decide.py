@@ -36,15 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def cells(results: dict, prefix: str) -> dict[str, float]:
-    """`{suffix: ms}` of the cells named `prefix/suffix` that have a time."""
-    return {k[len(prefix) + 1:]: round(v["ms"], 3) for k, v in results.items()
-            if k.startswith(prefix + "/") and isinstance(v, dict) and "ms" in v}
-
-
-def back_to_back(results: dict, prefix: str) -> dict[str, float]:
-    return {k[len(prefix) + 1:]: round(v["ms_back_to_back"], 3) for k, v in results.items()
-            if k.startswith(prefix + "/") and isinstance(v, dict) and "ms_back_to_back" in v}
+def cells(results: dict, prefix: str, field: str = "ms") -> dict[str, float]:
+    """`{suffix: time}` of the cells named `prefix/suffix` that have `field` (ms a pass, or `ms_back_to_back`)."""
+    return {k[len(prefix) + 1:]: round(v[field], 3) for k, v in results.items()
+            if k.startswith(prefix + "/") and isinstance(v, dict) and field in v}
 
 
 def faster_everywhere(ours: dict[str, float], theirs: dict[str, float]) -> bool | None:
@@ -69,7 +64,7 @@ def moe_decisions(R: dict) -> list[dict]:
 
     layer = {name: cells(R, f"moe_layer/{name}") for name in
              ("moe", "moe_torch_ops", "moe_torch_router", "moe_compiled_routing", "moe_compiled_experts", "dense")}
-    b2b = {name: back_to_back(R, f"moe_layer/{name}") for name in layer}
+    b2b = {name: cells(R, f"moe_layer/{name}", "ms_back_to_back") for name in layer}
     out = [decision("moe_kernels.MOE_KERNELS", moe_kernels.MOE_KERNELS, "moe faster than moe_torch_ops at every E, k",
                     either(faster_everywhere(layer["moe"], layer["moe_torch_ops"]), "cuda", "never"),
                     {n: layer[n] for n in ("moe", "moe_torch_ops")},
