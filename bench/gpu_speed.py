@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from s4accel import MoEConfig, MoEForCausalLM, S4Config, S4ForCausalLM  # noqa: E402
+from s4accel.models.kernel_trials import trial_failures  # noqa: E402
 from s4accel.models.modeling_s4 import S4Layer  # noqa: E402
 from s4accel.training.observe.flops import peak_tflops, step_flops  # noqa: E402
 from s4_layer import CausalSelfAttention  # noqa: E402  (the same attention layer as the CPU bench's)
@@ -943,6 +944,9 @@ def markdown(report: dict, s) -> str:
     errors = {k: v["error"] for k, v in R.items() if "error" in v and k != "profile"}
     if errors:
         lines += ["", "## Errors", ""] + [f"- `{k}`: {v}" for k, v in errors.items()]
+    if report.get("kernel_trials_failed"):
+        lines += ["", "## Kernels that failed their trial on this GPU (PyTorch's operators ran instead)", ""] + [
+            f"- {what}: {why}" for what, why in report["kernel_trials_failed"].items()]
     if report["skipped"]:
         lines += ["", "Not measured within the time budget: " + ", ".join(f"`{k}`" for k in report["skipped"]) + "."]
     return "\n".join(lines) + "\n"
@@ -1105,6 +1109,7 @@ def main(argv=None) -> int:
             bench.results[f"section/{name}"] = {"error": f"{type(e).__name__}: {e}"[:500],
                                                 "traceback": traceback.format_exc()[-2000:]}
             print(json.dumps({f"section/{name}": bench.results[f"section/{name}"]}), flush=True)
+        report["kernel_trials_failed"] = trial_failures()  # (their cells timed PyTorch's operators instead)
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
         stem.with_suffix(".md").write_text(markdown(report, s))
     print(markdown(report, s))

@@ -30,6 +30,8 @@ import contextlib
 
 import torch
 
+from .kernel_trials import kernels_fail
+
 try:
     import triton
     import triton.language as tl
@@ -151,12 +153,28 @@ ROUTER_MAX_EXPERTS = 32
 SWIGLU_BLOCK = {"forward": (16, 128, 4), "backward": (8, 256, 4)}  # the backward walks every column of its rows
 
 
-def moe_kernels_run(x: torch.Tensor) -> bool:
-    """Whether the eager layer takes these kernels for `x`: as `MOE_KERNELS` says, with Triton installed, outside
-    `torch.compile`, below float64 (they compute in float32; float64 is for reference checks)."""
+def _moe_kernels_on(x: torch.Tensor) -> bool:
+    """As `MOE_KERNELS` says for `x`, with Triton installed, outside `torch.compile`, below float64 (they compute in
+    float32; float64 is for reference checks)."""
     if triton is None or torch.compiler.is_compiling() or x.dtype == torch.float64:
         return False
     return MOE_KERNELS == "always" or MOE_KERNELS == "cuda" and x.is_cuda
+
+
+def moe_kernels_run(x: torch.Tensor) -> bool:
+    """Whether the eager layer takes the sums and activation kernels for `x`: where `MOE_KERNELS` says and they
+    build and run on this GPU (`kernels_fail`: tried once, in x's dtype)."""
+    return _moe_kernels_on(x) and not kernels_fail(
+        "The MoE layer's sum and activation kernels", "MoE layers take PyTorch's operators for them", (x.dtype,),
+        lambda device: _moe_sums_trial(device, x.dtype))
+
+
+def _moe_sums_trial(device: torch.device, dtype: torch.dtype) -> None:
+    """`swiglu_weighted` forward and backward, and `pair_sums`, on a few rows that fill no block."""
+    h = torch.ones((40, 2 * 70), dtype=dtype, device=device, requires_grad=True)
+    act = swiglu_weighted(h, torch.ones(40, device=device, requires_grad=True))  # (40, 70)
+    act.float().sum().backward()
+    pair_sums(act.detach(), torch.arange(40, device=device), 20)
 
 
 def _moe_device(x: torch.Tensor):
@@ -261,8 +279,20 @@ def router_kernel_takes(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) ->
     """Whether `route_and_cast` runs for `x (T, D)` and the router's `w (E, D)` with experts in `dtype`: float32 x
     and router (the residual stream and master weights of a model under autocast), a half-precision `dtype`, at most
     `ROUTER_MAX_EXPERTS` experts, where these kernels run."""
-    return (moe_kernels_run(x) and x.dtype == w.dtype == torch.float32 and x.dim() == 2
-            and dtype in (torch.bfloat16, torch.float16) and w.shape[0] <= ROUTER_MAX_EXPERTS)
+    if not (_moe_kernels_on(x) and x.dtype == w.dtype == torch.float32 and x.dim() == 2
+            and dtype in (torch.bfloat16, torch.float16) and w.shape[0] <= ROUTER_MAX_EXPERTS):
+        return False
+    E = _padded(w.shape[0])
+    return not kernels_fail("The MoE router's kernels", "MoE layers take PyTorch's router", (dtype, E),
+                            lambda device: _moe_router_trial(device, dtype, E))
+
+
+def _moe_router_trial(device: torch.device, dtype: torch.dtype, E: int) -> None:
+    """`route_and_cast` forward and backward with E experts (its padded count) on a few rows that fill no block."""
+    x = torch.ones((40, 70), device=device, requires_grad=True)
+    w = torch.ones((E, 70), device=device, requires_grad=True)
+    logits, xc = route_and_cast(x, w, dtype)
+    (logits.sum() + xc.float().sum()).backward()
 
 
 def route_and_cast(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,8 @@ import contextlib
 
 import torch
 
+from .kernel_trials import kernels_fail
+
 
 def powers(log_dA: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`dA^k = exp(k log dA)` as (real, imaginary) for `log_dA` pairs `(H, n)` and exponents `k (m,)` -> `(H, n, m)`.
@@ -399,12 +401,24 @@ if triton is not None:
 
 def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
     """`dst[b, c, r] = src[b, r, c]` (with a cast): `src (b, r, c)` and `dst (b, c, r)` views of any strides."""
-    if triton is None or not src.is_cuda or torch.compiler.is_compiling():
+    if (triton is None or not src.is_cuda or torch.compiler.is_compiling()
+            or kernels_fail("The S4 layer's transpose kernel", "S4 layers take PyTorch's copy", (src.dtype, dst.dtype),
+                            lambda device: _transpose_trial(device, src.dtype, dst.dtype))):
         dst.copy_(src.transpose(1, 2))
         return
+    _transpose(src, dst)
+
+
+def _transpose_trial(device: torch.device, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> None:
+    """The transpose kernel once, on tensors that fill no tile (`kernels_fail`'s trial)."""
+    src = torch.ones((2, 70, 90), dtype=src_dtype, device=device)
+    _transpose(src, torch.empty((2, 90, 70), dtype=dst_dtype, device=device))
+
+
+def _transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
     nb, R, C = src.shape
     grid = (triton.cdiv(R, 64), triton.cdiv(C, 64), nb)
-    with torch.cuda.device(src.device):
+    with _on_device(src):
         _transpose_kernel[grid](src, dst, R, C, *src.stride(), *dst.stride(), BLOCK_R=64, BLOCK_C=64, num_warps=4)
 
 
@@ -598,8 +612,17 @@ class _ProjectGLUChannelsFirst(torch.autograd.Function):
 
 def glu_kernels_run(x: torch.Tensor) -> bool:
     """Whether `project_glu_channels_first` runs here: on CUDA with Triton, outside `torch.compile`, below float64
-    (the kernels compute in float32)."""
-    return triton is not None and x.is_cuda and x.dtype != torch.float64 and not torch.compiler.is_compiling()
+    (the kernels compute in float32), where the kernels build and run on this GPU (`kernels_fail`: tried once)."""
+    return (triton is not None and x.is_cuda and x.dtype != torch.float64 and not torch.compiler.is_compiling()
+            and not kernels_fail("The S4 layer's GLU kernels", "S4 layers take PyTorch's GLU", (x.dtype,),
+                                 lambda device: _glu_trial(device, x.dtype)))
+
+
+def _glu_trial(device: torch.device, dtype: torch.dtype) -> None:
+    """Both GLU kernels once, on a `(M, 2H)` tensor that fills no block (`kernels_fail`'s trial)."""
+    z = torch.ones((40, 2 * 130), dtype=dtype, device=device)
+    _glu_forward(z)
+    _glu_backward(torch.ones((40, 130), dtype=dtype, device=device), z, sums=True)
 
 
 def project_glu_channels_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -34,11 +34,13 @@ bring, when present).
 """
 
 import contextlib
+import math
 import os
 import re
 
 import torch
 
+from .kernel_trials import kernels_fail
 from .s4d_chunked import (discretize_pairs, discretize_through, fp32_or_wider, matrices, matrices_through,
                           parameter_pairs)
 
@@ -526,7 +528,33 @@ def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str |
                 f"conv_chunk={T})")
     if dtype == torch.float32 and T > 64:  # compiled for sm_90: the backward's float32 tiles need 256 KiB at T 128
         return f"with float32 operands it takes chunks of at most 64 steps (conv_chunk={T})"
+    if device_type == "cuda":
+        why = kernels_fail("The fused S4 kernels", "S4 layers take the chunked path (PyTorch's batched matmuls)",
+                           (dtype, T, N, GELU_IN_KERNELS, SEGMENTS_IN_KERNELS, ieee_products(dtype)),
+                           lambda device: _fused_trial(device, dtype, T, N // 2))
+        if why:
+            return f"its Triton kernels fail on this GPU ({why})"
     return None
+
+
+def _fused_trial(device: torch.device, dtype: torch.dtype, T: int, n: int) -> None:
+    """One forward and backward of every kernel a layer launches with chunks of T steps and n modes (the
+    discretization, the matrices and the convolution, GELU and segments as the switches say), on a few rows of two
+    chunks: `kernels_fail`'s trial before `why_not_fused` lets a layer take them."""
+    H, B = 2, 1 if SEGMENTS_IN_KERNELS else LAUNCH["forward"][0]
+
+    def leaf(t):
+        return t.to(device).requires_grad_()
+    log_dt = leaf(torch.full((H,), math.log(0.01)))
+    log_A_real = leaf(torch.full((H, n), math.log(0.5)))
+    A_imag = leaf(math.pi * torch.arange(n, dtype=torch.float32).expand(H, n))
+    C = leaf(torch.full((1, H, n, 2), 0.5))
+    D = leaf(torch.ones(H))
+    (ar, ai), (cr, ci) = fused_discretize(log_dt, log_A_real, A_imag, C, zoh=True)
+    taps, to_state, from_state, step = fused_matrices((ar, ai), (cr[0], ci[0]), D, T)
+    x = torch.ones((H, B, 2 * T), dtype=dtype, device=device, requires_grad=True)
+    y = fused_conv_channels_first(x, taps, to_state, from_state, step, gelu=gelu_in_kernels())
+    y.float().sum().backward()
 
 
 def fused_matrices(log_dA, C_tilde, D, T: int, shift: int = 0):

@@ -179,3 +179,20 @@ def test_the_moe_table_shows_the_back_to_back_passes_against_the_dense_swiglu():
               "skipped": []}
     text = gpu_speed.markdown(report, s)
     assert f"| {E}, {k} | 6.00 (1.50x) | 8.00 (2.00x) | 6.40 (1.60x) | - | - | 4.00 |" in text
+
+
+def test_kernels_that_failed_their_trial_on_the_gpu_are_named_in_the_report():
+    """Where a family of Triton kernels failed its trial (models/kernel_trials.py), the cells timed PyTorch's
+    operators instead: the report says which, and why, rather than passing the figures off as the kernels'."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_speed
+
+    report = {"device": "GPU", "date": "2026-11-28", "commit": "c0ffee", "torch": "2.11", "cuda": "13.0",
+              "cudnn": 91900, "transformers": "5", "accelerate": "1", "triton": "3.6", "python": "3.11",
+              "command": "gpu_speed.py", "results": {}, "skipped": []}
+    s = gpu_speed.shapes(argparse.Namespace(quick=True))
+    assert "failed their trial" not in gpu_speed.markdown(report, s)
+    report["kernel_trials_failed"] = {"The fused S4 kernels (torch.bfloat16, 64, 64)": "OutOfResources: shared memory"}
+    text = gpu_speed.markdown(report, s)
+    assert "## Kernels that failed their trial on this GPU (PyTorch's operators ran instead)" in text
+    assert "- The fused S4 kernels (torch.bfloat16, 64, 64): OutOfResources: shared memory" in text
