@@ -115,10 +115,12 @@ if triton is not None:
 
     @triton.jit
     def _route_cast_backward_kernel(gl, gc, x, w, dx, dw_part, T, D, E, EP: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, X_GRAD: tl.constexpr = True,
+                                    W_GRAD: tl.constexpr = True):
         """dx = gc + gl W (T, D) float32, from the logits' gradient gl (T, E) float32 and the cast's gc (T, D); and
         the share of W's gradient, gl^T x, of this program's ROWS rows, into its slice of dw_part (blocks, E, D)
-        float32 (one slice per ROWS rows: the partial sums stay a small fraction of x)."""
+        float32 (one slice per ROWS rows: the partial sums stay a small fraction of x). `X_GRAD`, `W_GRAD`: which of
+        the two to make (a frozen router, as in a LoRA fine-tune, needs no W gradient)."""
         blk = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
         e = tl.arange(0, EP)
@@ -131,11 +133,14 @@ if triton is not None:
             g = tl.load(gl + t[:, None] * E + e[None, :], mask=in_t[:, None] & in_e[None, :], other=0.0)  # (BT, EP)
             mask = in_t[:, None] & in_d[None, :]
             at = t[:, None] * D + d[None, :]
-            grad = tl.load(gc + at, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx + at, tl.dot(g, wt, acc=grad, input_precision="ieee"), mask=mask)
-            xt = tl.load(x + at, mask=mask, other=0.0)
-            part = tl.dot(tl.trans(g), xt, acc=part, input_precision="ieee")  # masked rows are zeros
-        tl.store(dw_part + blk * E * D + e[:, None] * D + d[None, :], part, mask=in_e[:, None] & in_d[None, :])
+            if X_GRAD:
+                grad = tl.load(gc + at, mask=mask, other=0.0).to(tl.float32)
+                tl.store(dx + at, tl.dot(g, wt, acc=grad, input_precision="ieee"), mask=mask)
+            if W_GRAD:
+                xt = tl.load(x + at, mask=mask, other=0.0)
+                part = tl.dot(tl.trans(g), xt, acc=part, input_precision="ieee")  # masked rows are zeros
+        if W_GRAD:
+            tl.store(dw_part + blk * E * D + e[:, None] * D + d[None, :], part, mask=in_e[:, None] & in_d[None, :])
 
 
 # (rows, columns, warps) a program, 16 values a thread. Built for sm_90 (tests/models/test_moe_kernels.py), none
@@ -258,16 +263,18 @@ class _RouteAndCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logits, g_cast):
         x, w = ctx.saved_tensors
+        x_grad, w_grad = ctx.needs_input_grad[:2]
         (T, D), E = x.shape, w.shape[0]
         bt, bd, warps = ROUTE_CAST_BLOCK
         nblk = triton.cdiv(T, ROUTER_GRAD_ROWS)
-        dx, parts = torch.empty_like(x), x.new_empty((nblk, E, D))  # every slice written whole
-        if T and D:
+        dx = torch.empty_like(x) if x_grad else x.new_empty((1,))
+        parts = x.new_empty((nblk, E, D) if w_grad else (1,))  # every slice written whole
+        if T and D and (x_grad or w_grad):
             with _moe_device(x):
                 _route_cast_backward_kernel[(nblk, triton.cdiv(D, bd))](
                     g_logits.contiguous().float(), g_cast.contiguous(), x, w, dx, parts, T, D, E, EP=_padded(E),
-                    BLOCK_T=bt, BLOCK_D=bd, ROWS=ROUTER_GRAD_ROWS, num_warps=warps)
-        return dx, parts.sum(0), None
+                    BLOCK_T=bt, BLOCK_D=bd, ROWS=ROUTER_GRAD_ROWS, X_GRAD=x_grad, W_GRAD=w_grad, num_warps=warps)
+        return dx if x_grad else None, parts.sum(0) if w_grad else None, None
 
 
 def _padded(E: int) -> int:

@@ -123,6 +123,37 @@ def test_the_router_kernels_equal_the_float64_router_and_cast_values_and_gradien
         assert torch.equal(xc, x.detach().to(torch.bfloat16))
 
 
+@needs_triton
+def test_the_router_kernel_makes_only_the_gradients_asked_for_each_as_when_both_are(monkeypatch):
+    """A frozen router (a LoRA fine-tune leaves it as it is) gets no gradient made, and an input that needs none
+    (the router alone trained) none either: what is made is bit for bit what the kernel makes when both are, and the
+    kernel runs with the other half switched off."""
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 200, device=DEVICE), torch.randn(8, 200, device=DEVICE) / 200**0.5
+    g_logits, g_cast = torch.randn(300, 8, device=DEVICE), torch.randn(300, 200, device=DEVICE).to(torch.bfloat16)
+    flags = []
+    kernel = moe_kernels._route_cast_backward_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                flags.append((kwargs["X_GRAD"], kwargs["W_GRAD"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(moe_kernels, "_route_cast_backward_kernel", Spy())
+
+    def grads(x_grad, w_grad):
+        xs, ws = x.clone().requires_grad_(x_grad), w.clone().requires_grad_(w_grad)
+        logits, xc = moe_kernels.route_and_cast(xs, ws, torch.bfloat16)
+        torch.autograd.backward((logits, xc), (g_logits, g_cast))
+        return xs.grad, ws.grad
+    dx, dw = grads(True, True)
+    x_only, w_only = grads(True, False), grads(False, True)
+    assert flags == [(True, True), (True, False), (False, True)]
+    assert torch.equal(x_only[0], dx) and x_only[1] is None
+    assert w_only[0] is None and torch.equal(w_only[1], dw)
+
+
 def layer(dispatch="grouped_mm", **overrides):
     torch.manual_seed(0)
     config = MoEConfig(**{**dict(d_model=32, d_ffn=48, num_experts=4, num_experts_per_tok=2, n_head=4,
