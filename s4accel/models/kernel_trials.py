@@ -40,7 +40,12 @@ def kernels_fail(what: str, instead: str, key: tuple, trial) -> str | None:
     device = trial_device()
     if device is None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None
+    # Like the first call of a cuBLAS handle, a trial is lazy initialisation, not the step's own work: it may wait for
+    # the GPU, also under `torch.cuda.set_sync_debug_mode` (which checks that a step never does)
+    sync_mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
     try:
+        if sync_mode:
+            torch.cuda.set_sync_debug_mode(0)
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False), \
                 _disable_current_modes():
             trial(device)
@@ -53,6 +58,9 @@ def kernels_fail(what: str, instead: str, key: tuple, trial) -> str | None:
         _TRIED[key] = why
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         warnings.warn(f"{what} fail on {name} ({why}); {instead}", stacklevel=3)
+    finally:
+        if sync_mode:
+            torch.cuda.set_sync_debug_mode(sync_mode)
     return _TRIED[key]
 
 

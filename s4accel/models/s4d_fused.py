@@ -543,13 +543,11 @@ def _fused_trial(device: torch.device, dtype: torch.dtype, T: int, n: int) -> No
     chunks: `kernels_fail`'s trial before `why_not_fused` lets a layer take them."""
     H, B = 2, 1 if SEGMENTS_IN_KERNELS else LAUNCH["forward"][0]
 
-    def leaf(t):
-        return t.to(device).requires_grad_()
-    log_dt = leaf(torch.full((H,), math.log(0.01)))
-    log_A_real = leaf(torch.full((H, n), math.log(0.5)))
-    A_imag = leaf(math.pi * torch.arange(n, dtype=torch.float32).expand(H, n))
-    C = leaf(torch.full((1, H, n, 2), 0.5))
-    D = leaf(torch.ones(H))
+    def leaf(shape, value):  # made on the device: no copy from the host
+        return torch.full(shape, value, device=device, requires_grad=True)
+    log_dt, log_A_real, D = leaf((H,), math.log(0.01)), leaf((H, n), math.log(0.5)), leaf((H,), 1.0)
+    A_imag = (math.pi * torch.arange(n, dtype=torch.float32, device=device)).expand(H, n).clone().requires_grad_()
+    C = leaf((1, H, n, 2), 0.5)
     (ar, ai), (cr, ci) = fused_discretize(log_dt, log_A_real, A_imag, C, zoh=True)
     taps, to_state, from_state, step = fused_matrices((ar, ai), (cr[0], ci[0]), D, T)
     x = torch.ones((H, B, 2 * T), dtype=dtype, device=device, requires_grad=True)

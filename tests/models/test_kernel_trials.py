@@ -172,8 +172,13 @@ def test_on_the_gpu_every_family_of_kernels_passes_its_trial_and_is_taken(monkey
     benchmarks time PyTorch's operators instead of the kernels, with only a warning to say so."""
     monkeypatch.setattr(kernel_trials, "_TRIED", {})
     monkeypatch.setattr(moe_kernels, "MOE_KERNELS", "cuda")
-    for dtype, T in ((torch.bfloat16, 64), (torch.float32, 32)):
-        assert s4d_fused.why_not_fused("cuda", dtype, T, 64) is None
+    torch.cuda.set_sync_debug_mode("error")  # a trial is lazy initialisation: it may wait, also where steps may not
+    try:
+        for dtype, T in ((torch.bfloat16, 64), (torch.float32, 32)):
+            assert s4d_fused.why_not_fused("cuda", dtype, T, 64) is None
+        assert torch.cuda.get_sync_debug_mode() == 2
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     half, x32 = torch.ones(8, 32, device="cuda", dtype=torch.bfloat16), torch.ones(8, 32, device="cuda")
     assert s4d_chunked.glu_kernels_run(half) and s4d_chunked.glu_kernels_run(x32)
     out = torch.empty(2, 32, 4, device="cuda", dtype=torch.bfloat16)
