@@ -61,7 +61,8 @@ python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', t
 if [ "${PYTEST_S:-200}" -gt 0 ]; then
   # (the fused path's compiled step first: the chunked one's compile may take minutes, so it runs last)
   lm=tests/models/test_s4d_chunked.py::test_on_cuda_the_language_model_compiles_as_one_graph_in_bf16_and_trains_as_eager_does
-  # Every test of the fused kernels runs on the GPU when there is one (the segments of short batches too). In
+  # Every test of the fused kernels runs on the GPU when there is one (the segments of short batches too), and the
+  # trial of each family of kernels passes (else the timings below would be PyTorch's operators'). In
   # parallel where pytest-xdist is there: the sm_90 builds take 15-40 s each on this machine. SIGINT at the time
   # limit, so that pytest still prints its summary (and exits 2, after which the second run does not start).
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
@@ -69,7 +70,7 @@ if [ "${PYTEST_S:-200}" -gt 0 ]; then
   # (not the sm_90 builds of variants that are off by default, nor the MoE kernels': each takes many seconds here;
   # the MoE kernels' own tests run on CUDA tensors, compiled, where a GPU is)
   timeout -s INT -k 20 "${PYTEST_S:-200}" bash -c "$P -k 'not optional_variants and not moe_kernels_compile' \
-    '$lm[fused]' tests/models/test_s4d_fused.py tests/models/test_moe_kernels.py; \
+    '$lm[fused]' tests/models/test_kernel_trials.py tests/models/test_s4d_fused.py tests/models/test_moe_kernels.py; \
     [ \$? -ne 2 ] && $P -m gpu tests/models/test_moe.py tests/test_compiled_loss.py '$lm[chunked]'" 2>&1 \
     | grep -v "DEBUG" | tail -60 | tee "$OUT/pytest.txt"
 fi
