@@ -137,7 +137,8 @@ def _pow2_at_least(L: int) -> int:
 
 def _fused_runs(config: S4Config, device_type: str, dtype: torch.dtype) -> bool:
     """Whether the fused kernel computes this layer here; `conv_path="fused"` that cannot is refused (one line)."""
-    why = why_not_fused(device_type, dtype, config.conv_chunk or fused_chunk(dtype), config.d_state)
+    why = why_not_fused(device_type, dtype, config.conv_chunk or fused_chunk(dtype), config.d_state,
+                        zoh=config.disc == "zoh")
     if why and config.conv_path == "fused":
         raise ValueError(f"conv_path='fused' cannot run here: {why}; 'chunked' computes the same with batched matmuls")
     return why is None

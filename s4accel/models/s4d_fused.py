@@ -514,9 +514,10 @@ def supports(T: int, N: int) -> bool:
     return 16 <= T <= 128 and n >= 16 and T & (T - 1) == 0 and n & (n - 1) == 0
 
 
-def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str | None:
+def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int, zoh: bool = True) -> str | None:
     """Why the fused kernels cannot compute a layer with chunks of T steps and state size N on `device_type` with
-    `dtype` operands, or None where they can."""
+    `dtype` operands, or None where they can (on CUDA: where they pass their trial on this GPU, `kernels_fail`;
+    `zoh`: the layer's discretization is ZOH, whose kernel the trial then runs too)."""
     if triton is None:
         return "it needs Triton"
     if not (device_type == "cuda" or (INTERPRETED and device_type == "cpu")):
@@ -530,17 +531,17 @@ def why_not_fused(device_type: str, dtype: torch.dtype, T: int, N: int) -> str |
         return f"with float32 operands it takes chunks of at most 64 steps (conv_chunk={T})"
     if device_type == "cuda":
         why = kernels_fail("The fused S4 kernels", "S4 layers take the chunked path (PyTorch's batched matmuls)",
-                           (dtype, T, N, GELU_IN_KERNELS, SEGMENTS_IN_KERNELS, ieee_products(dtype)),
-                           lambda device: _fused_trial(device, dtype, T, N // 2))
+                           (dtype, T, N, zoh, GELU_IN_KERNELS, SEGMENTS_IN_KERNELS, ieee_products(dtype)),
+                           lambda device: _fused_trial(device, dtype, T, N // 2, zoh))
         if why:
             return f"its Triton kernels fail on this GPU ({why})"
     return None
 
 
-def _fused_trial(device: torch.device, dtype: torch.dtype, T: int, n: int) -> None:
+def _fused_trial(device: torch.device, dtype: torch.dtype, T: int, n: int, zoh: bool) -> None:
     """One forward and backward of every kernel a layer launches with chunks of T steps and n modes (the
-    discretization, the matrices and the convolution, GELU and segments as the switches say), on a few rows of two
-    chunks: `kernels_fail`'s trial before `why_not_fused` lets a layer take them."""
+    discretization where `zoh`, the matrices and the convolution, GELU and segments as the switches say), on a few
+    rows of two chunks: `kernels_fail`'s trial before `why_not_fused` lets a layer take them."""
     H, B = 2, 1 if SEGMENTS_IN_KERNELS else LAUNCH["forward"][0]
 
     def leaf(shape, value):  # made on the device: no copy from the host
@@ -548,7 +549,7 @@ def _fused_trial(device: torch.device, dtype: torch.dtype, T: int, n: int) -> No
     log_dt, log_A_real, D = leaf((H,), math.log(0.01)), leaf((H, n), math.log(0.5)), leaf((H,), 1.0)
     A_imag = (math.pi * torch.arange(n, dtype=torch.float32, device=device)).expand(H, n).clone().requires_grad_()
     C = leaf((1, H, n, 2), 0.5)
-    (ar, ai), (cr, ci) = fused_discretize(log_dt, log_A_real, A_imag, C, zoh=True)
+    (ar, ai), (cr, ci) = fused_discretize(log_dt, log_A_real, A_imag, C, zoh)
     taps, to_state, from_state, step = fused_matrices((ar, ai), (cr[0], ci[0]), D, T)
     x = torch.ones((H, B, 2 * T), dtype=dtype, device=device, requires_grad=True)
     y = fused_conv_channels_first(x, taps, to_state, from_state, step, gelu=gelu_in_kernels())

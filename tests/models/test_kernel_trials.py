@@ -84,6 +84,19 @@ def test_fused_s4_kernels_that_fail_here_leave_auto_on_the_chunked_path_and_forc
 
 
 @on_the_cpu
+def test_a_bilinear_model_keeps_the_fused_path_where_only_the_zoh_discretization_kernel_fails(trials, monkeypatch):
+    """The ZOH discretization has a kernel of its own; a bilinear model never launches it, so its failure leaves
+    bilinear layers on the fused kernels."""
+    monkeypatch.setattr(modeling_s4, "_bf16_matmuls", lambda: True)
+    trials(s4d_fused, "_discretize_forward_kernel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert conv_plan(S4Config(disc="bilinear"), "cuda", torch.float32, torch.bfloat16, 4096).path == "fused"
+    with pytest.warns(UserWarning, match="The fused S4 kernels fail"):
+        assert conv_plan(S4Config(disc="zoh"), "cuda", torch.float32, torch.bfloat16, 4096).path == "chunked"
+
+
+@on_the_cpu
 def test_a_failed_trial_holds_inside_torch_compile_which_tries_nothing_itself(trials):
     """A compiled layer asks the plan again while dynamo traces it: the eager trial's verdict, in one graph; where no
     trial ran, the kernels (a compiled run's eager start, which prints the plan, has tried them)."""
