@@ -22,6 +22,9 @@ figures decide; the back-to-back ones, where the report has them, are listed bes
   time over the lengths; else "off".
 - `s4d_fused.SEGMENTS_IN_KERNELS`: True if the short batches cut into segments (`short/T64_segments`) are faster
   than uncut (`short/T64`) at every length timed; else False.
+
+Where the report lists kernels that failed their trial on its GPU (`kernel_trials_failed`, models/kernel_trials.py),
+their cells timed PyTorch's operators instead, and no switch changes.
 """
 
 from __future__ import annotations
@@ -112,8 +115,13 @@ def s4_decisions(R: dict) -> list[dict]:
 def decide(report: dict) -> dict:
     R = report["results"]
     entries = moe_decisions(R) + s4_decisions(R)
+    failed = report.get("kernel_trials_failed") or {}
+    if failed:  # the kernels' cells timed PyTorch's operators: no comparison holds
+        for e in entries:
+            e.update(wanted="not measured: kernels failed their trial on this GPU", change=False)
     return {"report": {k: report.get(k) for k in ("device", "date", "commit")}, "decisions": entries,
-            "changes": [f"{e['switch']} = {e['wanted']!r}" for e in entries if e["change"]]}
+            "changes": [f"{e['switch']} = {e['wanted']!r}" for e in entries if e["change"]],
+            **({"kernel_trials_failed": failed} if failed else {})}
 
 
 def main(argv=None) -> int:

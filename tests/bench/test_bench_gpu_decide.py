@@ -79,6 +79,17 @@ def test_a_switch_whose_cells_a_report_lacks_is_not_measured_and_changes_nothing
     assert all(e["wanted"] == "not measured" for e in out["decisions"]), out["decisions"]
 
 
+def test_where_kernels_failed_their_trial_on_the_gpu_no_switch_changes():
+    """Their cells then timed PyTorch's operators (models/kernel_trials.py): "kernels slower than PyTorch's" would be
+    PyTorch's against itself."""
+    lost = report(moe_layer__moe__E8k2=6.0, moe_layer__moe_torch_ops__E8k2=5.0)
+    assert gpu_decide.decide(lost)["changes"] == ["moe_kernels.MOE_KERNELS = 'never'"]
+    lost["kernel_trials_failed"] = {"The MoE layer's sum and activation kernels (torch.bfloat16,)": "OutOfResources"}
+    out = gpu_decide.decide(lost)
+    assert out["changes"] == [] and out["kernel_trials_failed"] == lost["kernel_trials_failed"]
+    assert all(e["wanted"].startswith("not measured: kernels failed their trial") for e in out["decisions"])
+
+
 def test_the_command_reads_a_report_file_and_prints_the_decisions_as_json(tmp_path):
     path = tmp_path / "2026-11-28-gpu-speed-GPU-c.json"
     path.write_text(json.dumps(report(moe_layer__moe__E8k2=6.0, moe_layer__moe_torch_ops__E8k2=5.0)))
