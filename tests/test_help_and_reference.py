@@ -90,6 +90,30 @@ def test_the_readme_is_two_screens_opens_with_the_two_commands_and_its_links_res
     assert links and all((REPO / link).exists() for link in links if not link.startswith("http")), links
 
 
+def test_every_recipe_key_the_pages_set_is_one_the_recipe_knows():
+    """A `--set KEY=VALUE` copied from the README or a page is never refused as an unknown key (placeholders such as
+    `SECTION.KEY`, and a key the page itself shows refused, aside). Only the key is checked: a value may stand for
+    the reader's own (`model.pretrained=...`)."""
+    import re
+
+    from s4accel.config import load_recipe
+    from s4accel.errors import RecipeError
+
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+    unknown = []
+    for page in pages:
+        text = page.read_text()
+        for key, value in set(re.findall(r"--set ([A-Za-z_][\w.]*)=([^\s`\]]*)", text)):
+            if key.lower() in ("section.key",) or f"{key}: unknown key" in text:
+                continue
+            try:
+                load_recipe(REPO / "recipes" / "quickstart.yaml", [f"{key}={value}"])
+            except RecipeError as e:
+                if f"{key}: unknown key" in str(e):
+                    unknown.append(f"{page.relative_to(REPO)}: {key}")
+    assert not unknown, unknown
+
+
 def test_the_pages_name_no_path_of_one_machine():
     import re
 
