@@ -114,6 +114,29 @@ def test_every_recipe_key_the_pages_set_is_one_the_recipe_knows():
     assert not unknown, unknown
 
 
+def test_every_recipe_block_of_the_pages_uses_keys_the_recipe_knows():
+    """A YAML block of a page (a recipe's sections a reader copies into their own) parses, and each section it gives,
+    put in place of the quick-start's, is refused for nothing named there as an unknown key."""
+    import re
+
+    import yaml
+
+    from s4accel.config.load import validate_recipe
+    from s4accel.errors import RecipeError
+
+    base = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
+    unknown, blocks = [], 0
+    for page in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]:
+        for block in re.findall(r"(?ms)^```yaml\n(.*?)^```", page.read_text()):
+            sections = yaml.safe_load(block)
+            blocks += 1
+            try:
+                validate_recipe({**base, **sections}, source=page.name)
+            except RecipeError as e:
+                unknown += [line for line in str(e).splitlines() if "unknown key" in line]
+    assert blocks >= 15 and not unknown, unknown
+
+
 def test_the_pages_name_no_path_of_one_machine():
     import re
 
