@@ -81,3 +81,24 @@ def test_every_tutorial_command_is_run_or_listed_with_its_reason():
             if text.startswith(start) or (start.startswith("python: ") and start[8:] in text)}
     assert used == set(NOT_RUN), set(NOT_RUN) - used  # no excuse outlives its command
     assert any(page.stem == "own-text" for page in TUTORIALS) and len(TUTORIALS) >= 5
+
+
+def test_the_callback_the_own_task_page_shows_stops_a_run_as_its_recipe_block_attaches_it(tmp_path):
+    """docs/how-to/own-task.md's `hooks.py` and the recipe line that attaches it, as a reader copies them, next to
+    a recipe of their own: the run stops at the first evaluation below the threshold (raised here so the tiny model
+    reaches it), with the callback's reason, a checkpoint and an exported model."""
+    import yaml
+
+    from helpers import TINY, train_in_process
+
+    page = (REPO / "docs" / "how-to" / "own-task.md").read_text()
+    hooks = next(b for b in re.findall(r"(?ms)^```python\n(.*?)^```", page) if b.startswith("# hooks.py"))
+    line = next(b for b in re.findall(r"(?ms)^```yaml\n(.*?)^```", page) if "hooks.py:StopAtLoss" in b)
+    (tmp_path / "hooks.py").write_text(hooks)
+    recipe = {**yaml.safe_load(TINY.read_text()), **yaml.safe_load(line)}
+    recipe["callbacks"][0]["args"]["threshold"] = 100.0
+    recipe["run"]["out_dir"] = str(tmp_path / "run")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = train_in_process(tmp_path / "recipe.yaml", ["train.max_steps=30", "train.eval_every=5"])
+    assert result.steps == 5 and result.stop_reason == "eval loss below 100.0"
+    assert (tmp_path / "run" / "final" / "config.json").is_file() and result.checkpoint is not None
