@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput, SequenceClassifierOutput
@@ -996,7 +997,8 @@ class S4PreTrainedModel(SavesFoldedCode, PreTrainedModel):
     _keep_in_fp32_modules_strict = ["kernel", "router"]
     supports_gradient_checkpointing = True  # each block (`activation_checkpointing_enable()`)
     # As Mamba: the state cannot be rolled back to an earlier position, so generate() refuses assisted and
-    # prompt-lookup decoding (which must discard rejected candidate tokens) with its own message.
+    # prompt-lookup decoding (which must discard rejected candidate tokens): transformers up to 5.24 by this flag,
+    # S4ForCausalLM._validate_generation_mode on every version.
     _is_stateful = True
 
     def __init__(self, config: S4Config, *inputs, **kwargs):
@@ -1191,7 +1193,7 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
     `tie_word_embeddings=False`). `generate()` prefills the prompt (token ids or `inputs_embeds`) by convolution, then
     decodes one token per step with the recurrent form (`use_cache=True`, the default), in O(1) time and memory per
     token. Given the cache a previous call returned, it reads only the positions after the cache's `seqlen_offset`.
-    Stateful, as Mamba: assisted and prompt-lookup decoding are refused by transformers."""
+    Stateful, as Mamba: assisted and prompt-lookup decoding are refused before anything runs."""
 
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
 
@@ -1216,6 +1218,15 @@ class S4ForCausalLM(S4PreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # transformers up to 5.24 refused assisted decoding for `_is_stateful` models here; 5.25 dropped that check,
+        # and generate() then failed inside assisted decoding with "Assisted decoding requires a cache". The state
+        # cannot be rolled back to discard rejected candidates: the same one-line refusal on every version.
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(f"assisted generation is not supported with stateful models, such as "
+                             f"{type(self).__name__}")
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
