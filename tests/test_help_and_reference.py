@@ -12,6 +12,7 @@ from s4accel.config import Recipe
 from s4accel.tools import recipe_reference
 
 PAGE = REPO / "docs" / "reference" / "recipe.md"
+PAGES = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]  # everything a user reads
 
 
 def help_text(*args):
@@ -99,12 +100,11 @@ def test_every_recipe_key_the_pages_set_is_one_the_recipe_knows():
     from s4accel.config import load_recipe
     from s4accel.errors import RecipeError
 
-    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
     unknown = []
-    for page in pages:
+    for page in PAGES:
         text = page.read_text()
         for key, value in set(re.findall(r"--set ([A-Za-z_][\w.]*)=([^\s`\]]*)", text)):
-            if key.lower() in ("section.key",) or f"{key}: unknown key" in text:
+            if key.lower() == "section.key" or f"{key}: unknown key" in text:
                 continue
             try:
                 load_recipe(REPO / "recipes" / "quickstart.yaml", [f"{key}={value}"])
@@ -126,7 +126,7 @@ def test_every_recipe_block_of_the_pages_uses_keys_the_recipe_knows():
 
     base = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
     unknown, blocks = [], 0
-    for page in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]:
+    for page in PAGES:
         for block in re.findall(r"(?ms)^```yaml\n(.*?)^```", page.read_text()):
             sections = yaml.safe_load(block)
             blocks += 1
@@ -140,9 +140,8 @@ def test_every_recipe_block_of_the_pages_uses_keys_the_recipe_knows():
 def test_the_pages_name_no_path_of_one_machine():
     import re
 
-    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
     roots = "|".join(f"/{name}/" for name in ("tmp", "home", "root", "work", "Users"))  # where one machine's files are
-    found = [(p.name, m) for p in pages for m in re.findall(rf"(?:{roots})\S*", p.read_text())]
+    found = [(p.name, m) for p in PAGES for m in re.findall(rf"(?:{roots})\S*", p.read_text())]
     assert not found, found
 
 
