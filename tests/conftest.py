@@ -34,9 +34,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -slow[item.path])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def hf_cache(tmp_path_factory):
-    """One datasets cache for the whole session: the plays are tokenised once, every later run reads the cache."""
+    """One datasets cache for the whole session: the plays are tokenised once, every later run reads the cache. Set
+    before any test runs, so that the CLI's fork server (helpers.py), which imports datasets with the environment
+    it starts with, serves every command that keeps it."""
     path = tmp_path_factory.mktemp("hf_datasets_cache")
     os.environ["HF_DATASETS_CACHE"] = str(path)
     return path

@@ -1,10 +1,13 @@
-"""Helpers the tests import (`from helpers import ...`): the repository's paths, the CLI in a subprocess, training in
-this process, a small real text, and reading a run's outputs."""
+"""Helpers the tests import (`from helpers import ...`): the repository's paths, the CLI and `accelerate launch` in
+processes of their own, training in this process, a small real text, and reading a run's outputs."""
 
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
+
+from forkserver import cli_forkserver, torchrun_workers
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -27,8 +30,9 @@ def sets(*items: str) -> list[str]:
 def run_cli(*args, env=None, timeout=600, cwd=REPO, fresh=False):
     """`python -m s4accel ARGS` in a process of its own, offline; returns a CompletedProcess. `env` adds to this
     process's environment; a value of None removes that variable. The process is forked from a server that has
-    imported torch and transformers already (`cli_forkserver`), unless `env` changes what those read when imported
-    or `fresh` asks for all a new process prints (what importing them says too); then it is `python -m s4accel`."""
+    imported torch, transformers and s4accel already (forkserver.py), unless `env` changes what those read when
+    imported or `fresh` asks for all a new process prints (what importing them says too); then it is `python -m
+    s4accel`."""
     import subprocess
 
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
@@ -39,85 +43,24 @@ def run_cli(*args, env=None, timeout=600, cwd=REPO, fresh=False):
     return server.run(argv, full_env, cwd, timeout)
 
 
-class CliForkServer:
-    """Python's forkserver (multiprocessing) with torch and transformers imported once: each CLI call is a fork of it
-    that sets its environment, folder and argv, runs `s4accel`'s main and exits with its code, its output captured
-    in files. About 10 s of every fresh process here is Python importing these libraries; a suite calling the CLI
-    a hundred times spent most of its time there. Only variables read at import time must match the server's."""
+def accelerate_launch(*args, env=None, timeout=600, cwd=REPO):
+    """`accelerate launch ARGS` (its options, then `-m s4accel ...` or a script and its arguments): a
+    CompletedProcess whose output is each worker's in turn. Where Accelerate starts its workers through torchrun on
+    this machine, they are forked from the test server (forkserver.py) with the environment Accelerate and torchrun
+    would give them, and no launcher process: a launch then costs what its workers do, not three new Pythons'
+    imports. Otherwise, and where `env` changes what the server imported, it is the launcher itself; the tests of
+    the launchers' own behaviour (tests/test_launchers.py, test_exit.py) always run it."""
+    import subprocess
 
-    PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.generation"]
-    READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "CUDA",
-                      "ACCELERATE_", "TOKENIZERS_")
-
-    def __init__(self):
-        import multiprocessing
-
-        self.env = dict(os.environ)  # what the server is started with
-        self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(self.PRELOAD)
-
-    def can_run(self, env: dict) -> bool:
-        keys = {k for k in {*env, *self.env} if k.startswith(self.READ_AT_IMPORT) and not k.startswith("HF_DATASETS")}
-        return all(env.get(k) == self.env.get(k) for k in keys)
-
-    def run(self, argv, env, cwd, timeout):
-        import subprocess
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="s4accel-cli-") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            child = self.context.Process(target=_cli_child, args=(argv, env, str(cwd), str(out), str(err)))
-            child.start()
-            child.join(timeout)
-            if child.exitcode is None:
-                child.kill()
-                child.join()
-                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
-            return subprocess.CompletedProcess(argv, child.exitcode, out.read_text(), err.read_text())
-
-
-def _cli_child(argv, env, cwd, out, err):
-    """In the forked process: what `python -m s4accel ARGS` would be, from its environment to its exit code."""
-    import atexit
-    import runpy
-
-    os.environ.clear()
-    os.environ.update(env)
-    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (the process's own streams, for its whole life)
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    sys.argv = [str(REPO / "s4accel" / "__main__.py"), *argv[3:]]
-    code = 0
-    try:
-        runpy.run_module("s4accel", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()  # as the interpreter would at its exit (multiprocessing's children skip it)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-_SERVER: list = []
-
-
-def cli_forkserver() -> CliForkServer | None:
-    """The session's CLI fork server (S4ACCEL_TEST_FORK=0: none, every call a fresh process)."""
-    if os.environ.get("S4ACCEL_TEST_FORK", "1") == "0":
-        return None
-    if not _SERVER:
-        _SERVER.append(CliForkServer())
-    return _SERVER[0]
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    argv = [sys.executable, "-m", "accelerate.commands.launch", *map(str, args)]
+    server = cli_forkserver()
+    if server is not None and server.can_run(full_env):
+        with tempfile.TemporaryDirectory(prefix="s4accel-torchelastic-") as errors:
+            workers = torchrun_workers(list(map(str, args)), full_env, cwd, Path(errors))
+            if workers is not None:
+                return server.run_group(argv, workers, cwd, timeout)
+    return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
 
 
 def small_text_file(tmp_path, chars=3000) -> Path:

@@ -2,20 +2,16 @@
 one process reading whole sequences trains; beside data parallelism (2 x 2 on 4 CPU processes), with accumulation,
 clipping, EMA, checkpoints, an exact resume and an export that generates; and what it refuses, in one line."""
 
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, TINY, final_weights, run_cli
+from helpers import FREE_PORT, REPO, TINY, accelerate_launch, final_weights, run_cli
 from s4accel.config import load_recipe
 from s4accel.errors import RecipeError
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-          str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+LAUNCH = [*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml"]
 QUIET = "log.progress_bar=false"
 
 
@@ -24,8 +20,8 @@ def launch(procs, recipe, run_dir, *sets, timeout=600):
     sets = [x for s in (f"run.out_dir={run_dir}", QUIET, *sets) for x in ("--set", s)]
     if procs == 1:
         return run_cli("train", recipe, *sets)
-    args = [*LAUNCH, "--num_processes", str(procs), "-m", "s4accel", "train", str(recipe), *sets]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ})
+    return accelerate_launch(*LAUNCH, "--num_processes", procs, "-m", "s4accel", "train", recipe, *sets,
+                             timeout=timeout)
 
 
 def trained(procs, recipe, run_dir, *sets) -> str:

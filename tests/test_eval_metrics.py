@@ -6,14 +6,11 @@ columns through to its output so it can be scored without a join."""
 import csv
 import glob
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, TESTS_ON_PATH, read_metrics, run_cli, sets, train_in_process
+from helpers import FREE_PORT, REPO, TESTS_ON_PATH, accelerate_launch, read_metrics, run_cli, sets, train_in_process
 
 DIGITS = REPO / "recipes" / "digits.yaml"
 BALANCED = '''
@@ -156,10 +153,8 @@ def test_eval_scores_are_the_same_on_one_and_two_processes(run):
     from s4accel.training.observe.class_scores import confusion_text
 
     out, overrides = run
-    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-                          str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "eval", str(out),
-                          str(DIGITS), *sets(*overrides), "--json"], capture_output=True, text=True, timeout=600,
-                         cwd=REPO, env={**os.environ, **TESTS_ON_PATH})
+    two = accelerate_launch(*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml", "-m",
+                            "s4accel", "eval", out, DIGITS, *sets(*overrides), "--json", env=TESTS_ON_PATH)
     assert two.returncode == 0, two.stderr[-3000:]
     metrics = json.loads(two.stdout.strip().splitlines()[-1])
     last = [r for r in read_metrics(out) if "eval/loss" in r][-1]

@@ -6,13 +6,11 @@ explains how the FSDP path runs without GPUs."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, TINY, final_weights, run_cli, short_epochs
+from helpers import REPO, TINY, accelerate_launch, final_weights, run_cli, short_epochs
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +18,8 @@ CONFIGS = REPO / "accelerate_configs"
 
 
 def launch(config, script, text, out, *extra, resume=False, precision="no", processes=2, force=False):
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", str(processes), "--mixed_precision", precision, "--main_process_port", "0", *script,
-            "train", str(TINY)]
+    args = ["--config_file", CONFIGS / config, "--num_processes", processes, "--mixed_precision", precision,
+            "--main_process_port", "0", *script, "train", TINY]
     # MoE feed-forward (expert weights sharded too), dropout, grad_accum 2, EMA, a kept best model ranked by EMA loss
     for item in short_epochs(text, out, "train.max_steps=16", "checkpoint.every_steps=8", "checkpoint.keep_last=4",
                              "model.overrides={dropout: 0.1, ffn: moe, num_experts: 4, num_experts_per_tok: 2}",
@@ -30,8 +27,7 @@ def launch(config, script, text, out, *extra, resume=False, precision="no", proc
                              "sample.prompts=['ROMEO.']", "sample.max_new_tokens=16", *extra):
         args += ["--set", item]
     args += ["--resume"] * resume + ["--force"] * force
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = accelerate_launch(*args, timeout=300, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -147,11 +143,10 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run, t
 
 def precision_report(*args):
     """tests/scripts/fsdp_precision.py under FSDP2 with bf16 on 2 CPU processes: its JSON report."""
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(CONFIGS / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision", "bf16",
-                           "--main_process_port", "0", str(REPO / "tests" / "scripts" / "fsdp_precision.py"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests/scripts")])})
+    paths = os.pathsep.join([str(REPO), str(REPO / "tests" / "scripts")])
+    proc = accelerate_launch("--config_file", CONFIGS / "fsdp.yaml", "--num_processes", 2, "--mixed_precision",
+                             "bf16", "--main_process_port", 0, REPO / "tests" / "scripts" / "fsdp_precision.py", *args,
+                             timeout=300, env={"PYTHONPATH": paths})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,25 +1,21 @@
 """Two CPU processes through `accelerate launch` (gloo): the real launch path users take on several GPUs."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, TINY, final_weights, read_metrics, short_epochs, small_text_file
+from helpers import (FREE_PORT, REPO, TESTS_ON_PATH, TINY, accelerate_launch, final_weights, read_metrics,
+                     short_epochs, small_text_file)
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-          str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+LAUNCH = [*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml"]
 
 
 def launch(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}  # for the recipes' testing_callbacks
-    return subprocess.run([*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=env)
+    # PYTHONPATH: for the recipes' testing_callbacks
+    return accelerate_launch(*LAUNCH, *args, env=TESTS_ON_PATH, timeout=timeout)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["ragged", "packed-documents"])

@@ -4,15 +4,13 @@ that travels with a model."""
 
 import csv
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import FREE_PORT, REPO, TINY, final_weights, read_metrics, run_cli, train_in_process
+from helpers import FREE_PORT, REPO, TINY, accelerate_launch, final_weights, read_metrics, run_cli, train_in_process
 from s4accel.errors import RecipeError
 
 pytestmark = pytest.mark.slow
@@ -188,8 +186,7 @@ def read_rows(path):
         return list(csv.DictReader(f))
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-          str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel"]
+LAUNCH = [*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml", "-m", "s4accel"]
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -199,7 +196,7 @@ def test_predict_equals_the_models_own_forward_in_order_with_ids(trained_classif
     if processes == 1:
         proc = run_cli(*args)
     else:
-        proc = subprocess.run([*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=REPO)
+        proc = accelerate_launch(*LAUNCH, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(out)
     import datasets
@@ -218,7 +215,7 @@ def test_eval_scores_a_whole_file_the_same_on_one_and_two_processes(trained_clas
     common = ["eval", trained_classifier, recipe, "--set", "train.eval_max_batches=1", "--set", "data.batch_size=2",
               "--data", scenes / "test.csv", "--json"]
     one = run_cli(*common)
-    two = subprocess.run([*LAUNCH, *map(str, common)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    two = accelerate_launch(*LAUNCH, *common)
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
     m1, m2 = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (one, two))
     assert m1.pop("confusion_matrix") == m2.pop("confusion_matrix")  # the same counts, whole

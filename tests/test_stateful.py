@@ -1,13 +1,11 @@
 """Stateful training over long streams (train.state.mode): layout, the carried state, exact resume, two processes."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
+from helpers import (FREE_PORT, REPO, TESTS_ON_PATH, TINY, accelerate_launch, callback_override, final_weights,
+                     read_metrics, sets, train_in_process)
 from s4accel.data.stateful_rows import StreamBatchSampler
 
 
@@ -67,12 +65,9 @@ def test_two_processes_equal_one_process_with_all_rows(text, tmp_path):
     train_in_process(TINY, stream(text, one, "train.state.mode=tbptt", "data.batch_size=4", "train.max_steps=10",
                                   "checkpoint.every_steps=0"))
     two = tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", str(TINY),
-                           *[a for item in stream(text, two, "train.state.mode=tbptt", "train.max_steps=10",
-                                                  "checkpoint.every_steps=0") for a in ("--set", item)]],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    overrides = stream(text, two, "train.state.mode=tbptt", "train.max_steps=10", "checkpoint.every_steps=0")
+    proc = accelerate_launch(*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml", "-m",
+                             "s4accel", "train", TINY, *sets(*overrides), env=TESTS_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = final_weights(one), final_weights(two)
     for k in a:

@@ -4,7 +4,6 @@ memory flat; a checkpoint of the earlier per-process stream still resumes; a mix
 deterministically, and says how much of each it holds."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, TINY, callback_override, final_weights, read_metrics, train_in_process
+from helpers import (FREE_PORT, REPO, TESTS_ON_PATH, TINY, accelerate_launch, callback_override, final_weights,
+                     read_metrics, sets, train_in_process)
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_a_sorted_stream_is_shuffled_by_the_seed_and_read_in_file_order_without_
 def test_a_stream_of_one_file_says_in_one_line_that_only_the_buffer_shuffles_it(corpus, tmp_path, hf_cache):
     """One sorted file streams nearly in order (4.51 bits per byte at step 100 against 3.50 map-style, reported): the
     run says so at its start, and what to do; a corpus of several files does not get the line."""
-    from helpers import run_cli, sets
+    from helpers import run_cli
 
     one = corpus / "docs_0.jsonl"
     for files, expected in (([str(one)], 1), ([str(corpus)], 0)):
@@ -153,16 +153,11 @@ def test_a_stream_with_its_own_validation_file_resumes_past_its_next_pass(tmp_pa
     assert resumed.steps == 80 and same(tmp_path / "ref", tmp_path / "term")
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-          str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", str(TINY)]
+LAUNCH = [*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml", "-m", "s4accel", "train", TINY]
 
 
 def launch(overrides, *flags):
-    args = list(LAUNCH)
-    for item in overrides:
-        args += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    return subprocess.run([*args, *flags], capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    return accelerate_launch(*LAUNCH, *sets(*overrides), *flags, env=TESTS_ON_PATH, timeout=900)
 
 
 def test_two_processes_stream_resume_bit_exactly(corpus, tmp_path, hf_cache):

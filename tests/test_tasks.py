@@ -3,14 +3,13 @@ automatic optimisation, and a GAN whose two optimizers take turns (manual optimi
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, callback_override, final_weights, read_metrics, run_cli, train_in_process
+from helpers import (FREE_PORT, REPO, TESTS_ON_PATH, accelerate_launch, callback_override, final_weights, read_metrics,
+                     run_cli, train_in_process)
 
 EXAMPLES = REPO / "examples"
 DIABETES = EXAMPLES / "diabetes.yaml"
@@ -155,13 +154,12 @@ def test_two_process_gan_keeps_both_models_identical_on_every_rank(tmp_path):
     """Manual optimisation does not wrap the model in DDP; `step` averages the gradients itself. If it did not, the
     two ranks (different batches and noise) would drift apart at the first step."""
     run_dir, sums = tmp_path / "run", tmp_path / "sums.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *FREE_PORT, "--config_file",
-                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "-m", "s4accel", "train", GAN,
-                           "--set", GAN_TASK, "--set", f"run.out_dir={run_dir}", "--set", "train.max_steps=30",
-                           "--set", "train.eval_every=15", "--set", "log.progress_bar=false",
-                           "--set", callback_override("testing_callbacks:SameWeightsOnAllRanks", path=str(sums))],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    proc = accelerate_launch(*FREE_PORT, "--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml", "-m",
+                             "s4accel", "train", GAN, "--set", GAN_TASK, "--set", f"run.out_dir={run_dir}",
+                             "--set", "train.max_steps=30", "--set", "train.eval_every=15",
+                             "--set", "log.progress_bar=false",
+                             "--set", callback_override("testing_callbacks:SameWeightsOnAllRanks", path=str(sums)),
+                             env=TESTS_ON_PATH)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rank0, rank1 = json.loads(sums.read_text())
     assert rank0 == rank1

@@ -10,14 +10,12 @@ import collections
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, TESTS_ON_PATH, TINY, final_weights, small_text_file
+from helpers import REPO, TESTS_ON_PATH, TINY, accelerate_launch, final_weights, run_cli, small_text_file
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +49,13 @@ def launch(processes: int, texts, out: Path, *extra: str, resume: bool = False, 
             "data.seq_len=32", "model.overrides={dropout: 0.0}", f"train.max_steps={STEPS}",
             f"train.eval_every={STEPS}", "checkpoint.every_steps=6", "checkpoint.keep_last=3",
             "log.progress_bar=false", "sample.prompts=[]", "task.target=testing_tasks:RecordBatches", *extra]
-    launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                 str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(processes),
-                 "--main_process_port", "0"] if processes > 1 else [sys.executable])
-    args = [*launcher, "-m", "s4accel", "train", str(TINY), *(a for s in sets for a in ("--set", s)),
-            *(["--resume"] if resume else []), *(["--force"] if force else [])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), TESTS_ON_PATH["PYTHONPATH"]])}
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    args = ["train", TINY, *(a for s in sets for a in ("--set", s)), *(["--resume"] if resume else []),
+            *(["--force"] if force else [])]
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), TESTS_ON_PATH["PYTHONPATH"]])}
+    if processes == 1:
+        return run_cli(*args, env=env)
+    return accelerate_launch("--config_file", REPO / "accelerate_configs" / "cpu_2proc.yaml", "--num_processes",
+                             processes, "--main_process_port", "0", "-m", "s4accel", *args, env=env)
 
 
 def batching(processes, batch_size, grad_accum):
