@@ -1,10 +1,11 @@
 """The processes the suite starts, forked from a server that has imported torch, transformers and s4accel once.
 
 About 6 s of every new process here is Python importing those libraries (10 s with the other test process
-running), and the suite starts some three hundred: most of its time went there. `helpers.run_cli` (one command) and
-`helpers.accelerate_launch` (the processes of `accelerate launch`) hand their processes to this server; each is a
-fork that takes its environment, folder and argv, runs the program as `python` would run it and exits with its code,
-its output captured in files. S4ACCEL_TEST_FORK=0 turns the server off: every process is then started anew.
+running), and the suite starts some three hundred: most of its time went there. `helpers.run_python` (a script,
+module or code), `helpers.run_cli` (an s4accel command) and `helpers.accelerate_launch` (the workers of `accelerate
+launch`) hand their processes to this server; each is a fork that takes its environment, folder and argv, runs the
+program as `python` would run it and exits with its code, its output captured in files. S4ACCEL_TEST_FORK=0 turns
+the server off: every process is then started anew.
 """
 
 import os
@@ -84,8 +85,8 @@ def output(files) -> tuple[str, str]:
 
 
 def _child(argv, env, cwd, out, err):
-    """In the forked process: what `python -m MODULE ARGS` or `python SCRIPT ARGS` would be, from its environment
-    to its exit code."""
+    """In the forked process: what `python -m MODULE ARGS`, `python -c CODE ARGS` or `python SCRIPT ARGS` would be,
+    from its environment to its exit code."""
     import atexit
     import runpy
 
@@ -106,6 +107,10 @@ def _child(argv, env, cwd, out, err):
         if argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]  # runpy puts the module's file first
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        elif argv[1] == "-c":
+            sys.argv = ["-c", *argv[3:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         else:
             sys.argv = list(argv[1:])
             sys.path.insert(0, str(Path(argv[1]).resolve().parent))

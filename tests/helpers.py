@@ -28,15 +28,20 @@ def sets(*items: str) -> list[str]:
 
 
 def run_cli(*args, env=None, timeout=600, cwd=REPO, fresh=False):
-    """`python -m s4accel ARGS` in a process of its own, offline; returns a CompletedProcess. `env` adds to this
-    process's environment; a value of None removes that variable. The process is forked from a server that has
-    imported torch, transformers and s4accel already (forkserver.py), unless `env` changes what those read when
-    imported or `fresh` asks for all a new process prints (what importing them says too); then it is `python -m
-    s4accel`."""
+    """`python -m s4accel ARGS` in a process of its own, offline: `run_python`."""
+    return run_python("-m", "s4accel", *args, env=env, timeout=timeout, cwd=cwd, fresh=fresh)
+
+
+def run_python(*args, env=None, timeout=600, cwd=REPO, fresh=False):
+    """`python ARGS` (a script, `-m MODULE` or `-c CODE`, then its arguments) in a process of its own; returns a
+    CompletedProcess. `env` adds to this process's environment; a value of None removes that variable. The process
+    is forked from a server that has imported torch, transformers and s4accel already (forkserver.py), unless `env`
+    changes what those read when imported or `fresh` asks for all a new process prints (what importing them says
+    too); then it is a new Python."""
     import subprocess
 
     full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    argv = [sys.executable, "-m", "s4accel", *map(str, args)]
+    argv = [sys.executable, *map(str, args)]
     server = cli_forkserver()
     if fresh or server is None or not server.can_run(full_env):
         return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)

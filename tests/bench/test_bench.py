@@ -1,20 +1,17 @@
 """bench/loop_overhead.py runs and prints the JSON it promises (a short run: this checks the harness, not speed)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 pytestmark = pytest.mark.slow
 
 
 def test_loop_overhead_bench_prints_paired_ratios_as_json_and_writes_a_dated_file(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--sizes", "tiny", "--rounds",
-                           "3", "--loops", "accelerate", "accelerate_cached", "s4accel", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = run_python(str(REPO / "bench" / "loop_overhead.py"), "--sizes", "tiny", "--rounds", "3", "--loops",
+                      "accelerate", "accelerate_cached", "s4accel", "--out-dir", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     [written] = tmp_path.glob(f"{report['date']}-loop-overhead-cpu-{report['commit']}.json")

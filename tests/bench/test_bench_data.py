@@ -2,19 +2,17 @@
 the old way's, the cache's bytes per token."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 pytestmark = pytest.mark.slow
 
 
 def test_data_bench_reports_rates_and_the_same_blocks_as_the_old_way():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "data.py"), "--mb", "6", "--baseline-mb", "1",
-                           "--repeats", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = run_python(str(REPO / "bench" / "data.py"), "--mb", "6", "--baseline-mb", "1", "--repeats", "1",
+                      timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert set(out["mb_per_s"]) == {"byte", "subword", "baseline", "subword_tokenizer_alone"}

@@ -4,21 +4,18 @@ cell."""
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
 import torch
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 SCRIPT = REPO / "bench" / "gpu_speed.py"
 
 
 def gpu_speed(*args):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_python(str(SCRIPT), *args, timeout=600, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 

@@ -1,15 +1,12 @@
 """bench/launches.py prints the launch counts and host times it promises, the baseline beside them (the harness)."""
 
 import json
-import subprocess
-import sys
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 
 def test_launches_bench_counts_both_variants_and_writes_a_dated_file(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "launches.py"), "--rounds", "3", "--out-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
+    proc = run_python(str(REPO / "bench" / "launches.py"), "--rounds", "3", "--out-dir", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     # Exact counts: the hand-written generation launches fewer operations than plain autograd on every path, and

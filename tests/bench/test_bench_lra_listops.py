@@ -2,18 +2,15 @@
 comparison): every model trained for the time asked on the same generated data, accuracies beside the majority rate."""
 
 import json
-import subprocess
-import sys
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 TINY = ["--lengths", "24", "48", "--seconds", "1", "--train", "48", "--val", "8", "--test", "16", "--d-model", "8",
         "--layers", "1", "--d-state", "4", "--heads", "2", "--batch", "4", "--max-depth", "4", "--threads", "1"]
 
 
 def test_lra_listops_bench_trains_each_model_for_the_same_time_and_prints_json():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "lra_listops.py"), *TINY], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, check=False)
+    proc = run_python(str(REPO / "bench" / "lra_listops.py"), *TINY, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert set(out["lengths"]) == {"24", "48"} and out["config"]["seconds"] == 1

@@ -2,13 +2,12 @@
 (at tiny sizes: this checks the harness, not speed)."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 VARIANTS = {"moe", "moe_grouped", "moe_loop", "dense", "onehot_loop", "matmuls_only", "routing_only",
             "dense_matmuls_only", "harness", "moe_compiled_routing", "routing_only_compiled",
@@ -49,9 +48,8 @@ def test_routing_only_runs_the_layers_routing_and_its_backward_without_the_exper
 
 
 def run_bench(*args):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "moe.py"), "--tokens", "64", "--d-model", "16",
-                           "--d-ffn", "8", "--repeats", "2", "--threads", "1", *args],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    proc = run_python(str(REPO / "bench" / "moe.py"), "--tokens", "64", "--d-model", "16", "--d-ffn", "8", "--repeats",
+                      "2", "--threads", "1", *args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

@@ -1,17 +1,14 @@
 """bench/packing.py runs at a tiny size and prints the JSON it promises (the harness, not the speed)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 
 def bench(*args):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "packing.py"), *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, check=False)
+    proc = run_python(str(REPO / "bench" / "packing.py"), *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

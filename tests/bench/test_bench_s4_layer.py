@@ -2,10 +2,8 @@
 reference is given, so its absence must be reported, not fatal."""
 
 import json
-import subprocess
-import sys
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 TINY = ["--lengths", "32", "64", "--batch", "2", "--d-model", "16", "--d-state", "8", "--repeats", "1",
         "--breakdown-length", "32", "--decode-positions", "4", "16", "--decode-window", "4",
@@ -13,8 +11,7 @@ TINY = ["--lengths", "32", "64", "--batch", "2", "--d-model", "16", "--d-state",
 
 
 def test_s4_layer_bench_prints_timings_and_ratios_as_json():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "s4_layer.py"), *TINY],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    proc = run_python(str(REPO / "bench" / "s4_layer.py"), *TINY, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert {"config", "machine", "layer", "breakdown", "memory", "decode", "generate"} <= set(out)

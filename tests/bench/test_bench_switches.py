@@ -1,17 +1,14 @@
 """bench/speed_switches.py runs at a tiny size and prints the JSON it promises (the harness, not the speed)."""
 
 import json
-import subprocess
-import sys
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 
 def test_speed_switches_bench_prints_medians_and_ratios_to_eager(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_switches.py"), "--size", "s4-tiny", "--batch",
-                           "2", "--seq-len", "32", "--rounds", "2", "--steps", "2", "--warmup", "1",
-                           "--variants", "eager", "ckpt", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    proc = run_python(str(REPO / "bench" / "speed_switches.py"), "--size", "s4-tiny", "--batch", "2", "--seq-len",
+                      "32", "--rounds", "2", "--steps", "2", "--warmup", "1", "--variants", "eager", "ckpt",
+                      "--out-dir", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert set(out["median"]) == {"eager", "ckpt"} and len(out["rounds"]) == 2

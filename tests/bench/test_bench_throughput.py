@@ -2,17 +2,13 @@
 measured in the same run (at tiny sizes: this checks the harness, not speed)."""
 
 import json
-import os
-import subprocess
-import sys
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 
 def test_throughput_bench_reports_mfu_against_the_peak_it_measured():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--families", "s4d", "dense",
-                           "--batch", "2", "--seq-len", "32", "--steps", "1"], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_python(str(REPO / "bench" / "throughput.py"), "--families", "s4d", "dense", "--batch", "2", "--seq-len",
+                      "32", "--steps", "1", timeout=300, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     peak = sorted(report["peak_tflops"])[0]
