@@ -3,14 +3,12 @@ loss and gradients of the whole sequence (tests/scripts/context_parallel_exactne
 and float32 on 2 and 4 processes); what a split model refuses; the chunk of a batch a process trains on."""
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, run_python
 from s4accel.models import S4Config
 from s4accel.models.context_parallel import ContextParallel
 from s4accel.models.modeling_s4 import S4ForCausalLM
@@ -23,13 +21,13 @@ from s4accel.training.task import count_items
 @pytest.mark.parametrize("procs", [2, 4])
 def test_every_family_split_over_processes_equals_the_whole_sequence(tmp_path, procs):
     """S4D and DPLR S4, with MLP and MoE blocks, causal language models (with packed documents crossing and starting
-    on chunk borders, a batch of one row, activation checkpointing, the chunked convolution) and bidirectional and causal classifiers (mean
-    and last-step pooling, padding): 1e-12 in float64, 1e-5 in float32 (of the gradients' scale where it is above 1).
+    on chunk borders, a batch of one row, activation checkpointing, the chunked convolution) and bidirectional and
+    causal classifiers (mean and last-step pooling, padding): 1e-12 in float64, 1e-5 in float32 (of the gradients'
+    scale where it is above 1).
     The language model's loss is float32 whatever the model's dtype (transformers' loss function upcasts the logits
     to float32): 1e-6 relative. Dropout masks are those one process draws over the whole sequence."""
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "context_parallel_exactness.py"),
-                           "--procs", str(procs), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = run_python(REPO / "tests" / "scripts" / "context_parallel_exactness.py", "--procs", procs, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report) == 24  # 11 families and the dropout masks, in two dtypes

@@ -158,4 +158,6 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args.procs, os.path.join(tmp, "store"), args.out), nprocs=args.procs)
+        # forked: the workers share this process's imports instead of each importing torch and s4accel again
+        mp.start_processes(worker, args=(args.procs, os.path.join(tmp, "store"), args.out), nprocs=args.procs,
+                           start_method="fork")
