@@ -161,10 +161,10 @@ def torchrun_workers(launch_args: list[str], env: dict, cwd, errors: Path) -> li
           contextlib.redirect_stdout(None), contextlib.redirect_stderr(None)):
         try:
             accelerate_launch.launch_command(accelerate_launch.launch_command_parser().parse_args(launch_args))
-        except NotTorchrun:
+        except (Exception, SystemExit):  # NotTorchrun, or the launch's own error, which the launcher then reports
             return None
-    args = asked["args"]
-    if str(args.nnodes) not in ("1", "1:1"):
+    args = asked.get("args")
+    if args is None or str(args.nnodes) not in ("1", "1:1"):
         return None
     n = int(args.nproc_per_node)
     program = [sys.executable, *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
@@ -178,6 +178,7 @@ def torchrun_workers(launch_args: list[str], env: dict, cwd, errors: Path) -> li
                   "ROLE_WORLD_SIZE": n, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                   "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0,
                   "TORCHELASTIC_USE_AGENT_STORE": False, "TORCH_NCCL_ASYNC_ERROR_HANDLING": 1,
+                  "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
                   "TORCHELASTIC_ERROR_FILE": errors / f"{rank}.json"}
         worker = {k: str(v) for k, v in worker.items()}
         if n > 1:
