@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-class CliForkServer:
+class ForkServer:
     """Python's forkserver (multiprocessing) with the libraries of PRELOAD imported. A process may be forked from it
     only where the variables those libraries read when imported are the server's own (`can_run`)."""
 
@@ -190,10 +190,10 @@ def torchrun_workers(launch_args: list[str], env: dict, cwd, errors: Path) -> li
 _SERVER: list = []
 
 
-def cli_forkserver() -> CliForkServer | None:
+def fork_server() -> ForkServer | None:
     """The session's fork server (S4ACCEL_TEST_FORK=0: none, every process started anew)."""
     if os.environ.get("S4ACCEL_TEST_FORK", "1") == "0":
         return None
     if not _SERVER:
-        _SERVER.append(CliForkServer())
+        _SERVER.append(ForkServer())
     return _SERVER[0]

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from forkserver import cli_forkserver, torchrun_workers
+from forkserver import fork_server, torchrun_workers
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -27,6 +27,11 @@ def sets(*items: str) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
 
 
+def with_environment(env: dict | None) -> dict:
+    """This process's environment with `env` added; a value of None removes that variable."""
+    return {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+
+
 def run_cli(*args, env=None, timeout=600, cwd=REPO, fresh=False):
     """`python -m s4accel ARGS` in a process of its own, offline: `run_python`."""
     return run_python("-m", "s4accel", *args, env=env, timeout=timeout, cwd=cwd, fresh=fresh)
@@ -40,9 +45,9 @@ def run_python(*args, env=None, timeout=600, cwd=REPO, fresh=False):
     too); then it is a new Python."""
     import subprocess
 
-    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    full_env = with_environment(env)
     argv = [sys.executable, *map(str, args)]
-    server = cli_forkserver()
+    server = fork_server()
     if fresh or server is None or not server.can_run(full_env):
         return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
     return server.run(argv, full_env, cwd, timeout)
@@ -57,9 +62,9 @@ def accelerate_launch(*args, env=None, timeout=600, cwd=REPO):
     the launchers' own behaviour (tests/test_launchers.py, test_exit.py) always run it."""
     import subprocess
 
-    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    full_env = with_environment(env)
     argv = [sys.executable, "-m", "accelerate.commands.launch", *map(str, args)]
-    server = cli_forkserver()
+    server = fork_server()
     if server is not None and server.can_run(full_env):
         with tempfile.TemporaryDirectory(prefix="s4accel-torchelastic-") as errors:
             workers = torchrun_workers(list(map(str, args)), full_env, cwd, Path(errors))
