@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from helpers import (FREE_PORT, REPO, TESTS_ON_PATH, accelerate_launch, callback_override, final_weights, read_metrics,
-                     run_cli, train_in_process)
+from helpers import (FREE_PORT, REPO, TESTS_ON_PATH, TINY, accelerate_launch, callback_override, final_weights,
+                     read_metrics, run_cli, train_in_process)
 
 EXAMPLES = REPO / "examples"
 DIABETES = EXAMPLES / "diabetes.yaml"
@@ -118,6 +118,30 @@ def test_task_recipe_errors_are_one_line_exit_2(tmp_path):
             proc = run_cli("train", REPO / "recipes" / "digits.yaml", "--set", item)
         assert proc.returncode == 2, (item, proc.stderr[-2000:])
         assert message in proc.stderr and "Traceback" not in proc.stderr, (item, proc.stderr)
+
+
+def test_two_projects_hooks_py_in_one_session_are_each_their_own_and_an_edited_one_is_read_again(tmp_path):
+    """A notebook or a sweep calls `s4accel.train` on recipes of several folders, each naming its own `hooks.py`:
+    each run gets the code of its own file (once, the first file of that name was served to every later run), and a
+    file edited between two runs is read again; one recipe naming the same file twice gets one module."""
+    import yaml
+
+    from s4accel.config import load_recipe
+    from s4accel.training.loop import build_callbacks
+
+    def project(name, said):
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        (folder / "hooks.py").write_text(f"import s4accel\n\nclass Say(s4accel.Callback):\n    said = {said!r}\n")
+        recipe = {**yaml.safe_load(TINY.read_text()), "callbacks": [{"target": "hooks.py:Say"}] * 2}
+        (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        return build_callbacks(load_recipe(folder / "recipe.yaml")).callbacks
+
+    first, again = project("a", "a")
+    assert (first.said, again.said) == ("a", "a") and type(first) is type(again)
+    assert [cb.said for cb in project("b", "b")] == ["b", "b"]
+    assert [cb.said for cb in project("a", "a, edited")] == ["a, edited"] * 2
+    assert [cb.said for cb in project("a", "a")] == ["a", "a"]
 
 
 def test_builtin_tasks_are_tasks_chosen_by_the_data_or_by_name():

@@ -3,8 +3,10 @@ with one-line errors naming the recipe key."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -26,9 +28,15 @@ def import_object(target: str, key: str):
 
 
 def _module_from_file(path: Path):
+    """The module of `path`, imported once per file and contents: the module's name holds a digest of the file's
+    resolved path and bytes, so two projects' `hooks.py` in one Python session (a notebook, a sweep of
+    `s4accel.train` calls) are two modules, and a file edited between two runs is imported again, while the targets
+    of one run that name the same file (its task and a callback) share one module."""
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
-    name = f"s4accel_task_{path.stem}"
+    resolved = path.resolve()
+    digest = hashlib.sha256(str(resolved).encode() + b"\0" + resolved.read_bytes()).hexdigest()[:16]
+    name = f"s4accel_task_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
