@@ -312,6 +312,44 @@ def test_a_model_too_large_to_allocate_is_one_line_and_writes_nothing(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+def distributed(kind, processes=8, **plugin):
+    """What the size check reads of an Accelerator: its processes, distribution and FSDP or DeepSpeed plugin."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    state = SimpleNamespace(fsdp_plugin=SimpleNamespace(**plugin), deepspeed_plugin=SimpleNamespace(**plugin))
+    return SimpleNamespace(num_processes=processes, distributed_type=DistributedType[kind], state=state)
+
+
+def test_the_size_check_counts_each_process_share_of_what_fsdp_and_zero_shard(monkeypatch, hf_cache):
+    """A model whose weights, gradients and AdamW moments take twice a device's memory is refused alone and under
+    DDP; FSDP and ZeRO-2/3 over 8 processes let it through (each holds its share, after building the whole weights
+    first); ZeRO-1, which shards only the moments, still refuses it, saying whose share it counted."""
+    from s4accel.data import data_spec
+    from s4accel.training.devices import fits
+    from s4accel.training.tasks_builtin import build_model
+
+    recipe = load_recipe(TINY, ["model.overrides={d_model: 1024, n_layer: 2}", "data.seq_len=8", "data.batch_size=1"])
+    spec = data_spec(recipe.data, None)
+    build = lambda r, s: build_model(r, None, device="meta", spec=s)  # noqa: E731
+    params = sum(fits.counted(build(recipe, spec)))
+    monkeypatch.setattr(fits, "available_bytes", lambda device: 8 * params)  # half of the 16 bytes a parameter
+    for accelerator in [distributed("NO", 1), distributed("MULTI_GPU"), distributed("DEEPSPEED", zero_stage=1)]:
+        with pytest.raises(RecipeError, match="model.overrides: the model would hold"):
+            fits.check_fits(recipe, spec, "cpu", build, fits.shards(accelerator))
+    with pytest.raises(RecipeError, match=r"optimizer state \(each process its share under DeepSpeed ZeRO-1 over 8 "):
+        fits.check_fits(recipe, spec, "cpu", build, fits.shards(distributed("DEEPSPEED", zero_stage=1)))
+    for accelerator in [distributed("FSDP", fsdp_version=2), distributed("DEEPSPEED", zero_stage=2),
+                        distributed("DEEPSPEED", zero_stage=3, zero3_init_flag=False)]:
+        fits.check_fits(recipe, spec, "cpu", build, fits.shards(accelerator))
+    from torch.distributed.fsdp import ShardingStrategy
+
+    no_shard = distributed("FSDP", fsdp_version=1, sharding_strategy=ShardingStrategy.NO_SHARD)  # FSDP1's DDP
+    with pytest.raises(RecipeError, match="model.overrides: the model would hold"):
+        fits.check_fits(recipe, spec, "cpu", build, fits.shards(no_shard))
+
+
 def test_mixture_weights_that_sum_to_infinity_are_a_recipe_error():
     with pytest.raises(RecipeError, match="data.mixture: the weights sum to infinity"):
         load_recipe(TINY, ["data.mixture=[{source: files, files: [a.txt], weight: 1e308}, "

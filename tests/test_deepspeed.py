@@ -117,6 +117,25 @@ def test_a_deepspeed_file_that_would_run_code_is_refused_before_deepspeed_unpick
     assert not (tmp_path / "pwned").exists()
 
 
+def test_zero3_init_flag_builds_the_model_partitioned_and_its_export_is_the_whole_model(tmp_path, text):
+    """`zero3_init_flag: true` (a model larger than one device) builds the model inside deepspeed.zero.Init; the size
+    check before it builds its shapes-only model whole (inside zero.Init it could not), and the run trains and
+    exports every weight gathered."""
+    from transformers import AutoModelForCausalLM
+
+    config = tmp_path / "zero3_init.yaml"
+    config.write_text((CONFIGS / STAGES[3]).read_text().replace("zero3_init_flag: false", "zero3_init_flag: true"))
+    out = tmp_path / "run"
+    proc = launch(config, text, out, "train.ema=null", "train.max_steps=2", "train.eval_every=0",
+                  "checkpoint.every_steps=0", "sample.prompts=[]")
+    assert "DeepSpeed ZeRO-3 over 2 processes on cpu," in proc.stdout and "done: 2 steps" in proc.stdout
+    model, info = AutoModelForCausalLM.from_pretrained(out / "final", trust_remote_code=True,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    saved = final_weights(out)
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items() if k in saved)
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, text):
     out = tmp_path_factory.mktemp("ddp") / "run"
@@ -169,3 +188,4 @@ def test_what_deepspeed_cannot_do_is_refused_in_one_line(setting, config_line, e
     proc = launch(config, text, tmp_path / "run", "train.max_steps=2", setting, ok=False)
     assert proc.returncode != 0 and error in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+

@@ -26,7 +26,7 @@ from .devices.precision import apply_fsdp_precision, convolution_line
 from .pretrained import freeze
 from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
 from .observe.tracking import build_trackers
-from .devices.fits import check_fits
+from .devices.fits import check_fits, shards
 from .devices.compiled_loss import compile_loss
 from .devices.zero import configure_deepspeed, model_build
 
@@ -121,8 +121,10 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
             from ..data import data_spec
             from .tasks_builtin import build_model as builtin_model
 
-            check_fits(recipe, data_spec(recipe.data, getattr(task, "data", None)), accelerator.device,
-                       lambda r, spec: builtin_model(r, None, device="meta", spec=spec))
+            with model_build(accelerator, whole=True):
+                check_fits(recipe, data_spec(recipe.data, getattr(task, "data", None)), accelerator.device,
+                           lambda r, spec: builtin_model(r, None, device="meta", spec=spec),
+                           shards(accelerator))
         with model_build(accelerator):
             net = build_model(task, recipe)
         convolution_line(net, accelerator)  # an S4 path forced where it cannot run: refused now, one line

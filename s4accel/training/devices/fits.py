@@ -8,16 +8,56 @@ only, no memory) extended to every block, so a recipe of any depth is estimated 
 the activations a micro-batch keeps for the backward pass: `ACTIVATION_FLOATS` float32 values per block, token and
 channel (the quick-start's S4 blocks keep about 21: `bench/context_memory.py`), two with activation checkpointing.
 The estimate errs low: a model it lets through may still not fit (`s4accel find-batch-size` measures a step).
+
+Under FSDP and DeepSpeed ZeRO each process holds its share of what is sharded (`Shards`): ZeRO-1 the AdamW moments,
+ZeRO-2 the gradients too, ZeRO-3 and FSDP the weights too; but never less than the whole weights, which every process
+builds before they are sharded (but for ZeRO-3's `zero3_init_flag: true`, which builds them partitioned).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from accelerate.utils import DistributedType
 
 from ...errors import RecipeError
 
-BYTES_TRAINABLE = 16  # weight, gradient, AdamW's exp_avg and exp_avg_sq, float32
-BYTES_FIXED = 4
+
+class Shards(NamedTuple):
+    """Over how many processes the weights, the gradients and AdamW's moments are split, and whether every process
+    builds the whole weights first."""
+    weights: int = 1
+    gradients: int = 1
+    moments: int = 1
+    built_whole: bool = True
+    how: str = ""  # for the error line: "FSDP", "DeepSpeed ZeRO-3", ...
+
+    def state_bytes(self, trainable: int, fixed: int) -> float:
+        """One process's weights, gradients and AdamW moments (float32)."""
+        held = (trainable * (4 / self.weights + 4 / self.gradients + 8 / self.moments) + fixed * 4 / self.weights)
+        return max(held, 4 * (trainable + fixed)) if self.built_whole else held
+
+
+def shards(accelerator) -> Shards:
+    """How the run's distribution splits a step's states over its processes."""
+    n = accelerator.num_processes
+    if n == 1:
+        return Shards()
+    if accelerator.distributed_type == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        if plugin.fsdp_version == 1 and getattr(plugin.sharding_strategy, "name", None) == "NO_SHARD":
+            return Shards()
+        return Shards(n, n, n, how=f"FSDP over {n} processes")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        plugin = accelerator.state.deepspeed_plugin
+        stage = plugin.zero_stage
+        return Shards(n if stage >= 3 else 1, n if stage >= 2 else 1, n if stage >= 1 else 1,
+                      built_whole=not (stage == 3 and plugin.zero3_init_flag),
+                      how=f"DeepSpeed ZeRO-{stage} over {n} processes")
+    return Shards()
+
+
 ACTIVATION_FLOATS = 16
 
 
@@ -44,9 +84,9 @@ def counted(model) -> tuple[int, int]:
     return trainable, fixed
 
 
-def check_fits(recipe, spec: dict, device: torch.device, build) -> None:
+def check_fits(recipe, spec: dict, device: torch.device, build, split: Shards = Shards()) -> None:
     """Refuse, in one line, a built-in model whose parameters and optimizer state alone exceed this machine's memory.
-    `build(recipe, spec)` builds the recipe's model on the meta device."""
+    `build(recipe, spec)` builds the recipe's model on the meta device; `split`: how the run shards its states."""
     limit = available_bytes(device)
     if limit is None:
         return
@@ -61,7 +101,7 @@ def check_fits(recipe, spec: dict, device: torch.device, build) -> None:
         trainable, fixed = t1 + (layers - 1) * (t2 - t1), f1 + (layers - 1) * (f2 - f1)
     else:
         trainable, fixed = sizes[0]
-    states = trainable * BYTES_TRAINABLE + fixed * BYTES_FIXED
+    states = split.state_bytes(trainable, fixed)
     model = build(recipe if len(sizes) == 1 else shallow, spec)
     config = getattr(model, "get_base_model", lambda: model)().config  # a LoRA model's: its base's
     floats = 2 if recipe.train.activation_checkpointing else ACTIVATION_FLOATS
@@ -79,6 +119,7 @@ def check_fits(recipe, spec: dict, device: torch.device, build) -> None:
         what = f"model.overrides.n_layer={layers}" if len(sizes) == 2 else \
             f"model.lora.r={recipe.model.lora.r}" if recipe.model.lora is not None else "model.overrides"
         raise RecipeError(f"{what}: the model would hold {trainable + fixed:,} parameters ({trainable:,} trained): "
-                          f"about {states / 1e9:,.1f} GB with their gradients and optimizer state, and "
+                          f"about {states / 1e9:,.1f} GB with their gradients and optimizer state"
+                          f"{f' (each process its share under {split.how})' if split.how else ''}, and "
                           f"{activations / 1e9:,.1f} GB or more of activations for a micro-batch, more than the "
                           f"{limit / 1e9:,.1f} GB this machine has available; choose a smaller model")

@@ -75,13 +75,15 @@ def precision(accelerator) -> str:
 
 
 @contextlib.contextmanager
-def model_build(accelerator):
+def model_build(accelerator, whole: bool = False):
     """Around building the model: under ZeRO-3 with `zero3_init_flag: false` it is built whole on every process (as
     under DDP: the same initial weights, and `model.pretrained` loads into whole tensors); DeepSpeed partitions it in
     `prepare`. Accelerate 1.15 hands transformers the DeepSpeed config whatever that flag says, and transformers
-    then builds every model inside `deepspeed.zero.Init` (partitioned as it is built, initialised in another order)."""
+    then builds every model inside `deepspeed.zero.Init` (partitioned as it is built, initialised in another order).
+    `whole`: built whole whatever the flag says: the size check's shapes-only model on the meta device, which
+    `deepspeed.zero.Init` cannot build (transformers initialises its gathered weights, and meta tensors hold none)."""
     plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
-    if plugin is None or plugin.zero_stage != 3 or plugin.zero3_init_flag:
+    if plugin is None or plugin.zero_stage != 3 or (plugin.zero3_init_flag and not whole):
         yield
         return
     unset_hf_deepspeed_config()
