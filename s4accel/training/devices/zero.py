@@ -20,11 +20,30 @@ is reduced and gathered in fp32.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from accelerate.utils import DistributedType
 from transformers.integrations import unset_hf_deepspeed_config
 
 from ...errors import RecipeError
+
+
+def deepspeed_imported_only_where_used() -> None:
+    """Accelerate 1.15's `unwrap_model` imports DeepSpeed wherever it is installed, to see whether the model is a
+    DeepSpeed engine: about 3 s of every command on our CPUs, and DeepSpeed's "Setting accelerator to ..." line on
+    the console of a run that does not use it. A model is an engine only once DeepSpeed is imported (Accelerate's
+    `prepare` imports it for a DeepSpeed run), so the check looks there first. Once per process."""
+    from accelerate.utils import other
+
+    available = other.is_deepspeed_available
+    if getattr(available, "imported_first", False):
+        return
+
+    def imported_and_available() -> bool:
+        return "deepspeed" in sys.modules and available()
+
+    imported_and_available.imported_first = True
+    other.is_deepspeed_available = imported_and_available
 
 
 def configure_deepspeed(accelerator, recipe) -> None:
