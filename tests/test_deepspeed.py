@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 through Accelerate, on 2 CPU processes (gloo): partitioned training checkpoints that
 resume bit-exactly, a gathered export that `from_pretrained` loads, the same model as a DDP run, and under bf16 the
 S4 parameters and their gradient reductions kept in float32. tests/scripts/deepspeed_on_cpu.py explains how the
-DeepSpeed path runs without GPUs. `make install` installs DeepSpeed (the Makefile says why not as an extra); skipped
+DeepSpeed path runs without GPUs. `make test` installs DeepSpeed first (the Makefile says why not as an extra); skipped
 where it is not installed."""
 
 import hashlib
