@@ -22,7 +22,7 @@
 from .devices.zero import deepspeed_imported_only_where_used
 from .loop import TrainResult, train
 
-# For the whole process, before any command unwraps or saves a model: DeepSpeed is imported by a run that uses it only
+# For the whole process, before any command unwraps or saves a model: only a run that uses DeepSpeed imports it
 deepspeed_imported_only_where_used()
 
 __all__ = ["TrainResult", "train"]

@@ -31,7 +31,7 @@ class Shards(NamedTuple):
     gradients: int = 1
     moments: int = 1
     built_whole: bool = True
-    how: str = ""  # for the error line: "FSDP", "DeepSpeed ZeRO-3", ...
+    how: str = ""  # for the error line, e.g. "FSDP over 8 processes"; "" where nothing is sharded
 
     def state_bytes(self, trainable: int, fixed: int) -> float:
         """One process's weights, gradients and AdamW moments (float32)."""
