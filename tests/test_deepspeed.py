@@ -193,8 +193,8 @@ def test_what_deepspeed_cannot_do_is_refused_in_one_line(setting, config_line, e
 
 def test_where_deepspeed_is_installed_a_run_that_does_not_use_it_never_imports_it(tmp_path, text):
     """Accelerate imports DeepSpeed wherever it is installed to unwrap or save a model: about 3 s of every command,
-    and DeepSpeed's "Setting accelerator to CPU" line on the console. A run, its export and its evaluation without
-    DeepSpeed do not import it (a new Python: the test's own has imported it)."""
+    and DeepSpeed's "Setting accelerator to CPU" line on the console. A run (with its evaluation), its export and
+    generation from it, without DeepSpeed, do not import it (in a new Python: the test's own has imported it)."""
     out = tmp_path / "run"
     code = ("import sys\nfrom s4accel.cli import main\n"
             "for args in sys.argv[1].split(' | '):\n"
