@@ -350,6 +350,26 @@ def test_the_size_check_counts_each_process_share_of_what_fsdp_and_zero_shard(mo
         fits.check_fits(recipe, spec, "cpu", build, fits.shards(no_shard))
 
 
+def test_the_size_check_counts_the_state_of_the_recipes_optimizer(monkeypatch, hf_cache):
+    """Memory for 10 bytes a parameter: AdamW's weights, gradients and two moments (16 bytes) and SGD's with momentum
+    (12) are refused; plain SGD (8) and Adafactor (factored moments, counted as none) are let through."""
+    from s4accel.data import data_spec
+    from s4accel.training.devices import fits
+    from s4accel.training.tasks_builtin import build_model
+
+    base = ["model.overrides={d_model: 1024, n_layer: 2}", "data.seq_len=8", "data.batch_size=1"]
+    recipe = load_recipe(TINY, base)
+    spec = data_spec(recipe.data, None)
+    build = lambda r, s: build_model(r, None, device="meta", spec=s)  # noqa: E731
+    monkeypatch.setattr(fits, "available_bytes", lambda device: 10 * sum(fits.counted(build(recipe, spec))))
+    for refused in ([], ["optim.name=sgd", "optim.kwargs={momentum: 0.9}"], ["optim.name=adam",
+                                                                           "optim.kwargs={amsgrad: true}"]):
+        with pytest.raises(RecipeError, match="with their gradients and optimizer state"):
+            fits.check_fits(load_recipe(TINY, [*base, *refused]), spec, "cpu", build)
+    for fits_now in (["optim.name=sgd"], ["optim.name=adafactor"]):
+        fits.check_fits(load_recipe(TINY, [*base, *fits_now]), spec, "cpu", build)
+
+
 def test_mixture_weights_that_sum_to_infinity_are_a_recipe_error():
     with pytest.raises(RecipeError, match="data.mixture: the weights sum to infinity"):
         load_recipe(TINY, ["data.mixture=[{source: files, files: [a.txt], weight: 1e308}, "

@@ -67,7 +67,7 @@ def test_set_overrides_take_precedence_and_are_yaml_parsed(tmp_path):
 def test_unknown_key_names_the_path_and_suggests(tmp_path):
     msg = error_of(write(tmp_path, "optim: {lrr: 1.0}\n"))
     assert "optim.lrr: unknown key (did you mean 'lr'?)" in msg
-    assert "allowed: lr, weight_decay" in msg
+    assert "allowed: name, kwargs, lr, weight_decay" in msg
     assert "\n" not in msg
 
 
@@ -135,8 +135,8 @@ def test_cli_recipe_error_is_one_line_exit_2_no_traceback(tmp_path):
     proc = run_cli("train", TINY, "--set", f"run.out_dir={run_dir}", "--set", "optim.lrr=1")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {TINY}: optim.lrr: unknown key (did you mean 'lr'?); allowed: lr, weight_decay, betas, eps, "
-        "ssm_lr, ssm_params, fused"]
+        f"error: {TINY}: optim.lrr: unknown key (did you mean 'lr'?); allowed: name, kwargs, lr, weight_decay, betas, "
+        "eps, ssm_lr, ssm_params, fused"]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not run_dir.exists()  # nothing is created before the recipe validates
 

@@ -59,6 +59,7 @@ def test_deepspeed_run_writes_partitioned_checkpoints_and_a_whole_model_of_its_o
 
     stage, _, out, proc = ds_run
     assert f"DeepSpeed ZeRO-{stage} over 2 processes on cpu," in proc.stdout and "done: 12 steps" in proc.stdout
+    assert "FutureWarning" not in proc.stderr  # torch's deprecation of the collectives DeepSpeed calls
     ckpt = out / "checkpoints" / "step_00000006" / "pytorch_model"
     # each process wrote its own partition of the optimizer state (and under ZeRO-3 of the weights)
     optim = sorted(p.name for p in ckpt.iterdir() if "optim_states" in p.name)
@@ -189,6 +190,30 @@ def test_what_deepspeed_cannot_do_is_refused_in_one_line(setting, config_line, e
     proc = launch(config, text, tmp_path / "run", "train.max_steps=2", setting, ok=False)
     assert proc.returncode != 0 and error in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_recipe_builds_the_optimizer_under_deepspeed_and_a_config_naming_its_own_is_refused(tmp_path, text):
+    """A DeepSpeed config file with its own optimizer section is refused in one line (Accelerate's refusal was a
+    traceback once the data and model were built); without it, the recipe's optimizer (SGD here) trains under
+    ZeRO-2."""
+    ds = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    config = tmp_path / "zero2_file.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
+                      "num_machines: 1\nmachine_rank: 0\nnum_processes: 2\n")
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    proc = launch(config, text, tmp_path / "refused", "train.max_steps=2", ok=False)
+    assert proc.returncode != 0
+    assert ("error: optim.name: the DeepSpeed config has its own optimizer (AdamW); s4accel builds the recipe's "
+            "(optim.name): remove the config's 'optimizer' section\n") in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "refused").exists()  # before the data and the model
+    del ds["optimizer"]
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    proc = launch(config, text, tmp_path / "sgd", "train.max_steps=4", "checkpoint.every_steps=0", "sample.prompts=[]",
+                  "optim.name=sgd", "optim.kwargs={momentum: 0.9}")
+    assert "DeepSpeed ZeRO-2 over 2 processes" in proc.stdout and "done: 4 steps" in proc.stdout
 
 
 def test_where_deepspeed_is_installed_a_run_that_does_not_use_it_never_imports_it(tmp_path, text):

@@ -75,7 +75,7 @@ def rates(make_schedule, steps, bases=(1e-2, 3e-3)):
 
 
 def lrs_of(name, kwargs, warmup, steps):
-    from s4accel.config.schema import SchedulerCfg
+    from s4accel.config.optim_sections import SchedulerCfg
     from s4accel.training.optim import build_scheduler
 
     cfg = SchedulerCfg(name=name, warmup_steps=warmup, kwargs=kwargs)
@@ -130,3 +130,138 @@ def test_a_torch_schedule_is_checkpointed_and_a_resumed_run_follows_it(tmp_path)
     resumed = train_in_process(TINY, short_epochs(text, cut, *sched), resume="latest", force=True)
     again = {r["step"]: r["train/lr_decay"] for r in read_metrics(resumed.run_dir) if "train/lr_decay" in r}
     assert {s: again[s] for s in range(6, 13)} == {s: lrs[s] for s in range(6, 13)}
+
+
+def test_a_recipe_names_any_of_torchs_optimizers_and_each_gets_the_same_parameter_groups(tiny_config):
+    """`optim.name` is torch.optim's class in lower case; the groups (SSM rate, weight decay on matrices only) are the
+    same whatever the optimizer; the Adam family gets the recipe's betas and eps, the others only what they take."""
+    from s4accel.config.optim_sections import TORCH_OPTIMIZERS
+
+    every = {n.lower() for n in torch.optim.__all__ if isinstance(getattr(torch.optim, n), type)
+             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+    assert set(TORCH_OPTIMIZERS) == every - {"lbfgs", "sparseadam", "muon"}  # optim_sections.py says why not those
+    model = S4ForCausalLM(tiny_config)
+    adam_family = ("adamw", "adam", "nadam", "radam", "adamax")
+    for name in TORCH_OPTIMIZERS:
+        settings = [f"optim.name={name}", "optim.lr=0.01", "optim.ssm_lr=0.001",
+                    "optim.weight_decay=0" if name == "rprop" else "optim.weight_decay=0.05"]  # rprop has none
+        opt = build_optimizer(model, load_recipe(TINY, [*settings, *(["optim.betas=[0.8, 0.9]"]
+                                                                     if name in adam_family else [])]).optim)
+        assert type(opt).__name__.lower() == name
+        groups = {g["name"]: g for g in opt.param_groups}
+        assert [groups[g]["lr"] for g in ("ssm", "decay", "no_decay")] == [0.001, 0.01, 0.01], name
+        if name != "rprop":
+            assert [groups[g]["weight_decay"] for g in ("ssm", "decay", "no_decay")] == [0.0, 0.05, 0.0], name
+        assert ("betas" in opt.defaults) == (name in adam_family), name
+        if "betas" in opt.defaults:
+            assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["eps"] == 1e-8, name
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), name
+    sgd = build_optimizer(model, load_recipe(TINY, ["optim.name=sgd", "optim.kwargs={momentum: 0.9, nesterov: true}"]
+                                             ).optim)
+    assert (sgd.defaults["momentum"], sgd.defaults["nesterov"], sgd.defaults["fused"]) == (0.9, True, True)
+    pair = build_optimizer(model, load_recipe(TINY, ["optim.name=adafactor", "optim.kwargs={eps: [null, 0.01]}"]
+                                              ).optim)
+    assert list(pair.defaults["eps"]) == [None, 0.01]
+
+
+@pytest.mark.parametrize("sets_, says", [
+    (["optim.name=sgdd"], "optim.name: expected one of adamw, adam, sgd, "),
+    (["optim.name=SGD"], "optim.name: torch.optim's names are in lower case here: 'sgd'"),
+    (["optim.name=muon"], "optim.name: muon: not a recipe's optimizer: it takes 2-D matrices only"),
+    (["optim.name=sgd", "optim.kwargs={lr: 1}"], "optim.kwargs: lr is set by optim.lr, not in kwargs"),
+    (["optim.name=sgd", "optim.kwargs={momentum: 0.9, nesterovv: true}"],
+     "optim.kwargs: sgd takes no 'nesterovv' (did you mean 'nesterov'?); optim.kwargs takes momentum, "),
+    (["optim.name=sgd", "optim.betas=[0.8, 0.9]"], "optim.betas: sgd takes no betas"),
+    (["optim.name=adafactor", "optim.eps=1e-6"], "optim.eps: adafactor takes no single eps (its eps is (None, 0.001)"),
+    (["optim.name=adafactor", "optim.fused=true"], "optim.fused: adafactor has no fused kernel"),
+    (["optim.name=rprop"], "optim.weight_decay: rprop has no weight decay; set optim.weight_decay: 0"),
+    (["optim.name=sgd", "optim.kwargs={nesterov: true}"],
+     "optim.kwargs: sgd refused its arguments (Nesterov momentum requires a momentum and zero dampening)"),
+    (["optim.name=torch.nn:Linear"], "optim.name: torch.nn:Linear is not a torch.optim.Optimizer class"),
+], ids=["typo", "case", "muon", "lr", "kwarg", "betas", "eps", "fused", "no_decay", "value", "not_optimizer"])
+def test_an_optimizer_the_recipe_cannot_build_is_one_line_before_the_data(sets_, says, tmp_path):
+    from helpers import train_in_process
+    from s4accel.errors import RecipeError
+
+    # data.files names a file that is not there: the optimizer is checked before the data is read
+    overrides = [f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{tmp_path / 'later.txt'}]",
+                 *sets_]
+    with pytest.raises(RecipeError) as info:
+        train_in_process(TINY, overrides)
+    message = str(info.value).removeprefix(f"{TINY}: ")  # a key the recipe's validation refuses names its file
+    assert message.startswith(says) and "\n" not in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_optimizer_error_from_the_command_line_is_one_line_and_exit_2(tmp_path):
+    proc = run_cli("train", TINY, *sets(f"run.out_dir={tmp_path / 'run'}", "optim.name=sgd",
+                                        "optim.kwargs={momentum: -1}"))
+    assert proc.returncode == 2 and proc.stderr == "error: optim.kwargs: sgd refused its arguments (Invalid " \
+                                                   "momentum value: -1)\n", proc.stderr
+
+
+OWN_OPTIMIZER = '''
+import torch
+
+
+class CountedSGD(torch.optim.SGD):
+    """SGD that appends a line to `log` at each step."""
+
+    def __init__(self, params, lr, weight_decay=0.0, momentum=0.0, log=None):
+        super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
+        self.log = log
+
+    def step(self, closure=None):
+        with open(self.log, "a") as f:
+            f.write("step\\n")
+        return super().step(closure)
+'''
+
+
+def test_a_class_of_your_own_is_the_optimizer_with_its_arguments(tmp_path):
+    from helpers import train_in_process
+
+    (tmp_path / "my_optim.py").write_text(OWN_OPTIMIZER)
+    log = tmp_path / "steps.log"
+    text = small_text_file(tmp_path)
+    result = train_in_process(TINY, [f"run.out_dir={tmp_path / 'run'}", "data.source=files", f"data.files=[{text}]",
+                                     f"optim.name={tmp_path / 'my_optim.py'}:CountedSGD",
+                                     f"optim.kwargs={{momentum: 0.5, log: {log}}}", "train.max_steps=3",
+                                     "train.eval_every=0", "sample.prompts=[]"])
+    assert result.steps == 3 and log.read_text() == "step\n" * 3
+
+
+def test_sgd_with_momentum_resumes_bit_exactly_and_the_optimizer_cannot_change_on_resume(tmp_path):
+    """The momentum buffers are in the checkpoint: 5 steps (stopped by a signal), then 7 more after a resume, end on
+    the weights of 12 in one go. Another optimizer cannot take them over, even with --force."""
+    from helpers import callback_override, final_weights, short_epochs, train_in_process
+    from s4accel.errors import ResumeError
+
+    text = small_text_file(tmp_path)
+    sgd = ["optim.name=sgd", "optim.kwargs={momentum: 0.9}", "optim.lr=0.05", "optim.weight_decay=0.1",
+           "train.max_steps=12"]
+    train_in_process(TINY, short_epochs(text, tmp_path / "whole", *sgd))
+    cut = tmp_path / "cut"
+    stopped = train_in_process(TINY, short_epochs(text, cut, *sgd,
+                                                  callback_override("testing_callbacks:SignalAt", step=4)))
+    assert stopped.preempted and stopped.steps == 5
+    train_in_process(TINY, short_epochs(text, cut, *sgd), resume="latest")
+    whole, resumed = final_weights(tmp_path / "whole"), final_weights(cut)
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    with pytest.raises(ResumeError, match=r"optim.name cannot change when resuming, even with --force: the checkpoint "
+                                          r"holds the old optimizer's state \(optim.name: 'sgd' -> 'adam'\)"):
+        train_in_process(TINY, short_epochs(text, cut, *sgd, "optim.name=adam", "optim.kwargs={}",
+                                            "train.max_steps=14"), resume="latest", force=True)
+
+
+def test_a_checkpoint_from_before_optim_name_resumes_as_the_adamw_run_it_was():
+    from s4accel.training.runs.resume import recipe_diff
+
+    old = load_recipe(TINY).to_dict()
+    del old["optim"]["name"], old["optim"]["kwargs"]
+    assert recipe_diff(old, load_recipe(TINY).to_dict()) == []
+    assert recipe_diff(old, load_recipe(TINY, ["optim.name=sgd"]).to_dict()) == ["optim.name: 'adamw' -> 'sgd'"]

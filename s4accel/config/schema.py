@@ -1,6 +1,7 @@
 """The recipe schema: one pydantic section per concern (run, task, model, data, optim, scheduler, train, checkpoint,
 log, sample, hub, callbacks), a docstring on every field, cross-field checks. The loop's sections are in
-`loop_sections.py`, their base in `base.py`; reading YAML and the error text live in `load.py`, the named model sizes
+`loop_sections.py`, the data's in `data_sections.py`, the optimizer's and schedule's in `optim_sections.py`, their
+base in `base.py`; reading YAML and the error text live in `load.py`, the named model sizes
 in `sizes.py`.
 
 Model hyperparameters are not duplicated here: `model.overrides` names fields of the model family's own
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
@@ -21,6 +22,7 @@ from ..errors import did_you_mean as _did_you_mean
 from .base import Section as _Section
 from .data_sections import DataCfg
 from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
+from .optim_sections import OptimCfg, SchedulerCfg
 from .sizes import MODEL_SIZES, config_fields
 
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input", "input_mean", "input_scale")
@@ -162,70 +164,6 @@ class ModelCfg(_Section):
         return self
 
 
-class OptimCfg(_Section):
-    lr: float = Field(3e-3, gt=0)
-    """Peak learning rate (after warmup) of all parameters but the SSM ones."""
-    weight_decay: float = Field(0.01, ge=0)
-    """AdamW decoupled weight decay; only on matrices (ndim >= 2), never on biases, norms or SSM parameters."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.98)
-    """AdamW's (beta1, beta2), each in [0, 1)."""
-    eps: float = Field(1e-8, gt=0)
-    """AdamW's epsilon, added to the denominator for numerical stability."""
-    ssm_lr: float = Field(1e-3, gt=0)
-    """Learning rate of the SSM parameters named in `ssm_params` (the reference uses min(1e-3, lr))."""
-    ssm_params: list[str] = Field(default_factory=lambda: ["log_dt", "log_A_real", "A_imag", "P", "B"])
-    """Parameter names (last dotted component) that form the SSM group: own lr, no weight decay."""
-    fused: bool | None = None
-    """AdamW's fused kernel (one kernel for all parameters): `null` uses it where the device has one (CUDA, CPU), else
-    the multi-tensor (`foreach`) implementation; `false` forces `foreach`."""
-
-
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "inverse_sqrt",
-              "polynomial", "warmup_stable_decay", "step", "exponential", "cosine_annealing", "lambda")
-
-TORCH_SCHEDULES = {
-    "step": {"step_size": None, "gamma": 0.1},  # torch's StepLR
-    "exponential": {"gamma": None},  # ExponentialLR
-    "cosine_annealing": {"T_max": "the steps after warmup", "eta_min": 0.0},  # CosineAnnealingLR
-    "lambda": {"target": None},  # LambdaLR: `module:function` or `file.py:function`, step -> multiplier
-}
-"""The schedules of `torch.optim.lr_scheduler` a recipe names, with their `scheduler.kwargs` and defaults (None:
-required)."""
-
-
-class SchedulerCfg(_Section):
-    name: Literal[SCHEDULERS] = "cosine"  # type: ignore[valid-type]
-    """A `transformers.get_scheduler` schedule, or one of torch's: `step` (StepLR: `kwargs: {step_size, gamma}`),
-    `exponential` (ExponentialLR: `{gamma}`), `cosine_annealing` (CosineAnnealingLR: `{T_max, eta_min}`, T_max the
-    steps after warmup by default), `lambda` (`{target: module:function}`, the learning-rate multiplier as a
-    function of the step). Torch's count their steps from the end of the warmup. Stepped once per optimizer step."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup length in optimizer steps; one longer than the run is cut to the run, with a line saying so."""
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    """Warmup as a fraction of the run's optimizer steps (`train.max_steps`, or what `train.max_epochs` comes to),
-    rounded up; exclusive with `warmup_steps`."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Schedule-specific arguments, e.g. `{min_lr_rate: 0.1}` for `cosine_with_min_lr`."""
-
-    @model_validator(mode="after")
-    def _one_warmup(self):
-        if self.warmup_steps and self.warmup_ratio:
-            raise ValueError("set warmup_steps or warmup_ratio, not both")
-        spec = TORCH_SCHEDULES.get(self.name)
-        if spec is not None:
-            unknown = sorted(set(self.kwargs) - set(spec))
-            missing = [k for k, v in spec.items() if v is None and k not in self.kwargs]
-            if unknown or missing:
-                what = f"unknown {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
-                raise ValueError(f"kwargs: {what} for {self.name} (takes {', '.join(spec)})")
-            numbers = {k: v for k, v in self.kwargs.items() if k != "target"}
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers.values()):
-                raise ValueError(f"kwargs: {self.name} takes non-negative numbers, got {numbers}")
-            if self.kwargs.get("step_size", 1) < 1 or self.kwargs.get("T_max", 1) < 1:
-                raise ValueError("kwargs: step_size and T_max must be at least 1")
-        return self
-
-
 BUILTIN_TASK_NAMES = ("causal_lm", "classification")
 
 
@@ -274,7 +212,7 @@ class Recipe(_Section):
     data: DataCfg = Field(default_factory=DataCfg)
     """Where the data comes from, how it is tokenised and batched."""
     optim: OptimCfg = Field(default_factory=OptimCfg)
-    """AdamW and its parameter groups."""
+    """The optimizer (AdamW by default) and its parameter groups."""
     scheduler: SchedulerCfg = Field(default_factory=SchedulerCfg)
     """The learning-rate schedule and its warmup."""
     train: TrainCfg = Field(default_factory=TrainCfg)

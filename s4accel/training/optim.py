@@ -1,7 +1,9 @@
-"""AdamW with parameter groups chosen by parameter name, and a `transformers` schedule in optimizer steps."""
+"""The recipe's optimizer (AdamW unless `optim.name` says otherwise) over parameter groups chosen by parameter name,
+and a `transformers` schedule in optimizer steps."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -9,9 +11,116 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from transformers import get_scheduler
 
 from ..config import OptimCfg, SchedulerCfg
-from ..config.schema import TORCH_SCHEDULES
-from ..errors import RecipeError
+from ..config.optim_sections import TORCH_OPTIMIZERS, TORCH_SCHEDULES
+from ..errors import RecipeError, did_you_mean
 from .imports import import_object
+
+DEFAULTS = OptimCfg()
+
+AUTO_FUSED = ("adamw", "adam", "sgd")
+"""The optimizers `optim.fused: null` runs fused where the device has the kernel: those torch fuses on CUDA and CPU
+alike (Adagrad's fused kernel is CPU-only in torch's documentation: `optim.fused: true` asks for it)."""
+
+STATE_FLOATS = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "adadelta": 2, "rprop": 2,
+                "adagrad": 1, "asgd": 1, "adafactor": 0}
+"""float32 values of optimizer state per trained weight, for the size check (devices/fits.py): the Adam family's two
+moments, Adagrad's sum of squares, ASGD's average; Adafactor's factored moments are a row and a column per matrix,
+counted as none. SGD and RMSprop depend on their arguments (`state_floats`)."""
+
+
+def state_floats(cfg: OptimCfg) -> int:
+    """float32 values of state the recipe's optimizer keeps per trained weight; 0 for a class of your own (the size
+    check errs low)."""
+    kw = cfg.kwargs
+    if cfg.name == "sgd":
+        return 1 if kw.get("momentum", 0) else 0
+    if cfg.name == "rmsprop":  # square average, + momentum buffer, + the centred average
+        return 1 + bool(kw.get("momentum", 0)) + bool(kw.get("centered", False))
+    return STATE_FLOATS.get(cfg.name, 0) + bool(kw.get("amsgrad", False))
+
+
+def optimizer_class(cfg: OptimCfg) -> type:
+    """`torch.optim`'s class of that lower-case name, or the class `optim.name` imports."""
+    if cfg.name in TORCH_OPTIMIZERS:
+        return next(getattr(torch.optim, n) for n in torch.optim.__all__ if n.lower() == cfg.name)
+    cls = import_object(cfg.name, "optim.name")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise RecipeError(f"optim.name: {cfg.name} is not a torch.optim.Optimizer class")
+    return cls
+
+
+def optimizer_arguments(cfg: OptimCfg, cls: type, device_type: str) -> dict:
+    """The constructor's arguments besides the parameter groups: the recipe's `lr`, `betas` and `eps` where the class
+    takes them, the fused or multi-tensor kernel, and `kwargs`. A recipe value the class cannot take is one line
+    naming its key (a default that does not apply, such as AdamW's betas for SGD, is left out)."""
+    params = inspect.signature(cls).parameters
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in params.values())  # takes what it is given: not checked
+
+    def takes(name: str, kind: type | None = None) -> bool:
+        if name not in params:
+            return open_ended and kind is None
+        return kind is None or isinstance(params[name].default, kind)
+
+    name = cfg.name
+    args = {"lr": cfg.lr}
+    if takes("betas", tuple):
+        args["betas"] = tuple(cfg.betas)
+    elif tuple(cfg.betas) != tuple(DEFAULTS.betas):
+        raise RecipeError(f"optim.betas: {name} takes no betas{_its_arguments(cfg, params)}")
+    if takes("eps", float):
+        if "eps" in cfg.kwargs:
+            raise RecipeError("optim.kwargs: eps is set by optim.eps")
+        args["eps"] = cfg.eps
+    elif cfg.eps != DEFAULTS.eps:
+        raise RecipeError(f"optim.eps: {name} takes no single eps" + (
+            f" (its eps is {params['eps'].default!r}: set it in optim.kwargs)" if "eps" in params else ""))
+    if cfg.weight_decay and not takes("weight_decay"):
+        raise RecipeError(f"optim.weight_decay: {name} has no weight decay; set optim.weight_decay: 0")
+    if cfg.fused and "fused" not in params:
+        raise RecipeError(f"optim.fused: {name} has no fused kernel; set optim.fused: null or false")
+    fused = cfg.fused if cfg.fused is not None else (
+        name in AUTO_FUSED and device_type in _get_fused_kernels_supported_devices())
+    if fused:
+        args["fused"] = True
+    elif "foreach" in params:  # the multi-tensor kernels: one launch per group, not per parameter
+        args["foreach"] = True
+    if not open_ended:
+        for key in cfg.kwargs:
+            if key not in params or key in ("params", "defaults"):
+                raise RecipeError(f"optim.kwargs: {name} takes no {key!r}"
+                                  f"{did_you_mean(key, _extra(params))}{_its_arguments(cfg, params)}")
+    return {**args, **cfg.kwargs}
+
+
+def _extra(params) -> list[str]:
+    """The constructor arguments a recipe gives through `optim.kwargs`."""
+    own = ("self", "params", "lr", "weight_decay", "betas", "fused", "foreach", "defaults")
+    return [k for k, p in params.items() if k not in own and p.kind is not p.VAR_KEYWORD]
+
+
+def _its_arguments(cfg: OptimCfg, params) -> str:
+    extra = _extra(params)
+    return f"; optim.kwargs takes {', '.join(extra)}" if extra else ""
+
+
+def check_optimizer(cfg: OptimCfg, device_type: str) -> None:
+    """The recipe's optimizer built over one small parameter, before any data or model is: an argument it refuses
+    (`momentum: -1`, `nesterov` without momentum) is one line now, not after the data is tokenised."""
+    cls = optimizer_class(cfg)
+    args = optimizer_arguments(cfg, cls, device_type)
+    probe = torch.nn.Parameter(torch.zeros(2, 2, device=device_type))
+    construct(cls, [{"params": [probe], "weight_decay": cfg.weight_decay}], args, cfg)
+
+
+def construct(cls: type, groups: list[dict], args: dict, cfg: OptimCfg) -> torch.optim.Optimizer:
+    """`cls(groups, **args)`; the arguments it refuses (torch checks their values) are one line."""
+    if not cfg.weight_decay and "weight_decay" not in inspect.signature(cls).parameters:
+        groups = [{k: v for k, v in g.items() if k != "weight_decay"} for g in groups]
+    try:
+        return cls(groups, **args)
+    except (TypeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RecipeError(f"optim.kwargs: {cfg.name} refused its arguments ({first[:300]})") from None
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:
@@ -42,12 +151,11 @@ def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:
     return [{"name": k, "params": ps, **settings[k]} for k, ps in groups.items() if ps]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimCfg, device_type: str = "cpu") -> torch.optim.AdamW:
-    """AdamW over `param_groups`; fused (one kernel for every parameter: 0.5 vs 2.1 ms per step for s4-small on 2
-    CPU cores) where `device_type` has the kernel, unless `cfg.fused` says otherwise."""
-    fused = cfg.fused if cfg.fused is not None else device_type in _get_fused_kernels_supported_devices()
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None,
-                             foreach=None if fused else True)
+def build_optimizer(model: torch.nn.Module, cfg: OptimCfg, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """The recipe's optimizer over `param_groups`; fused (one kernel for every parameter: AdamW 0.5 vs 2.1 ms per
+    step for s4-small on 2 CPU cores) where `device_type` has the kernel, unless `cfg.fused` says otherwise."""
+    cls = optimizer_class(cfg)
+    return construct(cls, param_groups(model, cfg), optimizer_arguments(cfg, cls, device_type), cfg)
 
 
 def build_scheduler(optimizer, cfg: SchedulerCfg, warmup_steps: int, max_steps: int):

@@ -21,6 +21,7 @@ from ..errors import RecipeError, S4AccelError
 from .runs.checkpoint import checkpoint_step
 from .devices.graphs import wants_graphs
 from .lora import check_runtime
+from .optim import check_optimizer
 from .plan import Plan, make_plan
 from .devices.precision import apply_fsdp_precision, convolution_line
 from .pretrained import freeze
@@ -115,6 +116,8 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     `train.max_epochs` counts batches), then the optimizers with their schedules (unless `optimizers=False`)."""
     task, context = setup_task(recipe, accelerator, build_dir, task)
     check_runtime(accelerator, recipe)
+    if optimizers:  # the recipe's optimizer and its arguments, before the data is tokenised
+        check_optimizer(recipe.optim, accelerator.device.type)
     context.data = main_first(accelerator, task.build_data)
     if model is None:
         if recipe.task.builtin:  # sized from its config before anything is allocated

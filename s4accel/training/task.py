@@ -193,8 +193,8 @@ class Task:
             return self.build_model()
 
     def build_optimizers(self, model: torch.nn.Module) -> list[TrainOptimizer]:
-        """Default: one AdamW over the recipe's parameter groups (`optim`, fused where the device has the kernel),
-        with the recipe's schedule."""
+        """Default: the recipe's optimizer (`optim.name`, AdamW unless it says otherwise) over the recipe's parameter
+        groups (fused where the device has the kernel), with the recipe's schedule."""
         device = self.accelerator.device.type if self.accelerator is not None else "cpu"
         optimizer = build_optimizer(model, self.recipe.optim, device)
         return [TrainOptimizer("main", optimizer, self.schedule(optimizer))]

@@ -2,14 +2,15 @@
 allocated: a recipe asking for 100,000 layers, or a LoRA rank of ten million, ran for minutes and took all the
 memory before an allocator traceback.
 
-The estimate counts the parameters, and for each trainable one its gradient and AdamW's two moments (float32: 16
-bytes a trainable parameter, 4 a fixed one), from a model with one and with two blocks on the meta device (shapes
-only, no memory) extended to every block, so a recipe of any depth is estimated in a moment; and a low figure for
-the activations a micro-batch keeps for the backward pass: `ACTIVATION_FLOATS` float32 values per block, token and
-channel (the quick-start's S4 blocks keep about 21: `bench/context_memory.py`), two with activation checkpointing.
+The estimate counts the parameters, and for each trainable one its gradient and the optimizer's state (float32: 16
+bytes a trainable parameter with AdamW's two moments, 8 with plain SGD's none, 4 a fixed one), from a model with one
+and with two blocks on the meta device (shapes only, no memory) extended to every block, so a recipe of any depth is
+estimated in a moment; and a low figure for the activations a micro-batch keeps for the backward pass:
+`ACTIVATION_FLOATS` float32 values per block, token and channel (the quick-start's S4 blocks keep about 21:
+`bench/context_memory.py`), two with activation checkpointing.
 The estimate errs low: a model it lets through may still not fit (`s4accel find-batch-size` measures a step).
 
-Under FSDP and DeepSpeed ZeRO each process holds its share of what is sharded (`Shards`): ZeRO-1 the AdamW moments,
+Under FSDP and DeepSpeed ZeRO each process holds its share of what is sharded (`Shards`): ZeRO-1 the optimizer state,
 ZeRO-2 the gradients too, ZeRO-3 and FSDP the weights too; but never less than the whole weights, which every process
 builds before they are sharded (but for ZeRO-3's `zero3_init_flag: true`, which builds them partitioned).
 """
@@ -22,20 +23,23 @@ import torch
 from accelerate.utils import DistributedType
 
 from ...errors import RecipeError
+from ..optim import state_floats
 
 
 class Shards(NamedTuple):
-    """Over how many processes the weights, the gradients and AdamW's moments are split, and whether every process
-    builds the whole weights first."""
+    """Over how many processes the weights, the gradients and the optimizer's state are split, and whether every
+    process builds the whole weights first."""
     weights: int = 1
     gradients: int = 1
     moments: int = 1
     built_whole: bool = True
     how: str = ""  # for the error line, e.g. "FSDP over 8 processes"; "" where nothing is sharded
 
-    def state_bytes(self, trainable: int, fixed: int) -> float:
-        """One process's weights, gradients and AdamW moments (float32)."""
-        held = (trainable * (4 / self.weights + 4 / self.gradients + 8 / self.moments) + fixed * 4 / self.weights)
+    def state_bytes(self, trainable: int, fixed: int, floats: int = 2) -> float:
+        """One process's weights, gradients and optimizer state (float32; `floats` values of state per trained
+        weight: AdamW's two moments by default)."""
+        held = (trainable * (4 / self.weights + 4 / self.gradients + 4 * floats / self.moments)
+                + fixed * 4 / self.weights)
         return max(held, 4 * (trainable + fixed)) if self.built_whole else held
 
 
@@ -101,7 +105,7 @@ def check_fits(recipe, spec: dict, device: torch.device, build, split: Shards = 
         trainable, fixed = t1 + (layers - 1) * (t2 - t1), f1 + (layers - 1) * (f2 - f1)
     else:
         trainable, fixed = sizes[0]
-    states = split.state_bytes(trainable, fixed)
+    states = split.state_bytes(trainable, fixed, state_floats(recipe.optim))
     model = build(recipe if len(sizes) == 1 else shallow, spec)
     config = getattr(model, "get_base_model", lambda: model)().config  # a LoRA model's: its base's
     floats = 2 if recipe.train.activation_checkpointing else ACTIVATION_FLOATS

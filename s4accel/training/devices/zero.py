@@ -62,6 +62,11 @@ def configure_deepspeed(accelerator, recipe) -> None:
         raise RecipeError("model.pretrained: not loaded into a model built partitioned (zero3_init_flag: true in the "
                           "DeepSpeed config); set zero3_init_flag: false")
     config = plugin.deepspeed_config
+    for section, key in (("optimizer", "optim.name"), ("scheduler", "scheduler.name")):
+        if section in config:  # Accelerate would refuse it with a traceback after the data and model are built
+            kind = config[section].get("type", "?") if isinstance(config[section], dict) else "?"
+            raise RecipeError(f"{key}: the DeepSpeed config has its own {section} ({kind}); s4accel builds the "
+                              f"recipe's ({key}): remove the config's {section!r} section")
     # 0 is DeepSpeed's "no clipping", the recipe's null
     wanted = {"gradient_accumulation_steps": ("train.grad_accum", cfg.grad_accum),
               "gradient_clipping": ("train.clip_grad_norm", cfg.clip_grad_norm or 0.0)}

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import datasets
@@ -25,12 +26,18 @@ class _DropTiedWeightsNote(logging.Filter):
 
 def quiet_libraries(progress_bars: bool) -> None:
     """Called once per process before anything is built. transformers' "Writing model shards" / "Loading weights"
-    bars are always off (a bar for one file that takes milliseconds); `progress_bars=False` (`log.progress_bar:
-    false`, or a command that prints only its result) turns off every `datasets` bar too."""
+    bars are always off (a bar for one file that takes milliseconds), and so are torch's deprecation warnings for
+    the collectives DeepSpeed calls; `progress_bars=False` (`log.progress_bar: false`, or a command that prints only
+    its result) turns off every `datasets` bar too."""
     logger = logging.getLogger("accelerate.utils.other")
     if not any(isinstance(f, _DropTiedWeightsNote) for f in logger.filters):
         logger.addFilter(_DropTiedWeightsNote())
     hf_logging.disable_progress_bar()
+    # torch 2.13 deprecates these collectives' names (for all_gather_single, reduce_scatter_single); DeepSpeed's ZeRO
+    # and Accelerate's gather on GPUs call them, so every process of such a run printed a FutureWarning about code
+    # that is not the user's
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+                            r"deprecated", FutureWarning)
     if not progress_bars:
         datasets.disable_progress_bars()
 

@@ -29,15 +29,16 @@ def training_fields(recipe_dict: dict) -> dict:
     return {k: v for k, v in flatten(recipe_dict).items() if not k.startswith(RESUME_NEUTRAL)}
 
 
-INTRODUCED = {"data.shuffle_buffer": 0}
+INTRODUCED = {"data.shuffle_buffer": 0, "optim.name": "adamw", "optim.kwargs": "{}"}
 """Recipe keys added since checkpoints were first written, and the value that means what a recipe without them did:
-an older checkpoint's recipe reads as that value (its stream was not shuffled)."""
+an older checkpoint's recipe reads as that value (its stream was not shuffled; its optimizer was AdamW)."""
 
 
 def recipe_diff(old: dict, new: dict) -> list[str]:
     """`key: old -> new` for every training-relevant key that differs between two recipe dicts (`old` read with the
     `INTRODUCED` values for keys it predates)."""
-    a, b = {**INTRODUCED, **training_fields(old)}, training_fields(new)
+    a, b = training_fields(old), training_fields(new)
+    a = {**{k: v for k, v in INTRODUCED.items() if not any(o == k or o.startswith(f"{k}.") for o in a)}, **a}
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
             if a.get(k) != b.get(k)]
 
@@ -80,6 +81,10 @@ def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool, batching_may_c
         raise ResumeError(f"{', '.join(line.split(':')[0] for line in fixed)} cannot change when resuming, even with "
                           f"--force: the checkpoint's weights and random states come from the old value(s) "
                           f"({'; '.join(fixed)}); start a new run instead")
+    if optimizer := next((line for line in diff if line.startswith("optim.name:")), None):
+        raise ResumeError(f"optim.name cannot change when resuming, even with --force: the checkpoint holds the old "
+                          f"optimizer's state ({optimizer}); start a new run from its weights instead (s4accel "
+                          f"export, then model.pretrained)")
     if diff and not force:
         raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
                           + "\n".join(f"  {line}" for line in diff))
