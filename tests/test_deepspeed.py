@@ -194,8 +194,9 @@ def test_what_deepspeed_cannot_do_is_refused_in_one_line(setting, config_line, e
 
 def test_the_recipe_builds_the_optimizer_under_deepspeed_and_a_config_naming_its_own_is_refused(tmp_path, text):
     """A DeepSpeed config file with its own optimizer section is refused in one line (Accelerate's refusal was a
-    traceback once the data and model were built); without it, the recipe's optimizer (SGD here) trains under
-    ZeRO-2."""
+    traceback once the data and model were built), and so is one beside DeepSpeed keys of the accelerate config
+    (Accelerate's traceback as the Accelerator was built); without them, the recipe's optimizer (SGD here) trains
+    under ZeRO-2."""
     ds = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
           "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
           "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
@@ -204,6 +205,15 @@ def test_the_recipe_builds_the_optimizer_under_deepspeed_and_a_config_naming_its
                       f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
                       "num_machines: 1\nmachine_rank: 0\nnum_processes: 2\n")
     (tmp_path / "ds.json").write_text(json.dumps(ds))
+    both = tmp_path / "zero2_both.yaml"  # a config file and the accelerate config's own DeepSpeed keys
+    both.write_text(config.read_text().replace("  zero3_init_flag: false\n", "  zero3_init_flag: false\n"
+                                                                          "  gradient_clipping: 1.0\n"))
+    proc = launch(both, text, tmp_path / "refused", "train.max_steps=2", ok=False)
+    line = next((x for x in proc.stderr.splitlines() if x.startswith("error: ")), "")
+    assert proc.returncode != 0 and line.startswith("error: the accelerate config: When using `deepspeed_config_file`, "
+                                                    "the following accelerate config variables will be ignored: ["), line
+    assert "'gradient_clipping'" in line and line.endswith("Please specify them appropriately in the DeepSpeed config "
+                                                           "file."), line
     proc = launch(config, text, tmp_path / "refused", "train.max_steps=2", ok=False)
     assert proc.returncode != 0
     assert ("error: optim.name: the DeepSpeed config has its own optimizer (AdamW); s4accel builds the recipe's "

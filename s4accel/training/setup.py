@@ -43,7 +43,24 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
     if cfg.tf32 and torch.cuda.is_available():  # before any CUDA work; Ampere and newer
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
-    accelerator = Accelerator(
+    log_with = (build_trackers(recipe.log.log_with, recipe.run.name, recipe.run.dir,
+                               resume_step=checkpoint_step(ckpt) if ckpt else None,
+                               kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
+                               backoff_s=recipe.log.tracker_backoff_s, project=recipe.log.project,
+                               timeout_s=recipe.log.tracker_timeout_s) if trackers else None) or None
+    try:
+        accelerator = accelerator_for(cfg, log_with, recipe.run.dir)
+    except ValueError as e:  # Accelerate refusing its config (a DeepSpeed or FSDP section), checked as it is read
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        raise RecipeError(f"the accelerate config: {' '.join(lines[:2])[:500]}") from None
+    configure_deepspeed(accelerator, recipe)  # under DeepSpeed the engine steps: it takes the recipe's step settings
+    ask_lomo_once()
+    return accelerator
+
+
+def accelerator_for(cfg, log_with, project_dir) -> Accelerator:
+    """The Accelerator of a run's `train` settings, its trackers and the launcher's config."""
+    return Accelerator(
         cpu=CPU,
         mixed_precision=cfg.mixed_precision,  # None: from the accelerate config / launch flags
         # We hand accumulate() exactly grad_accum micro-batches per optimizer step, across epoch boundaries too.
@@ -51,13 +68,8 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
         # Resuming mid-epoch replays exactly the batches of an uninterrupted run only with the seedable sampler (with
         # `set_epoch` every epoch and `skip_first_batches` in the resumed one): any other setup reshuffles.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        log_with=(build_trackers(recipe.log.log_with, recipe.run.name, recipe.run.dir,
-                                 resume_step=checkpoint_step(ckpt) if ckpt else None,
-                                 kwargs=recipe.log.tracker_kwargs, retries=recipe.log.tracker_retries,
-                                 backoff_s=recipe.log.tracker_backoff_s, project=recipe.log.project,
-                                 timeout_s=recipe.log.tracker_timeout_s)
-                  if trackers else None) or None,
-        project_dir=str(recipe.run.dir),
+        log_with=log_with,
+        project_dir=str(project_dir),
         step_scheduler_with_optimizer=False,
         # torch.compile in prepare(), after DDP wrapping; each distinct repeated block compiled once (regional),
         # or the whole model where CUDA graphs capture it (graphs.py: one graph for the embedding, blocks and head).
@@ -65,9 +77,6 @@ def make_accelerator(recipe: Recipe, ckpt: Path | None = None, trackers: bool = 
                                         use_regional_compilation=not wants_graphs(cfg))
         if cfg.compile else None,  # None: from the accelerate config / launch flags
     )
-    configure_deepspeed(accelerator, recipe)  # under DeepSpeed the engine steps: it takes the recipe's step settings
-    ask_lomo_once()
-    return accelerator
 
 
 def ask_lomo_once() -> None:
