@@ -210,8 +210,9 @@ def test_the_recipe_builds_the_optimizer_under_deepspeed_and_a_config_naming_its
                                                                           "  gradient_clipping: 1.0\n"))
     proc = launch(both, text, tmp_path / "refused", "train.max_steps=2", ok=False)
     line = next((x for x in proc.stderr.splitlines() if x.startswith("error: ")), "")
-    assert proc.returncode != 0 and line.startswith("error: the accelerate config: When using `deepspeed_config_file`, "
-                                                    "the following accelerate config variables will be ignored: ["), line
+    assert proc.returncode != 0 and line.startswith(
+        "error: the accelerate config: When using `deepspeed_config_file`, the following accelerate config variables "
+        "will be ignored: ["), line
     assert "'gradient_clipping'" in line and line.endswith("Please specify them appropriately in the DeepSpeed config "
                                                            "file."), line
     proc = launch(config, text, tmp_path / "refused", "train.max_steps=2", ok=False)
