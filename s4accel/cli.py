@@ -113,16 +113,19 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
 @command()
 def show(recipe: RecipeArg, overrides: SetOpt = None,
          depth: Annotated[int, typer.Option("--depth", min=0, help="Levels of the per-layer summary (0: none).")] = 2):
-    """Print the resolved recipe, a per-layer summary and the model's parameter count, without training."""
+    """Print the resolved recipe, a per-layer summary, the model's parameter count and the optimizer's parameter
+    groups, without training."""
     from .config import load_recipe
-    from .tools.summary import describe, layer_table, summary_model
+    from .tools.summary import describe, layer_table, optimizer_line, summary_model
 
     resolved = load_recipe(recipe, overrides or [])
     task, model, note = summary_model(resolved)
+    optimizer = optimizer_line(resolved, task, model)  # an error here is the command's one line, before any output
     typer.echo(resolved.to_yaml(), nl=False)
     for line in layer_table(model, depth) if depth else []:
         typer.echo(line)
     typer.echo(describe(resolved, task, model))
+    typer.echo(optimizer)
     if note:
         typer.echo(note)
 

@@ -180,7 +180,8 @@ def test_show_prints_a_per_layer_summary_whose_top_rows_add_up():
     proc = run_cli("show", TINY)
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout)["model"]["name"] == "s4-tiny"  # still YAML: the table is comments
-    rows = [line[2:] for line in proc.stdout.splitlines() if line.startswith("# ") and not line.startswith("# model")]
+    rows = [line[2:] for line in proc.stdout.splitlines()
+            if line.startswith("# ") and not line.startswith(("# model", "# optimizer"))]
     assert rows[0].split() == ["layer", "type", "parameters"]
     table = {r.split()[0]: (r.split()[1], int(r.split()[2].replace(",", ""))) for r in rows[1:]}
     assert table["backbone.layers.0"] == ("S4Block", 10_624) and table["backbone.layers.1"] == ("S4Block", 10_624)

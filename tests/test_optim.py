@@ -265,3 +265,16 @@ def test_a_checkpoint_from_before_optim_name_resumes_as_the_adamw_run_it_was():
     del old["optim"]["name"], old["optim"]["kwargs"]
     assert recipe_diff(old, load_recipe(TINY).to_dict()) == []
     assert recipe_diff(old, load_recipe(TINY, ["optim.name=sgd"]).to_dict()) == ["optim.name: 'adamw' -> 'sgd'"]
+
+
+def test_show_names_the_optimizer_and_its_groups_and_refuses_its_bad_arguments_before_printing():
+    """What the SSM group holds, at which rate, and what weight decay touches, before a run: frozen parameters are
+    in no group. An argument the optimizer refuses is the command's one line, and nothing else is printed."""
+    proc = run_cli("show", TINY, "--depth", "0", *sets("optim.name=sgd", "optim.kwargs={momentum: 0.9}",
+                                                       "model.freeze=[backbone.embeddings.*]"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ("# optimizer: torch.optim.SGD (momentum 0.9); ssm 2,176 (lr 0.001); decay "
+                                            "18,432 (lr 0.003, weight decay 0.01); no_decay 768 (lr 0.003)")
+    bad = run_cli("show", TINY, *sets("optim.name=sgd", "optim.kwargs={momentum: -1}"))
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "error: optim.kwargs: sgd refused its arguments (Invalid momentum value: -1)\n"

@@ -197,7 +197,9 @@ def test_show_lr_find_and_find_batch_size_go_through_the_recipes_task(tmp_path):
     proc = run_cli("show", DIABETES, *task)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # DiabetesMLP(10, 64, depth 2): 10*64 + 64 + 64*64 + 64 + 64 + 1 parameters
-    assert proc.stdout.strip().splitlines()[-1] == "# model: DiabetesMLP (DiabetesRegression), 4,929 parameters"
+    assert proc.stdout.strip().splitlines()[-2:] == [
+        "# model: DiabetesMLP (DiabetesRegression), 4,929 parameters",
+        "# optimizer: torch.optim.AdamW; decay 4,800 (lr 0.001, weight decay 0.1); no_decay 129 (lr 0.001)"]
 
     proc = run_cli("lr-find", DIABETES, *task, "--steps", "12", "--min-lr", "1e-5", "--max-lr", "1e-3",
                    "--out", tmp_path)

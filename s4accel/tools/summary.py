@@ -6,9 +6,13 @@ import tempfile
 from pathlib import Path
 
 from ..config import Recipe
+from ..config.optim_sections import TORCH_OPTIMIZERS
 from ..data import recipe_spec
 from ..errors import DataError
+from ..training.optim import check_optimizer, optimizer_class, param_groups
+from ..training.pretrained import freeze
 from ..training.setup import make_accelerator, setup_task
+from ..training.task import Task
 from ..training.tasks_builtin import CausalLMTask, SequenceClassificationTask, build_model
 
 
@@ -41,6 +45,24 @@ def describe(recipe: Recipe, task, model) -> str:
         inputs += f", {config.num_labels} label(s)"
     name = recipe.model.name or recipe.model.pretrained
     return f"# model: {name} ({config.model_type}), {n_params:,} parameters, {inputs}"
+
+
+def optimizer_line(recipe: Recipe, task, model) -> str:
+    """One line: the optimizer `train` builds (its arguments checked as `train` checks them) and its parameter
+    groups with their weights, rate and weight decay: where S4's SSM parameters go, before a run."""
+    if type(task).build_optimizers is not Task.build_optimizers:
+        return f"# optimizer: {type(task).__name__}.build_optimizers (the task's own)"
+    cfg = recipe.optim
+    check_optimizer(cfg, "cpu")
+    if recipe.model.freeze:  # the throwaway model: fixed parameters are in no group, as in a run
+        freeze(model, recipe.model.freeze)
+    cls = optimizer_class(cfg)
+    name = f"torch.optim.{cls.__name__}" if cfg.name in TORCH_OPTIMIZERS else cfg.name
+    groups = [f"{g['name']} {sum(p.numel() for p in g['params']):,} (lr {g['lr']:g}"
+              + (f", weight decay {g['weight_decay']:g})" if g["weight_decay"] else ")")
+              for g in param_groups(model, cfg)]
+    kwargs = ", ".join(f"{k} {v}" for k, v in cfg.kwargs.items())
+    return f"# optimizer: {name}{f' ({kwargs})' if kwargs else ''}; {'; '.join(groups)}"
 
 
 CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
