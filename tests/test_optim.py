@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from helpers import TINY, read_metrics, run_cli, sets, small_text_file
+from helpers import REPO, TINY, read_metrics, run_cli, sets, small_text_file
 from s4accel import S4ForCausalLM
 from s4accel.config import load_recipe
+from s4accel.data import data_spec
 from s4accel.training.optim import build_optimizer, build_scheduler
 
 
@@ -139,10 +140,10 @@ def test_a_recipe_names_any_of_torchs_optimizers_and_each_gets_the_same_paramete
 
     every = {n.lower() for n in torch.optim.__all__ if isinstance(getattr(torch.optim, n), type)
              and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
-    assert set(TORCH_OPTIMIZERS) == every - {"lbfgs", "sparseadam", "muon"}  # optim_sections.py says why not those
+    assert set(TORCH_OPTIMIZERS) == every - {"lbfgs", "sparseadam"}  # optim_sections.py says why not those
     model = S4ForCausalLM(tiny_config)
     adam_family = ("adamw", "adam", "nadam", "radam", "adamax")
-    for name in TORCH_OPTIMIZERS:
+    for name in set(TORCH_OPTIMIZERS) - {"muon"}:  # Muon is two optimizers: below
         settings = [f"optim.name={name}", "optim.lr=0.01", "optim.ssm_lr=0.001",
                     "optim.weight_decay=0" if name == "rprop" else "optim.weight_decay=0.05"]  # rprop has none
         opt = build_optimizer(model, load_recipe(TINY, [*settings, *(["optim.betas=[0.8, 0.9]"]
@@ -171,7 +172,7 @@ def test_a_recipe_names_any_of_torchs_optimizers_and_each_gets_the_same_paramete
 @pytest.mark.parametrize("sets_, says", [
     (["optim.name=sgdd"], "optim.name: expected one of adamw, adam, sgd, "),
     (["optim.name=SGD"], "optim.name: torch.optim's names are in lower case here: 'sgd'"),
-    (["optim.name=muon"], "optim.name: muon: not a recipe's optimizer: it takes 2-D matrices only"),
+    (["optim.name=lbfgs"], "optim.name: lbfgs: not a recipe's optimizer: its step re-evaluates the loss"),
     (["optim.name=sgd", "optim.kwargs={lr: 1}"], "optim.kwargs: lr is set by optim.lr, not in kwargs"),
     (["optim.name=sgd", "optim.kwargs={momentum: 0.9, nesterovv: true}"],
      "optim.kwargs: sgd takes no 'nesterovv' (did you mean 'nesterov'?); optim.kwargs takes momentum, "),
@@ -182,7 +183,10 @@ def test_a_recipe_names_any_of_torchs_optimizers_and_each_gets_the_same_paramete
     (["optim.name=sgd", "optim.kwargs={nesterov: true}"],
      "optim.kwargs: sgd refused its arguments (Nesterov momentum requires a momentum and zero dampening)"),
     (["optim.name=torch.nn:Linear"], "optim.name: torch.nn:Linear is not a torch.optim.Optimizer class"),
-], ids=["typo", "case", "muon", "lr", "kwarg", "betas", "eps", "fused", "no_decay", "value", "not_optimizer"])
+    (["optim.name=muon", "optim.kwargs={ns_step: 3}"], "optim.kwargs: muon takes no 'ns_step' (did you mean "
+                                                       "'ns_steps'?)"),
+], ids=["typo", "case", "lbfgs", "lr", "kwarg", "betas", "eps", "fused", "no_decay", "value", "not_optimizer",
+        "muon_kwarg"])
 def test_an_optimizer_the_recipe_cannot_build_is_one_line_before_the_data(sets_, says, tmp_path):
     from helpers import train_in_process
     from s4accel.errors import RecipeError
@@ -235,27 +239,71 @@ def test_a_class_of_your_own_is_the_optimizer_with_its_arguments(tmp_path):
     assert result.steps == 3 and log.read_text() == "step\n" * 3
 
 
-def test_sgd_with_momentum_resumes_bit_exactly_and_the_optimizer_cannot_change_on_resume(tmp_path):
-    """The momentum buffers are in the checkpoint: 5 steps (stopped by a signal), then 7 more after a resume, end on
-    the weights of 12 in one go. Another optimizer cannot take them over, even with --force."""
+@pytest.mark.parametrize("optimizer", [["optim.name=sgd", "optim.kwargs={momentum: 0.9}", "optim.lr=0.05"],
+                                       ["optim.name=muon", "optim.kwargs={momentum: 0.9}"]], ids=["sgd", "muon"])
+def test_another_optimizer_resumes_bit_exactly_and_the_optimizer_cannot_change_on_resume(optimizer, tmp_path):
+    """The momentum buffers are in the checkpoint (Muon's and its AdamW's states, two optimizers): 5 steps (stopped by
+    a signal), then 7 more after a resume, end on the weights of 12 in one go. Another optimizer cannot take them
+    over, even with --force."""
     from helpers import callback_override, final_weights, short_epochs, train_in_process
     from s4accel.errors import ResumeError
 
     text = small_text_file(tmp_path)
-    sgd = ["optim.name=sgd", "optim.kwargs={momentum: 0.9}", "optim.lr=0.05", "optim.weight_decay=0.1",
-           "train.max_steps=12"]
-    train_in_process(TINY, short_epochs(text, tmp_path / "whole", *sgd))
+    settings = [*optimizer, "optim.weight_decay=0.1", "train.max_steps=12"]
+    train_in_process(TINY, short_epochs(text, tmp_path / "whole", *settings))
     cut = tmp_path / "cut"
-    stopped = train_in_process(TINY, short_epochs(text, cut, *sgd,
+    stopped = train_in_process(TINY, short_epochs(text, cut, *settings,
                                                   callback_override("testing_callbacks:SignalAt", step=4)))
     assert stopped.preempted and stopped.steps == 5
-    train_in_process(TINY, short_epochs(text, cut, *sgd), resume="latest")
+    train_in_process(TINY, short_epochs(text, cut, *settings), resume="latest")
     whole, resumed = final_weights(tmp_path / "whole"), final_weights(cut)
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
-    with pytest.raises(ResumeError, match=r"optim.name cannot change when resuming, even with --force: the checkpoint "
-                                          r"holds the old optimizer's state \(optim.name: 'sgd' -> 'adam'\)"):
-        train_in_process(TINY, short_epochs(text, cut, *sgd, "optim.name=adam", "optim.kwargs={}",
+    name = optimizer[0].split("=")[1]
+    with pytest.raises(ResumeError, match=rf"optim.name cannot change when resuming, even with --force: the "
+                                          rf"checkpoint holds the old optimizer's state \(optim.name: '{name}' -> "):
+        train_in_process(TINY, short_epochs(text, cut, *settings, "optim.name=adam", "optim.kwargs={}",
                                             "train.max_steps=14"), resume="latest", force=True)
+
+
+def test_muon_trains_the_blocks_matrices_and_adamw_everything_else(tiny_config, monkeypatch):
+    """Muon gets the 2-D matrices of the blocks (not S4's SSM parameters, the embeddings or the MoE experts' 3-D
+    weights), AdamW the rest in its groups: each trained parameter in exactly one. Refused where the matrices are
+    sharded. lr-find steps both."""
+    from s4accel.errors import RecipeError
+    from s4accel.training.optim import build_optimizers, check_optimizer
+    from s4accel.training.tasks_builtin import build_model
+
+    for recipe_path in (TINY, REPO / "recipes" / "shakespeare_moe.yaml"):
+        recipe = load_recipe(recipe_path, ["optim.name=muon", "optim.kwargs={momentum: 0.9}"])
+        model = build_model(recipe, None, device="meta", spec=data_spec(recipe.data, None))
+        (muon_name, muon), (adamw_name, adamw) = build_optimizers(model, recipe.optim)
+        assert (muon_name, type(muon), adamw_name, type(adamw)) == ("muon", torch.optim.Muon, "adamw",
+                                                                     torch.optim.AdamW)
+        names = {id(p): n for n, p in model.named_parameters()}
+        matrices = {names[id(p)] for p in muon.param_groups[0]["params"]}
+        rest = {g["name"]: {names[id(p)] for p in g["params"]} for g in adamw.param_groups}
+        assert matrices and all(".layers." in n and n.endswith(("output_linear.weight", "qkv_proj.weight",
+                                                                  "o_proj.weight", "router.weight")) for n in matrices)
+        assert muon.defaults["momentum"] == 0.9 and muon.defaults["adjust_lr_fn"] == "match_rms_adamw"
+        assert not any(n.endswith(("A_imag", "log_A_real", "log_dt", "embeddings.weight", "experts.gate_up_proj"))
+                       for n in matrices)
+        together = [matrices, *rest.values()]
+        assert sum(map(len, together)) == len(set().union(*together)) == len(names)  # each in one, all in one
+    for kind in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(RecipeError, match=f"optim.name: muon runs on one process or DDP, not {kind}"):
+            check_optimizer(recipe.optim, "cpu", kind)
+    check_optimizer(recipe.optim, "cpu", "MULTI_CPU")
+
+    from s4accel.tools.finders import find_lr
+
+    steps = {}
+    for cls in (torch.optim.Muon, torch.optim.AdamW):
+        def counted(self, *args, _step=cls.step, _name=cls.__name__, **kwargs):
+            steps[_name] = steps.get(_name, 0) + 1
+            return _step(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "step", counted)
+    find_lr(load_recipe(TINY, ["optim.name=muon", "data.seq_len=32"]), steps=8, diverge=1e9)
+    assert steps == {"Muon": 8, "AdamW": 8}
 
 
 def test_a_checkpoint_from_before_optim_name_resumes_as_the_adamw_run_it_was():

@@ -13,15 +13,13 @@ from ..errors import did_you_mean as _did_you_mean
 from .base import Section as _Section
 
 TORCH_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "rmsprop", "nadam", "radam", "adamax", "adagrad",
-                    "adadelta", "asgd", "rprop")
+                    "adadelta", "asgd", "rprop", "muon")
 """The optimizers of `torch.optim` a recipe names (the class name in lower case); `NOT_RECIPE_OPTIMIZERS` says why
 not the others."""
 
 NOT_RECIPE_OPTIMIZERS = {
     "lbfgs": "its step re-evaluates the loss in a closure, which a training step does not give",
     "sparseadam": "it takes sparse gradients only",
-    "muon": "it takes 2-D matrices only, and a recipe's optimizer gets every parameter; pair it with AdamW for the "
-            "others in a task of your own (Task.build_optimizers, docs/how-to/own-task.md)",
 }
 
 
@@ -31,7 +29,9 @@ class OptimCfg(_Section):
     its class name in lower case (`adam`, `sgd`, `adafactor`, `rmsprop`, `nadam`, `radam`, `adamax`, `adagrad`,
     `adadelta`, `asgd`, `rprop`), or a class of another package or your own as `package.module:Class` or
     `path/to/file.py:Class`, taking torch's `(params, lr=..., weight_decay=...)` and `param_groups`. `betas` and
-    `eps` go to one that takes them; its other arguments are `kwargs`."""
+    `eps` go to one that takes them; its other arguments are `kwargs`. `muon`: torch's Muon for the 2-D matrices of
+    the model's blocks (its updates scaled to AdamW's size, so `lr` serves both; `kwargs` are Muon's), AdamW for
+    every other parameter (embeddings, heads, vectors, SSM parameters, 3-D expert weights); one process or DDP."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """The optimizer's other constructor arguments, e.g. `{momentum: 0.9, nesterov: true}` for `sgd`, checked
     against its signature before anything is built (`lr`, `weight_decay`, `betas`, `eps` and `fused` are the keys

@@ -52,18 +52,20 @@ def suggest(lrs: list[float], smoothed: list[float], skip_start: int = 3, skip_e
 
 def probe_run(recipe: Recipe, accelerator, build_dir: Path, what: str):
     """The recipe's run built for a throwaway probe (its files in `build_dir`; nothing of the run directory is
-    touched). A task with manual optimisation is refused: these tools step one optimizer on the task's loss."""
+    touched). A task with manual optimisation is refused: these tools step its optimizers together on the task's
+    loss."""
     task = load_task(recipe)
     if not task.automatic_optimization:
-        raise RecipeError(f"{what}: {type(task).__name__} uses manual optimisation; {what} steps one optimizer on "
-                          f"the task's loss")
+        raise RecipeError(f"{what}: {type(task).__name__} uses manual optimisation; {what} steps its optimizers "
+                          f"together on the task's loss")
     return build_run(recipe, accelerator, build_dir, task=task)
 
 
 def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100, beta: float = 0.98,
             diverge: float = 4.0, out_dir: str | Path | None = None) -> LRFindResult:
-    """The range test on a throwaway copy of the recipe's task: its data, model, first optimizer and training step
-    (the schedule is not used: the sweep sets the learning rate of every group itself, keeping their ratios)."""
+    """The range test on a throwaway copy of the recipe's task: its data, model, optimizers and training step (the
+    schedules are not used: the sweep sets the learning rate of every group of every optimizer itself, keeping their
+    ratios)."""
     if not 0 < min_lr < max_lr:
         raise RecipeError(f"lr-find: need 0 < min_lr < max_lr, got {min_lr}, {max_lr}")
     if steps < 8:
@@ -75,16 +77,18 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
     with tempfile.TemporaryDirectory(prefix="s4accel-lr-find-") as tmp:
         run = probe_run(recipe, accelerator, Path(tmp), "lr-find")
     task = run.task
-    model, optimizer, train_dl = accelerator.prepare(run.model, run.optimizers[0].optimizer, run.loaders.train)
+    model, *optimizers, train_dl = accelerator.prepare(run.model, *(o.optimizer for o in run.optimizers),
+                                                       run.loaders.train)
+    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
     # the groups' own rates (a schedule has already scaled `lr` by its warmup factor; `initial_lr` is the unscaled one)
-    base = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    base = [group.get("initial_lr", group["lr"]) for group in groups]
     ratios = [b / max(base) for b in base]
     result, avg, best = LRFindResult(), 0.0, math.inf
     batches = iter(())
     model.train()
     for i in range(steps):
         lr = min_lr * (max_lr / min_lr) ** (i / (steps - 1))
-        for group, ratio in zip(optimizer.param_groups, ratios):
+        for group, ratio in zip(groups, ratios):
             group["lr"] = lr * ratio
         window = []  # a step of the loop's size: train.grad_accum micro-batches, as the Accelerator accumulates
         while len(window) < accelerator.gradient_accumulation_steps:
@@ -95,8 +99,9 @@ def find_lr(recipe: Recipe, min_lr: float = 1e-7, max_lr: float = 1.0, steps: in
         scalars = backward_window(accelerator, model, window, task, i)  # the task's loss, as the loop computes it
         if recipe.train.clip_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), recipe.train.clip_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         loss = scalars["loss"] + scalars.get("aux_loss", 0)
         value = accelerator.reduce(loss.detach(), reduction="sum").item()  # each process holds its share of the mean
         if not math.isfinite(value):
@@ -173,14 +178,14 @@ def probe_step(recipe: Recipe, batch_size: int) -> float:
     examples = [data.train[i] for i in range(batch_size)]
     batch = {k: v.to(device) for k, v in (data.collate_fn or default_collate)(examples).items()}
     model = run.model.to(device)
-    optimizer = run.optimizers[0].optimizer
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.train.mixed_precision or "no")
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         out = task.training_step(model, batch, 0)
     (out if isinstance(out, torch.Tensor) else out["loss"]).backward()
-    optimizer.step()
+    for o in run.optimizers:  # every optimizer's state: what the run will hold
+        o.optimizer.step()
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB

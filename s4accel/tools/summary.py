@@ -9,7 +9,7 @@ from ..config import Recipe
 from ..config.optim_sections import TORCH_OPTIMIZERS
 from ..data import recipe_spec
 from ..errors import DataError
-from ..training.optim import check_optimizer, optimizer_class, param_groups
+from ..training.optim import build_optimizers, check_optimizer
 from ..training.pretrained import freeze
 from ..training.setup import make_accelerator, setup_task
 from ..training.task import Task
@@ -56,13 +56,17 @@ def optimizer_line(recipe: Recipe, task, model) -> str:
     check_optimizer(cfg, "cpu")
     if recipe.model.freeze:  # the throwaway model: fixed parameters are in no group, as in a run
         freeze(model, recipe.model.freeze)
-    cls = optimizer_class(cfg)
-    name = f"torch.optim.{cls.__name__}" if cfg.name in TORCH_OPTIMIZERS else cfg.name
-    groups = [f"{g['name']} {sum(p.numel() for p in g['params']):,} (lr {g['lr']:g}"
-              + (f", weight decay {g['weight_decay']:g})" if g["weight_decay"] else ")")
-              for g in param_groups(model, cfg)]
-    kwargs = ", ".join(f"{k} {v}" for k, v in cfg.kwargs.items())
-    return f"# optimizer: {name}{f' ({kwargs})' if kwargs else ''}; {'; '.join(groups)}"
+    parts = []
+    for role, optimizer in build_optimizers(model, cfg, "meta"):  # as the run builds them, on the shapes-only model
+        cls = type(optimizer)
+        name = f"torch.optim.{cls.__name__}" if cfg.name in TORCH_OPTIMIZERS else cfg.name
+        # the recipe's kwargs are the main optimizer's (Muon's beside its AdamW)
+        kwargs = ", ".join(f"{k} {v}" for k, v in cfg.kwargs.items()) if role in ("main", "muon") else ""
+        groups = [f"{g['name']} {sum(p.numel() for p in g['params']):,} (lr {g['lr']:g}"
+                  + (f", weight decay {g['weight_decay']:g})" if g["weight_decay"] else ")")
+                  for g in optimizer.param_groups]
+        parts.append(f"{name}{f' ({kwargs})' if kwargs else ''}; {'; '.join(groups)}")
+    return f"# optimizer: {' | '.join(parts)}"
 
 
 CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")

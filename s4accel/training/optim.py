@@ -22,10 +22,14 @@ AUTO_FUSED = ("adamw", "adam", "sgd")
 alike (Adagrad's fused kernel is CPU-only in torch's documentation: `optim.fused: true` asks for it)."""
 
 STATE_FLOATS = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "adadelta": 2, "rprop": 2,
-                "adagrad": 1, "asgd": 1, "adafactor": 0}
+                "adagrad": 1, "asgd": 1, "muon": 1, "adafactor": 0}
 """float32 values of optimizer state per trained weight, for the size check (devices/fits.py): the Adam family's two
-moments, Adagrad's sum of squares, ASGD's average; Adafactor's factored moments are a row and a column per matrix,
-counted as none. SGD and RMSprop depend on their arguments (`state_floats`)."""
+moments, Adagrad's sum of squares, ASGD's average, Muon's momentum (AdamW's two for the rest, counted as one: the
+check errs low); Adafactor's factored moments are a row and a column per matrix, counted as none. SGD and RMSprop
+depend on their arguments (`state_floats`)."""
+
+MUON_GROUP = "matrices"
+"""The name of Muon's one parameter group (logged as `train/lr_muon_matrices`)."""
 
 
 def state_floats(cfg: OptimCfg) -> int:
@@ -40,7 +44,8 @@ def state_floats(cfg: OptimCfg) -> int:
 
 
 def optimizer_class(cfg: OptimCfg) -> type:
-    """`torch.optim`'s class of that lower-case name, or the class `optim.name` imports."""
+    """`torch.optim`'s class of that lower-case name (Muon for `muon`, beside an AdamW), or the class `optim.name`
+    imports."""
     if cfg.name in TORCH_OPTIMIZERS:
         return next(getattr(torch.optim, n) for n in torch.optim.__all__ if n.lower() == cfg.name)
     cls = import_object(cfg.name, "optim.name")
@@ -103,13 +108,44 @@ def _its_arguments(cfg: OptimCfg, params) -> str:
     return f"; optim.kwargs takes {', '.join(extra)}" if extra else ""
 
 
-def check_optimizer(cfg: OptimCfg, device_type: str) -> None:
+def check_optimizer(cfg: OptimCfg, device_type: str, distributed: str = "NO") -> None:
     """The recipe's optimizer built over one small parameter, before any data or model is: an argument it refuses
-    (`momentum: -1`, `nesterov` without momentum) is one line now, not after the data is tokenised."""
-    cls = optimizer_class(cfg)
-    args = optimizer_arguments(cfg, cls, device_type)
+    (`momentum: -1`, `nesterov` without momentum) is one line now, not after the data is tokenised. `distributed`:
+    Accelerate's distributed type (`FSDP`, `DEEPSPEED`, ...)."""
     probe = torch.nn.Parameter(torch.zeros(2, 2, device=device_type))
-    construct(cls, [{"params": [probe], "weight_decay": cfg.weight_decay}], args, cfg)
+    if cfg.name == "muon":
+        if distributed in ("FSDP", "DEEPSPEED"):
+            raise RecipeError(f"optim.name: muon runs on one process or DDP, not {distributed}: it orthogonalises "
+                              f"each matrix's whole update, which {distributed} holds in shards")
+        construct(torch.optim.Muon, [{"params": [probe], "weight_decay": cfg.weight_decay}], muon_arguments(cfg), cfg)
+        cfg = beside_muon(cfg)
+    cls = optimizer_class(cfg)
+    construct(cls, [{"params": [probe], "weight_decay": cfg.weight_decay}], optimizer_arguments(cfg, cls, device_type),
+              cfg)
+
+
+def muon_arguments(cfg: OptimCfg) -> dict:
+    """Muon's arguments: the recipe's `lr`, its updates scaled to the size of AdamW's (`adjust_lr_fn:
+    match_rms_adamw`, so one `lr` serves Muon and the AdamW beside it), and `kwargs`, checked by name."""
+    params = inspect.signature(torch.optim.Muon).parameters
+    for key in cfg.kwargs:
+        if key not in params or key == "params":
+            raise RecipeError(f"optim.kwargs: muon takes no {key!r}{did_you_mean(key, _extra(params))}; "
+                              f"optim.kwargs takes {', '.join(_extra(params))}")
+    return {"lr": cfg.lr, "adjust_lr_fn": "match_rms_adamw", **cfg.kwargs}
+
+
+def beside_muon(cfg: OptimCfg) -> OptimCfg:
+    """The settings of the AdamW that trains what Muon does not: the recipe's, without Muon's `kwargs`."""
+    return cfg.model_copy(update={"name": "adamw", "kwargs": {}})
+
+
+def muon_matrices(model: torch.nn.Module, cfg: OptimCfg) -> set[int]:
+    """The parameters (ids) Muon trains: the trained 2-D matrices of the model's blocks (named `layers.N.*`), but
+    not the SSM group's. Embeddings and heads stay with AdamW, as Muon's authors train them."""
+    ssm = set(cfg.ssm_params)
+    return {id(p) for n, p in model.named_parameters()
+            if p.requires_grad and p.ndim == 2 and ".layers." in f".{n}" and n.rsplit(".", 1)[-1] not in ssm}
 
 
 def construct(cls: type, groups: list[dict], args: dict, cfg: OptimCfg) -> torch.optim.Optimizer:
@@ -123,8 +159,9 @@ def construct(cls: type, groups: list[dict], args: dict, cfg: OptimCfg) -> torch
         raise RecipeError(f"optim.kwargs: {cfg.name} refused its arguments ({first[:300]})") from None
 
 
-def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:
-    """Three groups, each named (the name is logged with its lr):
+def param_groups(model: torch.nn.Module, cfg: OptimCfg, skip: frozenset | set = frozenset()) -> list[dict]:
+    """Three groups, each named (the name is logged with its lr), of the trained parameters but those in `skip`
+    (ids):
 
     - `ssm`: parameters whose last name component is in `cfg.ssm_params` (`log_dt`, `log_A_real`, `A_imag`, and the
       `s4` kernel's `P`, `B`):
@@ -135,7 +172,7 @@ def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:
     ssm_names = set(cfg.ssm_params)
     groups = {"ssm": [], "decay": [], "no_decay": []}
     for name, p in model.named_parameters():  # tied weights appear once
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in skip:
             continue
         if name.rsplit(".", 1)[-1] in ssm_names:
             groups["ssm"].append(p)
@@ -153,9 +190,30 @@ def param_groups(model: torch.nn.Module, cfg: OptimCfg) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimCfg, device_type: str = "cpu") -> torch.optim.Optimizer:
     """The recipe's optimizer over `param_groups`; fused (one kernel for every parameter: AdamW 0.5 vs 2.1 ms per
-    step for s4-small on 2 CPU cores) where `device_type` has the kernel, unless `cfg.fused` says otherwise."""
-    cls = optimizer_class(cfg)
-    return construct(cls, param_groups(model, cfg), optimizer_arguments(cfg, cls, device_type), cfg)
+    step for s4-small on 2 CPU cores) where `device_type` has the kernel, unless `cfg.fused` says otherwise.
+    `optim.name: muon` is two optimizers: `build_optimizers`."""
+    return build_optimizers(model, cfg, device_type)[0][1]
+
+
+def build_optimizers(model: torch.nn.Module, cfg: OptimCfg, device_type: str = "cpu"
+                     ) -> list[tuple[str, torch.optim.Optimizer]]:
+    """(name, optimizer) pairs: `main`, the recipe's optimizer over `param_groups`; or for `muon`, `muon` over
+    `muon_matrices` and `adamw` over the groups of the rest."""
+    if cfg.name != "muon":
+        cls = optimizer_class(cfg)
+        return [("main", construct(cls, param_groups(model, cfg), optimizer_arguments(cfg, cls, device_type), cfg))]
+    matrices = muon_matrices(model, cfg)
+    if not matrices:
+        raise RecipeError("optim.name: muon finds no trained 2-D matrix in the model's blocks (parameters named "
+                          "layers.N.*); use adamw")
+    group = {"name": MUON_GROUP, "params": [p for p in model.parameters() if id(p) in matrices]}
+    muon = construct(torch.optim.Muon, [{**group, "weight_decay": cfg.weight_decay}], muon_arguments(cfg), cfg)
+    rest = beside_muon(cfg)
+    groups = param_groups(model, rest, skip=matrices)
+    if not groups:
+        return [("muon", muon)]
+    adamw = construct(torch.optim.AdamW, groups, optimizer_arguments(rest, torch.optim.AdamW, device_type), rest)
+    return [("muon", muon), ("adamw", adamw)]
 
 
 def build_scheduler(optimizer, cfg: SchedulerCfg, warmup_steps: int, max_steps: int):

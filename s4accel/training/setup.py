@@ -126,7 +126,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     task, context = setup_task(recipe, accelerator, build_dir, task)
     check_runtime(accelerator, recipe)
     if optimizers:  # the recipe's optimizer and its arguments, before the data is tokenised
-        check_optimizer(recipe.optim, accelerator.device.type)
+        check_optimizer(recipe.optim, accelerator.device.type, accelerator.distributed_type.value)
     context.data = main_first(accelerator, task.build_data)
     if model is None:
         if recipe.task.builtin:  # sized from its config before anything is allocated

@@ -51,7 +51,7 @@ from ..data import build_dataloaders
 from ..errors import RecipeError, did_you_mean
 from .runs.checkpoint import export_pretrained
 from .imports import import_object
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizers, build_scheduler
 from .plan import Plan
 from .observe.recipe_metrics import metric_functions
 
@@ -194,10 +194,11 @@ class Task:
 
     def build_optimizers(self, model: torch.nn.Module) -> list[TrainOptimizer]:
         """Default: the recipe's optimizer (`optim.name`, AdamW unless it says otherwise) over the recipe's parameter
-        groups (fused where the device has the kernel), with the recipe's schedule."""
+        groups (fused where the device has the kernel), with the recipe's schedule; `muon` is two, `muon` and
+        `adamw`, each with that schedule."""
         device = self.accelerator.device.type if self.accelerator is not None else "cpu"
-        optimizer = build_optimizer(model, self.recipe.optim, device)
-        return [TrainOptimizer("main", optimizer, self.schedule(optimizer))]
+        return [TrainOptimizer(name, optimizer, self.schedule(optimizer))
+                for name, optimizer in build_optimizers(model, self.recipe.optim, device)]
 
     def schedule(self, optimizer):
         """The recipe's schedule (`scheduler`, warmup, the run's length) for an optimizer of your own."""
