@@ -102,23 +102,57 @@ def test_window_loss_is_the_token_mean_of_the_big_batch():
     torch.testing.assert_close(loss, model(ids, labels=labels).loss.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("skipped", [True, False])
-def test_a_skipped_fp16_step_does_not_advance_the_schedule(skipped):
-    """On CPU Accelerate creates no GradScaler, so the skip path is pinned with a stand-in accelerator."""
+@pytest.mark.parametrize("overflow", [True, False])
+def test_a_skipped_fp16_step_does_not_advance_the_schedule(overflow):
+    """On CPU Accelerate creates no GradScaler: torch's CPU one stands in, in a stand-in accelerator."""
     from types import SimpleNamespace
 
     from s4accel.training.runs.checkpoint import TrainState
-    from s4accel.training.step import optimizer_step
+    from s4accel.training.step import step_optimizers
+    from s4accel.training.task import TrainOptimizer
 
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))  # as the backward pass does: the scale is made at its first use
     param = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([param], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
-    param.grad = torch.ones(2)
+    param.grad = torch.full((2,), math.inf if overflow else 4.0)  # the scaled gradient
+    scaler.unscale_(opt)  # as the clipping does
     state = TrainState()
-    optimizer_step(SimpleNamespace(optimizer_step_was_skipped=skipped), opt, sched, state)
-    assert sched.last_epoch == (0 if skipped else 1)
-    assert state.scaler_skips == (1 if skipped else 0)  # counted, and logged as train/scaler_skips
+    wrapped = SimpleNamespace(optimizer=opt, zero_grad=opt.zero_grad)  # Accelerate's AcceleratedOptimizer
+    step_optimizers(SimpleNamespace(scaler=scaler), [TrainOptimizer("main", wrapped, sched)], state, overflow)
+    assert sched.last_epoch == (0 if overflow else 1)
+    assert state.scaler_skips == (1 if overflow else 0)  # counted, and logged as train/scaler_skips
     assert param.grad is None  # gradients are cleared either way
+    assert torch.equal(param.detach(), torch.ones(2) if overflow else torch.zeros(2))  # 1 - lr * 4 / 4
+    assert scaler.get_scale() == (2.0 if overflow else 4.0)  # an overflow lowers the scale
+
+
+@pytest.mark.filterwarnings("ignore:fp16 mixed precision has no effect on CPU")
+@pytest.mark.parametrize("optimizer", [[], ["optim.name=muon"]], ids=["adamw", "muon"])
+def test_fp16s_gradscaler_unscales_each_optimizer_once_and_an_overflow_lowers_the_scale(optimizer, tmp_path):
+    """With torch's CPU GradScaler where Accelerate puts its CUDA one (NOTES 13: CPU runs have none), scaling by
+    2**16 and back is exact: the run ends on the weights of the run without it, with one optimizer and with Muon's
+    two (Accelerate's step updated the scaler after the first, and the second stepped on gradients divided by the
+    scale twice). With a scale so large the first steps overflow, those steps are skipped and the scale comes down
+    until the run trains (it stopped at the second step: unscale_ called twice without an update)."""
+    from helpers import (TINY, callback_override, final_weights, read_metrics, short_epochs, small_text_file,
+                         train_in_process)
+
+    text = small_text_file(tmp_path)
+    common = [*optimizer, "train.mixed_precision=fp16", "train.ema=null", "train.max_steps=8", "log.log_every=1"]
+    train_in_process(TINY, short_epochs(text, tmp_path / "plain", *common))
+    train_in_process(TINY, short_epochs(text, tmp_path / "scaled", *common,
+                                        callback_override("testing_callbacks:CPUGradScaler")))
+    plain, scaled = final_weights(tmp_path / "plain"), final_weights(tmp_path / "scaled")
+    assert all(torch.equal(plain[k], scaled[k]) for k in plain)
+    scale = tmp_path / "scale.txt"
+    result = train_in_process(TINY, short_epochs(text, tmp_path / "overflow", *common, callback_override(
+        "testing_callbacks:CPUGradScaler", init_scale=2.0**127, path=str(scale))))
+    assert result.steps == 8
+    last = [r for r in read_metrics(tmp_path / "overflow") if "train/scaler_skips" in r][-1]
+    assert last["train/scaler_skips"] >= 1 and last["train/nonfinite_skips"] == 0
+    assert float(scale.read_text()) < 2.0**127
 
 
 def test_evaluation_leaves_the_training_rng_untouched():

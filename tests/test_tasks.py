@@ -228,3 +228,20 @@ def test_predict_or_generate_on_a_custom_task_run_is_one_line_pointing_at_eval(t
                                          r"which only its task can build: score it with "
                                          r"`s4accel eval RUN_DIR RECIPE`"):
         load_model(out)
+
+
+@pytest.mark.filterwarnings("ignore:fp16 mixed precision has no effect on CPU")
+def test_a_gan_under_fp16s_gradscaler_skips_its_overflowing_updates_and_trains_on(tmp_path):
+    """Manual optimisation under fp16 (torch's CPU GradScaler where Accelerate puts its CUDA one): updates whose
+    gradients overflow are skipped as the scaler's, the scale comes down, and the GAN trains on (they were counted
+    as non-finite steps, ten in a row stopped the run, and the scale stayed where it overflowed)."""
+    from helpers import callback_override
+
+    out, scale = tmp_path / "run", tmp_path / "scale.txt"
+    result = train_in_process(GAN, quiet(out, GAN_TASK, "train.max_steps=20", "train.mixed_precision=fp16",
+                                         "log.log_every=1", callback_override("testing_callbacks:CPUGradScaler",
+                                                                              overflows=3, path=str(scale))))
+    assert result.steps == 20
+    last = [r for r in read_metrics(out) if "train/scaler_skips" in r][-1]
+    assert last["train/scaler_skips"] == 3 and last["train/nonfinite_skips"] == 0
+    assert float(scale.read_text()) < 2.0**16

@@ -312,3 +312,40 @@ class LossCompiled(Callback):
 
         model = run.accelerator.unwrap_model(run.model)
         self.path.write_text(json.dumps(is_compiled(model.loss_function)))
+
+
+class CPUGradScaler(Callback):
+    """fp16's GradScaler on CPU, where Accelerate creates none: torch's CPU GradScaler put where Accelerate's CUDA one
+    goes (the accelerator's `scaler`, each optimizer's, and `native_amp` for its unscaling), computing in float32 as
+    before. `init_scale` 2**127 makes a language model's first scaled losses overflow; `overflows`: the first N
+    gradients of the model's first parameter are infinite, as an overflow makes them. Writes the final scale to
+    `path`."""
+
+    def __init__(self, init_scale: float = 2.0**16, path: str | None = None, overflows: int = 0):
+        self.init_scale, self.path, self.overflows = init_scale, path, overflows
+
+    def on_train_start(self, run):
+        import torch
+
+        from accelerate.optimizer import patch_optimizer_step
+
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=self.init_scale)
+        run.accelerator.scaler, run.accelerator.native_amp = self.scaler, True
+        for o in run.optimizers:  # what Accelerate's AcceleratedOptimizer sets up when it is given a scaler
+            wrapper = o.optimizer
+            wrapper.scaler, wrapper._accelerate_step_called = self.scaler, False
+            wrapper._optimizer_original_step_method = wrapper.optimizer.step
+            wrapper._optimizer_patched_step_method = patch_optimizer_step(wrapper, wrapper.optimizer.step)
+        if self.overflows:
+            first = next(p for p in run.model.parameters() if p.requires_grad)
+            first.register_hook(self._overflow)
+
+    def _overflow(self, grad):
+        if self.overflows <= 0:
+            return grad
+        self.overflows -= 1
+        return grad * float("inf")
+
+    def on_train_end(self, run):
+        if self.path:
+            Path(self.path).write_text(str(self.scaler.get_scale()))

@@ -164,17 +164,33 @@ def clip_gradients(accelerator, params: list, cfg) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def optimizer_step(accelerator, optimizer, scheduler, state: TrainState) -> None:
-    """Step the optimizer, then the schedule unless fp16's GradScaler skipped the step (inf/NaN gradients): a skipped
-    step is counted and must not advance the learning rate. The schedule is not prepared by Accelerate, which
-    would step it once per process per optimizer step."""
-    optimizer.step()
-    if accelerator.optimizer_step_was_skipped:
+def step_optimizers(accelerator, optimizers: list[TrainOptimizer], state: TrainState, overflow: bool = False
+                    ) -> None:
+    """Step every optimizer, then its schedule, unless fp16's gradients overflowed (`overflow`: their norm, taken
+    after the GradScaler unscaled them, is not finite): then no optimizer steps, the scaler lowers its scale, and the
+    skipped step is counted and does not advance the learning rate. The schedules are not prepared by Accelerate,
+    which would step them once per process per optimizer step.
+
+    Under fp16 the GradScaler steps each optimizer and updates once, after all of them (torch's recipe for several
+    optimizers): Accelerate's optimizer `step` updates it after each one, which made it forget that the clipping had
+    unscaled the next one's gradients, so Muon's AdamW stepped on gradients divided by the scale twice."""
+    scaler = accelerator.scaler
+    if scaler is None:
+        for o in optimizers:
+            o.optimizer.step()
+    else:
+        if not overflow:
+            for o in optimizers:
+                scaler.step(o.optimizer.optimizer)  # the torch optimizer inside Accelerate's wrapper
+        scaler.update()
+    if overflow:
         state.scaler_skips += 1
     else:
-        scheduler.step()
+        for o in optimizers:
+            o.scheduler.step()
     state.consecutive_nonfinite = 0
-    optimizer.zero_grad(set_to_none=True)
+    for o in optimizers:
+        o.optimizer.zero_grad(set_to_none=True)
 
 
 class Flags(NamedTuple):
@@ -330,21 +346,25 @@ class Stepper:
             if norm is not None:  # None when DeepSpeed was configured not to measure it
                 scalars["grad_norm"] = norm
             total = scalars["loss"]  # a NaN or inf in any of these makes the sum one
-            for key in ("aux_loss", "grad_norm"):
+            # under fp16 overflowing gradients are the GradScaler's to skip (step_optimizers), not a bad number
+            for key in ("aux_loss",) if acc.scaler is not None else ("aux_loss", "grad_norm"):
                 total = total + scalars[key] if key in scalars else total
             # one process: read as a number (the host sync the check needs anyway, without two more tensor ops)
             nonfinite = ~torch.isfinite(total) if acc.num_processes > 1 else not math.isfinite(total.item())
         else:  # the task stepped its optimizers itself, on the window's last micro-batch
             nonfinite = torch.tensor(task.context.window.nonfinite_steps > 0)
+            state.scaler_skips += task.context.window.scaler_skips
         # One check per step, the same decision on every process: a process that broke out of a collective alone
         # would leave the others waiting in it forever.
         flags = agree(acc, nonfinite, signal=self.signals.interrupted(), stop=stop_requested, save=self.clock.due())
         if flags.nonfinite:
+            if task.automatic_optimization and acc.scaler is not None:
+                acc.scaler.update()  # the clipping unscaled the gradients: without an update the next unscale raises
             skip_nonfinite_step(acc, self.model, self.optimizers, state, self.recipe)
             return StepOutcome(flags, skipped=True)
         if task.automatic_optimization:
-            for o in self.optimizers:
-                optimizer_step(acc, o.optimizer, o.scheduler, state)
+            overflow = acc.scaler is not None and not math.isfinite(scalars["grad_norm"])
+            step_optimizers(acc, self.optimizers, state, overflow)
         state.consecutive_nonfinite = 0
         state.step += 1
         state.tokens_seen += sum(task.count_units(b) for b in window) * acc.num_processes

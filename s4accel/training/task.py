@@ -102,11 +102,13 @@ def as_loaders(result, task: Task) -> Loaders:
 
 @dataclass
 class WindowStats:
-    """What a manual-optimisation task's `step` calls did in one accumulation window: each optimizer's gradient norm
-    and the updates skipped for non-finite gradients. The loop starts a new one per window and reads it after."""
+    """What a manual-optimisation task's `step` calls did in one accumulation window: each optimizer's gradient norm,
+    the updates skipped for non-finite gradients, and those fp16's GradScaler skipped (overflow). The loop starts a
+    new one per window and reads it after."""
 
     grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)
     nonfinite_steps: int = 0
+    scaler_skips: int = 0
 
 
 @dataclass
@@ -292,6 +294,9 @@ class Task:
             spec.optimizer.step()
             if not acc.optimizer_step_was_skipped:
                 spec.scheduler.step()
+        elif acc.scaler is not None:  # fp16's overflow: the scaler lowers its scale (the gradients were unscaled
+            acc.scaler.update()  # above: without an update the next unscale_ raises), and the update is skipped
+            window.scaler_skips += 1
         else:
             window.nonfinite_steps += 1
         spec.optimizer.zero_grad(set_to_none=True)
