@@ -179,10 +179,13 @@ def step_optimizers(accelerator, optimizers: list[TrainOptimizer], state: TrainS
         for o in optimizers:
             o.optimizer.step()
     else:
+        scale = scaler.get_scale()
         if not overflow:
             for o in optimizers:
                 scaler.step(o.optimizer.optimizer)  # the torch optimizer inside Accelerate's wrapper
         scaler.update()
+        # clipping by value clamps an infinite gradient: the scaler, which saw it when unscaling, still skipped
+        overflow = overflow or scaler.get_scale() < scale
     if overflow:
         state.scaler_skips += 1
     else:
