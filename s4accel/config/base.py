@@ -8,6 +8,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+IMPORT_TARGET = r"([A-Za-z_][\w.]*|[^:\s]+\.py):[A-Za-z_][\w.]*"
+"""What a recipe names to import (training/imports.py): `package.module:attr` or `path/to/file.py:attr`."""
+
 
 class Section(BaseModel):
     # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and an infinite lr or weight decay only shows up

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import did_you_mean as _did_you_mean
+from .base import IMPORT_TARGET
 from .base import Section as _Section
 
 
@@ -191,7 +192,7 @@ class CallbackCfg(_Section):
     @field_validator("target")
     @classmethod
     def _import_path(cls, target):
-        if not re.fullmatch(r"([A-Za-z_][\w.]*|[^:\s]+\.py):[A-Za-z_][\w.]*", target):
+        if not re.fullmatch(IMPORT_TARGET, target):
             raise ValueError(f"expected 'package.module:Class' or 'path/file.py:Class', got {target!r}")
         return target
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import did_you_mean as _did_you_mean
+from .base import IMPORT_TARGET
 from .base import Section as _Section
 
 TORCH_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "rmsprop", "nadam", "radam", "adamax", "adagrad",
@@ -72,7 +73,7 @@ class OptimCfg(_Section):
             raise ValueError(f"{name}: not a recipe's optimizer: {NOT_RECIPE_OPTIMIZERS[name.lower()]}")
         if name.lower() in TORCH_OPTIMIZERS:
             raise ValueError(f"torch.optim's names are in lower case here: {name.lower()!r}")
-        if not re.fullmatch(r"[^:\s]+:[A-Za-z_][\w.]*", name):
+        if not re.fullmatch(IMPORT_TARGET, name):
             raise ValueError(f"expected one of {', '.join(TORCH_OPTIMIZERS)}, or 'package.module:Class' or "
                              f"'path/file.py:Class', got {name!r}{_did_you_mean(name, TORCH_OPTIMIZERS)}")
         return name

@@ -19,6 +19,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import did_you_mean as _did_you_mean
+from .base import IMPORT_TARGET
 from .base import Section as _Section
 from .data_sections import DataCfg
 from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
@@ -185,7 +186,7 @@ class TaskCfg(_Section):
     @classmethod
     def _function_paths(cls, targets):
         for target in targets:
-            if not re.fullmatch(r"([A-Za-z_][\w.]*|[^:\s]+\.py):[A-Za-z_][\w.]*", target):
+            if not re.fullmatch(IMPORT_TARGET, target):
                 raise ValueError(f"expected 'package.module:function' or 'path/file.py:function', got {target!r}")
         return targets
 
