@@ -85,6 +85,30 @@ def test_wrong_type_and_bad_value_name_the_key(tmp_path):
                                                                                     "train.resume=always"])
 
 
+@pytest.mark.parametrize("value, seconds", [
+    ("90m", 5400), ("1h30m", 5400), ("1.5h", 5400), ("2d", 172800), ("1d12h", 129600), ("45s", 45),
+    ("'01:30:00'", 5400), ("1:30:00", 5400), ("'00:01:30:00'", 5400), ("1-12:00:00", 129600), ("'30:00'", 1800),
+    ("30:00", 1800), ("3600", 3600), ("2.5", 2.5), ("{hours: 1, minutes: 30}", 5400),
+])
+def test_max_time_reads_lightnings_slurms_and_unit_forms_as_seconds(value, seconds):
+    """Lightning's DD:HH:MM:SS and mapping, SLURM's --time forms (two fields are minutes:seconds, as YAML's base-60
+    numbers read them unquoted), units, or seconds; the recipe keeps what was written."""
+    train = load_recipe(TINY, [f"train.max_time={value}"]).train
+    assert train.max_time_s == seconds
+    assert load_recipe(TINY).train.max_time is None and load_recipe(TINY).train.max_time_s is None
+
+
+@pytest.mark.parametrize("value, said", [
+    ("soon", "expected a duration (e.g. 90m, 1h30m, 2d, 01:30:00, 1-12:00:00 or a number of seconds), got 'soon'"),
+    ("0", "expected a duration greater than 0"), ("-5m", "expected a duration"), ("true", "expected a duration"),
+    ("'1:75'", "minutes and seconds are below 60 in HH:MM:SS, got '1:75'"), ("1h30", "expected a duration"),
+    ("{hours: 1, weeks: 2}", "expected a mapping of days, hours, minutes and seconds to numbers"),
+])
+def test_a_wrong_max_time_is_one_line_naming_the_key(value, said):
+    msg = error_of(TINY, [f"train.max_time={value}"])
+    assert msg.startswith(f"{TINY}: train.max_time: ") and said in msg and "\n" not in msg
+
+
 def test_override_typo_is_caught_like_a_file_typo(tmp_path):
     assert "train.grad_acum: unknown key (did you mean 'grad_accum'?)" in error_of(TINY, ["train.grad_acum=2"])
 
@@ -256,6 +280,8 @@ def test_a_bad_model_override_is_reported_before_the_data_is_read(tmp_path):
                                      "in a recipe it is scheduler.warmup_ratio"),
     ("accumulate_grad_batches: 4\n", "accumulate_grad_batches: unknown key; accumulate_grad_batches is Lightning's "
                                      "name: in a recipe it is train.grad_accum"),
+    ("max_time: 00:12:00:00\n", "max_time: unknown key; max_time is Lightning's name: in a recipe it is "
+                                "train.max_time"),
 ])
 def test_a_trainer_or_lightning_name_is_answered_with_the_recipes_name_for_it(tmp_path, where, expected):
     """`eval_steps` used to get "did you mean 'max_steps'?", `learning_rate` the list of sections."""

@@ -92,6 +92,22 @@ def test_two_process_run_preempted_on_one_rank_resumes_bit_exactly(tmp_path, hf_
         assert all(torch.equal(ref[k], got[k]) for k in ref), name
 
 
+def test_two_process_run_out_of_time_on_one_rank_ends_on_both_at_the_same_step(tmp_path, hf_cache):
+    """train.max_time spent on rank 1's clock only (an hour passes there after step 3): both ranks end after step 4
+    with an evaluation and final/, and the checkpoint (the main process's counters) records the budget as spent."""
+    run_dir = tmp_path / "run"
+    proc = launch("-m", "s4accel", "train", TINY, "--set", f"run.out_dir={run_dir}", "--set", "train.max_steps=8",
+                  "--set", "train.max_time=1h", "--set", "train.eval_every=0", "--set", "log.progress_bar=false",
+                  "--set", "callbacks=[{target: 'testing_callbacks:TimePassesAt', args: {step: 3, seconds: 3600, "
+                  "rank: 1}}]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: 4 steps") == 1 and "(stopped early: train.max_time 1h reached)" in proc.stdout
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4]
+    state = torch.load(run_dir / "checkpoints" / "step_00000004" / "custom_checkpoint_1.pkl", weights_only=True)
+    assert state["train_seconds"] >= 3600
+    assert (run_dir / "final" / "model.safetensors").exists()
+
+
 def test_two_process_classifier_gathers_metrics_over_the_whole_test_split(tmp_path):
     """359 test sequences over 2 processes: gather_for_metrics drops the padded duplicate, so the accuracy the run
     reports equals the exported model's accuracy on the whole split, computed in one process."""

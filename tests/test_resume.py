@@ -75,6 +75,28 @@ def test_train_resume_auto_starts_fresh_then_the_same_call_continues_and_resume_
     assert_same_weights(reference, out)
 
 
+def test_max_time_ends_the_run_with_its_model_and_a_larger_budget_continues_it_exactly(reference, text, tmp_path):
+    """Lightning's max_time: the budget runs out during step 11 (an hour passes after step 10, counted without
+    waiting for it), and the run ends after that step as at max_steps: an evaluation, a checkpoint, final/. Resumed
+    with its budget spent, it is refused before anything is built; with a larger one it ends on the uninterrupted
+    run's weights."""
+    out = tmp_path / "run"
+    an_hour = callback_override("testing_callbacks:TimePassesAt", step=10, seconds=3600)
+    ended = train_in_process(TINY, short_epochs(text, out, "train.max_time=1h", an_hour))
+    assert ended.steps == 11 and not ended.preempted and ended.stop_reason == "train.max_time 1h reached"
+    assert ended.final_dir == out / "final" and (out / "final" / "model.safetensors").exists()
+    assert ended.checkpoint == out / "checkpoints" / "step_00000011"
+    assert [r["step"] for r in read_metrics(out) if "eval/loss" in r] == [8, 11]  # due at 8, then the last step
+    state = torch.load(ended.checkpoint / "custom_checkpoint_1.pkl", weights_only=True)
+    assert 3600 < state["train_seconds"] < 3600 + 300  # the hour, and the loop's own few seconds
+    with pytest.raises(ResumeError, match=r"^train.max_time 1h is spent: the run trained 1h[\dms]* to step 11; "
+                                          r"raise it to train on \(--set train.max_time=2h\)$"):
+        train_in_process(TINY, short_epochs(text, out, "train.max_time=1h"), resume="latest")
+    resumed = train_in_process(TINY, short_epochs(text, out, "train.max_time=01:30:00"), resume="latest")
+    assert resumed.steps == STEPS and resumed.stop_reason is None
+    assert_same_weights(reference, out)
+
+
 def test_resume_with_a_changed_recipe_is_refused_with_a_diff_unless_forced(reference, text, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)  # the reference stays as it is for the other tests

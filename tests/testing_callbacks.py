@@ -349,3 +349,15 @@ class CPUGradScaler(Callback):
     def on_train_end(self, run):
         if self.path:
             Path(self.path).write_text(str(self.scaler.get_scale()))
+
+
+class TimePassesAt(Callback):
+    """After optimizer step `step`, count `seconds` more of training time (`train.max_time`) on process `rank` (all
+    when None), as a slow step would, without waiting for them."""
+
+    def __init__(self, step: int, seconds: float, rank: int | None = None):
+        self.step, self.seconds, self.rank = step, seconds, rank
+
+    def on_step_end(self, run):
+        if run.state.step == self.step and self.rank in (None, run.accelerator.process_index):
+            run.state.train_seconds += self.seconds

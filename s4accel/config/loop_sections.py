@@ -11,6 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..errors import did_you_mean as _did_you_mean
 from .base import IMPORT_TARGET
 from .base import Section as _Section
+from .durations import duration_seconds
 
 
 class EMACfg(_Section):
@@ -69,6 +70,13 @@ class TrainCfg(_Section):
     """Passes over the training data. Worked out into optimizer steps once the data is built:
     ceil(max_epochs x batches per process and epoch / grad_accum), so every batch of the last pass is trained on (a
     window spanning the pass's end takes its missing micro-batches from the next pass). Not for a streamed source."""
+    max_time: str | float | dict[str, float] | None = None
+    """A training-time budget (Lightning's `max_time`): the run ends after the optimizer step during which it ran
+    out, as it does at `max_steps` (a last evaluation, `final/`; the last line says why), whichever comes first.
+    Counted over the training loop (steps, evaluations, checkpoints; not setup or export) and over resumes: a
+    resumed run has what is left, and a larger value continues a run that spent it (`--resume --set
+    train.max_time=4h`). Forms: `90m`, `1h30m`, `2d`, `HH:MM:SS`, `DD:HH:MM:SS`, SLURM's `D-HH:MM:SS`,
+    `{hours: 1, minutes: 30}` or a number of seconds."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step; the loss is normalised by the real token count of the whole window."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
@@ -141,6 +149,19 @@ class TrainCfg(_Section):
         if isinstance(data, dict) and data.get("max_steps") is None and data.get("max_epochs") is None:
             data = {**data, "max_steps": 1000}
         return data
+
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _a_duration(cls, value):
+        """Checked here, kept as written (the recipe shows `1h30m`, not 5400.0)."""
+        if value is not None:
+            duration_seconds(value)
+        return value
+
+    @property
+    def max_time_s(self) -> float | None:
+        """`max_time` in seconds (None: no budget)."""
+        return None if self.max_time is None else duration_seconds(self.max_time)
 
     @field_validator("eval_every", mode="before")
     @classmethod

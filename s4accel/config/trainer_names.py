@@ -28,6 +28,7 @@ TRAINER_NAMES: dict[str, tuple[str, str]] = {
     "max_steps": (BOTH, "train.max_steps"),
     "max_epochs": (PL, "train.max_epochs"),
     "num_train_epochs": (HF, "train.max_epochs"),
+    "max_time": (PL, "train.max_time"),
     "gradient_accumulation_steps": (HF, "train.grad_accum"),
     "accumulate_grad_batches": (PL, "train.grad_accum"),
     "fp16": (HF, "train.mixed_precision: fp16"),

@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from ..config import Recipe, load_recipe
+from ..config.durations import spoken
 from ..errors import RecipeError
 from .callbacks import EMA, CallbackList, EarlyStopping, KeepBest, RunContext, best_model, load_callback
 from .devices import context_parallel, graphs
@@ -29,18 +30,18 @@ from .devices.precision import convolution_line
 from .devices.zero import precision
 from .ending import finish
 from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
-from .observe.console import RUN_LOG, quiet_libraries
+from .observe.console import RUN_LOG, processes_line, quiet_libraries
 from .observe.metrics import Meter
 from .observe.profiling import Profile
 from .observe.tracking import check_tracker_kwargs, check_tracker_packages, check_tracker_stores, tracker_config
 from .runs.checkpoint import TrainState
 from .runs.preemption import StopSignals
-from .runs.resume import check_resumed_recipe, choose_checkpoint, recipe_hash, resume_from
+from .runs.resume import check_resumed_recipe, check_time_left, choose_checkpoint, recipe_hash, resume_from
 from .runs.run_dir import RunDir, with_version
 from .runs.run_lock import RunLock
 from .runs.world import World, launch_asked_for, move_to_world, plan_world_change
 from .setup import CPU, build_run, make_accelerator
-from .step import Stepper, agree, batch_stream, save_checked
+from .step import Stepper, TimeBudget, agree, batch_stream, save_checked
 from .task import Task, TrainOptimizer, load_task
 
 
@@ -124,7 +125,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
         run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
         # 3. The loop: one iteration per optimizer step.
-        step = Stepper(accelerator, model, task, optimizers, recipe, signals, layout)
+        step = Stepper(accelerator, model, task, optimizers, recipe, signals, layout,
+                       TimeBudget(recipe.train.max_time_s, state))
         batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                                partial(callbacks.on_epoch_end, run))
         meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
@@ -143,14 +145,13 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 callbacks.on_step_end(run)
                 if due(state.step, recipe.log.log_every, total):
                     meter.log(run, callbacks, optimizers, bar)  # the loop's only host sync besides the agreement
-                if eval_due():
+                if eval_due() or flags.out_of_time:  # due, or the run's last step: train.max_time is spent
                     eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics
                     task.on_validation_end()
                     flags = flags.merge(agree(accelerator, None, signal=signals.interrupted(),
                                               stop=run.stop_reason is not None))
-            # c. Stop when any process asks (a signal, a callback): every process takes this branch at the same step.
-            if flags.signal or flags.stop:
-                preempted, stop_reason = flags.signal, why_stopping(flags, signals, run)
+            # c. Stop when any process asks (a signal, a callback) or the time is spent: the same step on every one.
+            preempted, stop_reason = stop_decision(flags, signals, run, total)
             # d. Save: every `every_steps`, when due by time, and before stopping (an aborted window: its last step).
             if due(state.step, recipe.checkpoint.every_steps) or flags.save or stop_reason:
                 last_ckpt = save_checked(accelerator, model, run.run_dir, state.step, recipe)
@@ -197,6 +198,7 @@ def open_run(recipe: Recipe, resume: str | None, force: bool):
     if ckpt is not None:
         recipe, saved_world = plan_world_change(ckpt, recipe, PartialState().num_processes, force)
         changed = check_resumed_recipe(ckpt, recipe, force, batching_may_change=saved_world is not None)
+        check_time_left(ckpt, recipe)
         resuming = Resuming(ckpt, changed, saved_world)
     accelerator = make_accelerator(recipe, ckpt)
     layout = context_parallel.start(recipe, accelerator)  # which chunk of each sequence this process reads
@@ -277,10 +279,19 @@ def warn(accelerator, *notes: str | None) -> None:
             accelerator.print(f"warning: {note}")
 
 
-def why_stopping(flags, signals: StopSignals, run: RunContext) -> str:
+def stop_decision(flags, signals: StopSignals, run: RunContext, total: int) -> tuple[bool, str | None]:
+    """(preempted, why) when the agreed flags stop the run after this step, (False, None) to go on. Out of time, the
+    run ends as at max_steps (final/ is written), its counters at least at the limit whatever this process's clock
+    said, so that the checkpoint (which holds the main process's) records the budget as spent."""
     if flags.signal:
-        return f"received {signals.received or 'a stop signal on another process'}"
-    return run.stop_reason or "a callback on another process asked to stop"
+        return True, f"received {signals.received or 'a stop signal on another process'}"
+    if flags.stop:
+        return False, run.stop_reason or "a callback on another process asked to stop"
+    limit = run.recipe.train.max_time_s
+    if flags.out_of_time and run.state.step < total:
+        run.state.train_seconds = max(run.state.train_seconds, limit)
+        return False, f"train.max_time {spoken(limit)} reached"
+    return False, None
 
 
 def due(step: int, every: int, last: int | None = None) -> bool:
@@ -335,22 +346,6 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     if batches is not None and recipe.train.grad_accum > batches:
         warnings.warn(f"train.grad_accum={recipe.train.grad_accum} micro-batches are more than the {batches} batches "
                       f"of an epoch (per process): each optimizer step spans more than one epoch", stacklevel=3)
-
-
-def processes_line(accelerator) -> str:
-    """How the run is spread, in the words a user knows: `single process on cpu`, `DDP over 2 processes on cpu`,
-    `FSDP2 over 4 processes on cuda`, `DeepSpeed ZeRO-3 over 8 processes on cuda` (Accelerate's enum names, such as
-    `MULTI_CPU` or `NO`, say how it was launched, not what runs)."""
-    kind, n, device = accelerator.distributed_type, accelerator.num_processes, accelerator.device.type
-    if kind == DistributedType.NO:
-        return f"single process on {device}"
-    if kind == DistributedType.FSDP:
-        name = "FSDP2" if accelerator.is_fsdp2 else "FSDP"
-    elif kind == DistributedType.DEEPSPEED:
-        name = f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
-    else:  # MULTI_CPU, MULTI_GPU and the other accelerators' MULTI_*: DistributedDataParallel
-        name = {DistributedType.XLA: "XLA", DistributedType.MEGATRON_LM: "Megatron-LM"}.get(kind, "DDP")
-    return f"{name} over {n} process{'es' if n != 1 else ''} on {device}"
 
 
 @contextlib.contextmanager

@@ -198,24 +198,26 @@ def step_optimizers(accelerator, optimizers: list[TrainOptimizer], state: TrainS
 
 class Flags(NamedTuple):
     """What the processes agreed on at a step: some saw non-finite numbers, got a stop signal, have a callback
-    asking to stop, have a time-based save due."""
+    asking to stop, have a time-based save due, have spent `train.max_time`."""
 
     nonfinite: bool = False
     signal: bool = False
     stop: bool = False
     save: bool = False
+    out_of_time: bool = False
 
     def merge(self, other: Flags) -> Flags:
         return Flags(*(a or b for a, b in zip(self, other)))
 
 
-def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False, save=False) -> Flags:
+def agree(accelerator, nonfinite: torch.Tensor | None, signal=False, stop=False, save=False,
+          out_of_time=False) -> Flags:
     """The flags of any process, the same on every process, so none of them breaks out of a collective alone
-    (the others would wait in it forever).
+    (the others would wait in it forever; each process reads its own clock).
     One host sync for the non-finite check; one small all-reduce with several processes; nothing more on one."""
     if accelerator.num_processes == 1:
-        return Flags(bool(nonfinite) if nonfinite is not None else False, signal, stop, save)
-    flags = torch.tensor([0.0, signal, stop, save], device=accelerator.device)
+        return Flags(bool(nonfinite) if nonfinite is not None else False, signal, stop, save, out_of_time)
+    flags = torch.tensor([0.0, signal, stop, save, out_of_time], device=accelerator.device)
     if nonfinite is not None:
         flags[0] = nonfinite.float()
     return Flags(*(v > 0 for v in accelerator.reduce(flags, reduction="sum").tolist()))
@@ -307,6 +309,20 @@ class Clock:
         return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
+class TimeBudget:
+    """`train.max_time`: the loop's wall time added to `state.train_seconds` (what the run spent before, kept up to
+    date for the checkpoints), and whether that has reached the limit (never when None)."""
+
+    def __init__(self, limit_s: float | None, state: TrainState):
+        self.limit_s, self.state, self.last = limit_s, state, time.monotonic()
+
+    def spent(self) -> bool:
+        now = time.monotonic()
+        self.state.train_seconds += now - self.last
+        self.last = now
+        return self.limit_s is not None and self.state.train_seconds >= self.limit_s
+
+
 @dataclass
 class StepOutcome:
     flags: Flags
@@ -322,14 +338,17 @@ class StepOutcome:
 class Stepper:
     """One optimizer step per call: the micro-batch window (abandoned and rewound when a stop signal arrives in its
     middle), clipping, the agreement of every process (non-finite numbers, a stop signal, a callback asking to stop,
-    a save due by time), the non-finite skip, the update of every optimizer and its schedule, the counters."""
+    a save due by time, `train.max_time` spent), the non-finite skip, the update of every optimizer and its
+    schedule, the counters."""
 
-    def __init__(self, accelerator, model, task: Task, optimizers: list[TrainOptimizer], recipe, signals, layout=None):
+    def __init__(self, accelerator, model, task: Task, optimizers: list[TrainOptimizer], recipe, signals, layout=None,
+                 budget: TimeBudget | None = None):
         self.accelerator, self.model, self.task, self.optimizers = accelerator, model, task, optimizers
         self.split = layout.split if layout is not None else (lambda batch: batch)  # context parallelism's chunk
         self.recipe, self.cfg, self.signals = recipe, recipe.train, signals
         self.params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
         self.clock = Clock(recipe.checkpoint.every_minutes)  # time-based checkpoints
+        self.budget = budget
         self.graphs, self.graph_report = captures_graphs(accelerator), GraphReport(accelerator)
 
     def __call__(self, batches, state: TrainState, stop_requested: bool) -> StepOutcome:
@@ -359,7 +378,8 @@ class Stepper:
             state.scaler_skips += task.context.window.scaler_skips
         # One check per step, the same decision on every process: a process that broke out of a collective alone
         # would leave the others waiting in it forever.
-        flags = agree(acc, nonfinite, signal=self.signals.interrupted(), stop=stop_requested, save=self.clock.due())
+        flags = agree(acc, nonfinite, signal=self.signals.interrupted(), stop=stop_requested, save=self.clock.due(),
+                      out_of_time=self.budget is not None and self.budget.spent())
         if flags.nonfinite:
             if task.automatic_optimization and acc.scaler is not None:
                 acc.scaler.update()  # the clipping unscaled the gradients: without an update the next unscale raises

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import datasets
+from accelerate.utils import DistributedType
 from transformers.utils import logging as hf_logging
 
 from ...errors import S4AccelError
@@ -154,3 +155,19 @@ def append_to_log(run_dir: Path, line: str) -> None:
             f.write(line + "\n")
     except OSError:  # the run directory is gone or read-only: the console has the line
         pass
+
+
+def processes_line(accelerator) -> str:
+    """How the run is spread, in the words a user knows: `single process on cpu`, `DDP over 2 processes on cpu`,
+    `FSDP2 over 4 processes on cuda`, `DeepSpeed ZeRO-3 over 8 processes on cuda` (Accelerate's enum names, such as
+    `MULTI_CPU` or `NO`, say how it was launched, not what runs)."""
+    kind, n, device = accelerator.distributed_type, accelerator.num_processes, accelerator.device.type
+    if kind == DistributedType.NO:
+        return f"single process on {device}"
+    if kind == DistributedType.FSDP:
+        name = "FSDP2" if accelerator.is_fsdp2 else "FSDP"
+    elif kind == DistributedType.DEEPSPEED:
+        name = f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+    else:  # MULTI_CPU, MULTI_GPU and the other accelerators' MULTI_*: DistributedDataParallel
+        name = {DistributedType.XLA: "XLA", DistributedType.MEGATRON_LM: "Megatron-LM"}.get(kind, "DDP")
+    return f"{name} over {n} process{'es' if n != 1 else ''} on {device}"

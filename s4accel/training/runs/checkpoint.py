@@ -59,6 +59,8 @@ class TrainState:
     consecutive_nonfinite: int = 0
     scaler_skips: int = 0
     """fp16 steps the GradScaler skipped (overflow); they do not advance the learning-rate schedule."""
+    train_seconds: float = 0.0
+    """Wall time of the training loop so far, resumes included (what `train.max_time` counts)."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Stays the same across resumes: the identity of the run for trackers."""
     recipe_hash: str = ""

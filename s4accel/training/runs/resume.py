@@ -8,10 +8,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
 from ...config import Recipe, flatten
+from ...config.durations import spoken
 from ...errors import ResumeError
 from .checkpoint import TrainState, check_pickles, checkpoint_recipe, locate_checkpoint, move_aside
 from ..task import TrainOptimizer
@@ -20,7 +23,7 @@ from ..task import TrainOptimizer
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
                   "train.eval_every", "train.eval_max_batches", "train.resume", "task.metrics",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
-                  "train.peak_tflops",
+                  "train.peak_tflops", "train.max_time",
                   "hub.")
 
 
@@ -89,6 +92,26 @@ def check_resumed_recipe(ckpt: Path, recipe: Recipe, force: bool, batching_may_c
         raise ResumeError(f"the recipe differs from the one {ckpt} was trained with (resume with --force to accept):\n"
                           + "\n".join(f"  {line}" for line in diff))
     return diff
+
+
+def check_time_left(ckpt: Path, recipe: Recipe) -> None:
+    """A run resumed with its `train.max_time` spent is refused before anything is built: it would stop after one
+    more step. The loop's counters are read from the checkpoint as plain data (`weights_only`)."""
+    limit = recipe.train.max_time_s
+    if limit is None:
+        return
+    for path in sorted(ckpt.glob("custom_checkpoint_*.pkl")):
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # not this one's to judge: loading the checkpoint names a damaged file
+            continue
+        if isinstance(saved, dict) and {"run_id", "recipe_hash", "step"} <= saved.keys():  # TrainState
+            spent = float(saved.get("train_seconds", 0.0))
+            if spent >= limit:
+                raise ResumeError(f"train.max_time {spoken(limit)} is spent: the run trained {spoken(spent)} to "
+                                  f"step {saved['step']}; raise it to train on (--set "
+                                  f"train.max_time={spoken(limit + max(3600.0, limit))})")
+            return
 
 
 FIXED_ON_RESUME = ("run.seed", "model.", "task.target", "train.state.", "data.tokenizer", "data.vocab_size")
