@@ -7,13 +7,14 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .errors import RecipeError, S4AccelError
-from .tools.command_line import bare_resume_to_latest, readable_help
+from .tools.command_line import bare_fast_dev_run, bare_resume_to_latest, readable_help
 from .tools.launcher import continue_command, report_to_launcher
 
 # rich_markup_mode None: click's plain help, which rewraps each paragraph of a docstring (rich kept its line breaks,
@@ -56,8 +57,16 @@ ResumeOpt = Annotated[str | None, typer.Option(
 ForceOpt = Annotated[bool, typer.Option("--force", help="Resume even though training-relevant recipe fields changed.")]
 
 
+FastDevOpt = Annotated[int | None, typer.Option(
+    "--fast-dev-run", metavar="[N]", show_default=False,
+    help="Check the whole run end to end first (Lightning's fast_dev_run): N optimizer steps (alone: 1), an "
+         "evaluation of N validation batches, a checkpoint and the export, in a scratch directory deleted once they "
+         "pass; no trackers, no Hub push.")]
+
+
 @command()
-def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None, force: ForceOpt = False):
+def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None, force: ForceOpt = False,
+          fast_dev_run: FastDevOpt = None):
     """Train the model a recipe describes. Multi-process: accelerate launch -m s4accel train RECIPE.
 
     Every recipe key, with its type, default and meaning: docs/reference/recipe.md (`s4accel show RECIPE` prints a
@@ -70,8 +79,9 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
     resolved = load_recipe(recipe, overrides or [])
     from .tools.run import train as run_training
 
+    started = time.perf_counter()
     try:
-        result = run_training(resolved, resume=resume, force=force)
+        result = run_training(resolved, resume=resume, force=force, fast_dev_run=fast_dev_run)
     except KeyboardInterrupt:  # a second Ctrl-C, or a SIGTERM well after the first: stopped where it was
         if os.environ.get("RANK", "0") == "0":
             from .training.runs.checkpoint import latest_complete
@@ -84,8 +94,15 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         raise typer.Exit(130) from None
     if not result.is_main_process:
         return
+    from .training.evaluate import headline
     from .training.observe.console import append_to_log
 
+    if fast_dev_run is not None:
+        from .tools.fast_dev_run import passed_line
+
+        typer.echo(f"fast dev run stopped at step {result.steps} ({result.stop_reason})" if result.preempted else
+                   passed_line(result, time.perf_counter() - started, headline(result.eval_metrics)))
+        return
     if result.preempted:
         # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else;
         # under a launcher, the launcher's command resumes it on the same processes.
@@ -93,8 +110,6 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
                 f"continue with{where}: {command}")
     else:
-        from .training.evaluate import headline
-
         metrics = headline(result.eval_metrics)  # per-class scores and matrices are in the trackers
         why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
         rate = result.throughput
@@ -400,4 +415,5 @@ def models():
 
 def main(argv: list[str] | None = None):
     command = readable_help(typer.main.get_command(app))
-    command(args=bare_resume_to_latest(sys.argv[1:] if argv is None else argv), prog_name="s4accel")
+    argv = sys.argv[1:] if argv is None else argv
+    command(args=bare_fast_dev_run(bare_resume_to_latest(argv)), prog_name="s4accel")

@@ -282,6 +282,8 @@ def test_a_bad_model_override_is_reported_before_the_data_is_read(tmp_path):
                                      "name: in a recipe it is train.grad_accum"),
     ("max_time: 00:12:00:00\n", "max_time: unknown key; max_time is Lightning's name: in a recipe it is "
                                 "train.max_time"),
+    ("train: {fast_dev_run: true}\n", "train.fast_dev_run: unknown key; fast_dev_run is Lightning's name: not a "
+                                      "recipe key: s4accel train RECIPE --fast-dev-run [N] checks a run end to end"),
 ])
 def test_a_trainer_or_lightning_name_is_answered_with_the_recipes_name_for_it(tmp_path, where, expected):
     """`eval_steps` used to get "did you mean 'max_steps'?", `learning_rate` the list of sections."""

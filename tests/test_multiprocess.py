@@ -108,6 +108,18 @@ def test_two_process_run_out_of_time_on_one_rank_ends_on_both_at_the_same_step(t
     assert (run_dir / "final" / "model.safetensors").exists()
 
 
+def test_two_process_fast_dev_run_passes_and_leaves_nothing(tmp_path, hf_cache):
+    """Both processes check the run in the same scratch directory (DDP's gradients, the gathered evaluation, a
+    checkpoint of two processes, the export); the main process says so and deletes it."""
+    run_dir = tmp_path / "run"
+    proc = launch("-m", "s4accel", "train", TINY, "--fast-dev-run", "2", "--set", f"run.out_dir={run_dir}", "--set",
+                  "log.progress_bar=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DDP over 2 processes on cpu" in proc.stdout
+    assert proc.stdout.count("fast dev run passed in ") == 1 and "2 optimizer steps" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_two_process_classifier_gathers_metrics_over_the_whole_test_split(tmp_path):
     """359 test sequences over 2 processes: gather_for_metrics drops the padded duplicate, so the accuracy the run
     reports equals the exported model's accuracy on the whole split, computed in one process."""

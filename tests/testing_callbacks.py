@@ -361,3 +361,10 @@ class TimePassesAt(Callback):
     def on_step_end(self, run):
         if run.state.step == self.step and self.rank in (None, run.accelerator.process_index):
             run.state.train_seconds += self.seconds
+
+
+class FailsOnSave(Callback):
+    """Raises when a checkpoint is written (a bug a real run meets only at its first checkpoint, maybe hours in)."""
+
+    def on_save(self, run, path):
+        raise RuntimeError(f"cannot save alongside {path.name}")

@@ -79,6 +79,7 @@ TRAINER_NAMES: dict[str, tuple[str, str]] = {
     "push_to_hub": (HF, "hub.push_at_end"),
     "hub_model_id": (HF, "hub.repo_id"),
     "hub_private_repo": (HF, "hub.private"),
+    "fast_dev_run": (PL, "not a recipe key: s4accel train RECIPE --fast-dev-run [N] checks a run end to end"),
     "devices": (PL, LAUNCHER),
     "num_nodes": (PL, "the launcher decides it: accelerate launch --num_machines N"),
     "strategy": (PL, "the launcher decides it: accelerate launch --config_file accelerate_configs/fsdp.yaml (or "
@@ -95,4 +96,6 @@ def trainer_hint(key: str) -> str | None:
     whose, recipe = found
     if recipe.startswith("the launcher"):
         return f"{key} is {whose} name: not a recipe key, {recipe}"
+    if recipe.startswith("not a recipe key"):
+        return f"{key} is {whose} name: {recipe}"
     return f"{key} is {whose} name: in a recipe it is {recipe}"

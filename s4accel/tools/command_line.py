@@ -1,4 +1,4 @@
-"""How the `s4accel` command line reads: its help as a user reads it, and a bare `--resume`."""
+"""How the `s4accel` command line reads: its help as a user reads it, a bare `--resume` and `--fast-dev-run`."""
 
 from __future__ import annotations
 
@@ -39,4 +39,15 @@ def bare_resume_to_latest(argv: list[str]) -> list[str]:
         if arg == "--resume" and (nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml"))
                                   or (Path(nxt) / "recipe.yaml").is_file()):
             out[i] = "--resume=latest"
+    return out
+
+
+def bare_fast_dev_run(argv: list[str]) -> list[str]:
+    """A bare `--fast-dev-run` (not followed by a number) is `--fast-dev-run=1`, as Lightning's `fast_dev_run=True`
+    is one batch."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        nxt = out[i + 1] if i + 1 < len(out) else None
+        if arg == "--fast-dev-run" and not (nxt is not None and nxt.lstrip("-").isdigit()):
+            out[i] = "--fast-dev-run=1"
     return out

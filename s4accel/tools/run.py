@@ -8,14 +8,25 @@ from pathlib import Path
 from ..config import Recipe, load_recipe
 from ..training import TrainResult
 from ..training import train as train_loop
+from .fast_dev_run import fast_dev_recipe, remove_scratch
 from .hub import push_run
 
 
 def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (), resume: str | None = None,
-          force: bool = False) -> TrainResult:
+          force: bool = False, fast_dev_run: int | None = None) -> TrainResult:
     """Train the model a recipe describes (`s4accel.training.train`), then push it to the Hub if the recipe says so.
-    Works under `accelerate launch`."""
+    Works under `accelerate launch`.
+
+    fast_dev_run: instead, check the run end to end (Lightning's `fast_dev_run`): N optimizer steps, an evaluation of
+        N validation batches, a checkpoint and the export, in a scratch directory deleted once they pass
+        (`tools/fast_dev_run.py`); the recipe's run directory is not touched. The result's paths are None."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
+    if fast_dev_run is not None:
+        result = train_loop(fast_dev_recipe(recipe, fast_dev_run, resume))
+        if result.is_main_process:  # passed, or stopped by Ctrl-C: nothing to keep (an error leaves its train.log)
+            remove_scratch(result.run_dir)
+        result.final_dir = result.checkpoint = result.best = None
+        return result
     result = train_loop(recipe, resume=resume, force=force)
     hub = recipe.hub
     if hub.push_at_end and result.final_dir is not None and result.is_main_process:
