@@ -75,6 +75,19 @@ def test_train_resume_auto_starts_fresh_then_the_same_call_continues_and_resume_
     assert_same_weights(reference, out)
 
 
+def test_a_run_stopped_during_its_last_evaluation_evaluates_when_resumed(reference, text, tmp_path):
+    """The signal after the last step cuts its evaluation short and the checkpoint holds the finished training: the
+    resumed run has no step left to take, and still ends with that evaluation (as the uninterrupted run did)."""
+    out = tmp_path / "run"
+    cut = train_in_process(TINY, short_epochs(text, out, callback_override("testing_callbacks:SignalAt", step=STEPS)))
+    evals = lambda run: [(r["step"], r["eval/loss"]) for r in read_metrics(run) if "eval/loss" in r]
+    assert cut.preempted and cut.steps == STEPS and [step for step, _ in evals(out)] == [8, 16]
+    resumed = train_in_process(TINY, short_epochs(text, out), resume="latest")
+    assert resumed.steps == STEPS and resumed.final_dir == out / "final"
+    assert evals(out) == evals(reference) and resumed.eval_metrics["loss"] == evals(reference)[-1][1]
+    assert_same_weights(reference, out)
+
+
 def test_max_time_ends_the_run_with_its_model_and_a_larger_budget_continues_it_exactly(reference, text, tmp_path):
     """Lightning's max_time: the budget runs out during step 11 (an hour passes after step 10, counted without
     waiting for it), and the run ends after that step as at max_steps: an evaluation, a checkpoint, final/. Resumed

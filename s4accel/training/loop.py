@@ -41,7 +41,7 @@ from .runs.run_dir import RunDir, with_version
 from .runs.run_lock import RunLock
 from .runs.world import World, launch_asked_for, move_to_world, plan_world_change
 from .setup import CPU, build_run, make_accelerator
-from .step import Stepper, TimeBudget, agree, batch_stream, save_checked
+from .step import Stepper, agree, batch_stream, save_checked
 from .task import Task, TrainOptimizer, load_task
 
 
@@ -116,17 +116,14 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     # 2. The checkpointed state, restored when resuming; what callbacks see of the run.
     state = restore(accelerator, resumed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
     signals = StopSignals()
-    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer,
-                      partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
-                              progress=recipe.log.progress_bar))
+    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer, val_dl, signals)
     with signals, frozen_setup_objects():  # from the trackers on, a SIGTERM is a request the next step answers
         callbacks.on_train_start(run)
         start_logging(accelerator, recipe, state, task, model, context.data, train_dl, layout)
         run_files.drop_replaced()  # the new run has started: the outputs it replaces go
 
         # 3. The loop: one iteration per optimizer step.
-        step = Stepper(accelerator, model, task, optimizers, recipe, signals, layout,
-                       TimeBudget(recipe.train.max_time_s, state))
+        step = Stepper(accelerator, model, task, optimizers, recipe, signals, layout, state)
         batches = batch_stream(accelerator, train_dl, state, partial(callbacks.on_epoch_start, run),
                                partial(callbacks.on_epoch_end, run))
         meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
@@ -157,6 +154,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                 last_ckpt = save_checked(accelerator, model, run.run_dir, state.step, recipe)
                 callbacks.on_save(run, last_ckpt)
                 step.clock.reset()
+        if resumed.checkpoint and state.step == total and not (eval_metrics or preempted):  # resumed at the end:
+            eval_metrics = evaluate_and_report(run, callbacks, bar) or eval_metrics  # the evaluation a stop cut short
     batches.close()  # ends a pass the last step completed (its on_epoch_end), as the next batch would have
     bar.close()
     result = TrainResult(run_dir=run.run_dir, final_dir=None, steps=state.step, eval_metrics=eval_metrics,
@@ -229,11 +228,14 @@ def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, st
 
 
 def run_context(accelerator, recipe: Recipe, task: Task, model, optimizers: list[TrainOptimizer], state: TrainState,
-                tokenizer, evaluate) -> RunContext:
-    """What callbacks (and the loop's logging) see of the run; `evaluate(model)` runs the validation split."""
+                tokenizer, val_dl, signals: StopSignals) -> RunContext:
+    """What callbacks (and the loop's logging) see of the run; `evaluate(model)` runs the validation split (cut
+    short by a stop signal)."""
+    evaluates = partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
+                        progress=recipe.log.progress_bar)
     return RunContext(accelerator=accelerator, model=model, optimizer=optimizers[0].optimizer,
                       scheduler=optimizers[0].scheduler, state=state, recipe=recipe, run_dir=recipe.run.dir,
-                      tokenizer=tokenizer, evaluate=evaluate, export=task.export, task=task, optimizers=optimizers)
+                      tokenizer=tokenizer, evaluate=evaluates, export=task.export, task=task, optimizers=optimizers)
 
 
 def progress_bar(accelerator, recipe: Recipe, total: int, initial: int) -> tqdm:

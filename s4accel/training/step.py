@@ -342,13 +342,13 @@ class Stepper:
     schedule, the counters."""
 
     def __init__(self, accelerator, model, task: Task, optimizers: list[TrainOptimizer], recipe, signals, layout=None,
-                 budget: TimeBudget | None = None):
+                 state: TrainState | None = None):
         self.accelerator, self.model, self.task, self.optimizers = accelerator, model, task, optimizers
         self.split = layout.split if layout is not None else (lambda batch: batch)  # context parallelism's chunk
         self.recipe, self.cfg, self.signals = recipe, recipe.train, signals
         self.params = [p for p in model.parameters() if p.requires_grad]  # what clipping sees, listed once
         self.clock = Clock(recipe.checkpoint.every_minutes)  # time-based checkpoints
-        self.budget = budget
+        self.budget = TimeBudget(recipe.train.max_time_s, state) if state is not None else None  # train.max_time
         self.graphs, self.graph_report = captures_graphs(accelerator), GraphReport(accelerator)
 
     def __call__(self, batches, state: TrainState, stop_requested: bool) -> StepOutcome:
