@@ -13,9 +13,51 @@ def test_a_signal_sets_the_flag_instead_of_killing(sig):
     before = signal.getsignal(sig)
     with StopSignals() as signals:
         assert signals.received is None
-        os.kill(os.getpid(), sig)
-        assert signals.received == sig.name
-    assert signal.getsignal(sig) is before
+    assert signal.getsignal(sig) is before  # no signal: the previous handler, as it was
+    handlers = {s: signal.getsignal(s) for s in StopSignals.SIGNALS}
+    try:
+        with StopSignals() as signals:
+            os.kill(os.getpid(), sig)
+            assert signals.received == sig.name
+    finally:  # (after a signal, repeats are swallowed a while: the next tests' signals are their own)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def test_repeats_of_the_stop_signal_right_after_the_loop_are_swallowed_and_later_ones_meet_the_old_handler(
+        monkeypatch):
+    """A worker whose launcher was SIGKILLed gets SIGTERM once per thread of the launcher: one arriving after the
+    loop saved and ended must not kill the process before it says where its checkpoint is (it did: the process
+    died of SIGTERM without its last line). After REPEAT_AFTER_S, a signal is a new one for the old handler."""
+    import time
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    got = []
+    handlers = {s: signal.getsignal(s) for s in StopSignals.SIGNALS}  # (an earlier test's may be anything)
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # right behind: the same request
+        clock[0] += 1.0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [] and signals.received == "SIGTERM"
+        clock[0] += StopSignals.REPEAT_AFTER_S
+        os.kill(os.getpid(), signal.SIGTERM)  # a new signal: the handler from before the run
+        assert got == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGTERM] * 2
+        with StopSignals():
+            os.kill(os.getpid(), signal.SIGINT)
+        clock[0] += StopSignals.REPEAT_AFTER_S
+        with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler again
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def test_a_second_ctrl_c_raises_keyboard_interrupt():

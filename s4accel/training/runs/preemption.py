@@ -8,12 +8,14 @@ SIGTERM (or SIGINT) that comes `REPEAT_AFTER_S` seconds or more after the first 
 where the loop never gets to check (a data read that never returns), which a first SIGTERM alone would leave running
 until the cluster's SIGKILL. A SIGTERM right behind the first signal is the same request delivered twice (a cluster
 signals every process of the job and the launcher forwards it again; after Ctrl-C the launcher sends SIGTERM) and
-only records it, so the preemption checkpoint is still written. The last complete checkpoint is kept either way.
+only records it, so the preemption checkpoint is still written; so does one right behind it once the loop has
+ended, until the process has said where the checkpoint is. The last complete checkpoint is kept either way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -54,9 +56,23 @@ class StopSignals:
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # After a stop signal, more of the same request may still be on their way, and the process must live to
+            # say where its checkpoint is: a worker whose launcher was killed gets SIGTERM once for each thread of
+            # the launcher that dies (Linux sends the parent-death signal each time it moves the orphan on to the
+            # next thread). Those are swallowed for REPEAT_AFTER_S; a later signal meets the previous handler.
+            signal.signal(s, handler if self.received is None else functools.partial(self._after, handler))
         self._previous = {}
         return False
+
+    def _after(self, previous, signum, frame):
+        if time.monotonic() - self._first_at < self.REPEAT_AFTER_S:
+            return
+        previous = signal.SIG_DFL if previous is None else previous
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # its default action, now that the default is back
 
 
 def sigterm_when_the_launcher_dies() -> None:
