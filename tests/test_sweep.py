@@ -2,13 +2,17 @@
 its values checked before the first trial, the study kept so that a stopped sweep continues."""
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
-from helpers import TESTS_ON_PATH, TINY, read_metrics, run_cli, sets
+from helpers import REPO, TESTS_ON_PATH, TINY, read_metrics, run_cli, sets
 from s4accel.config import load_recipe
 from s4accel.errors import RecipeError
-from s4accel.tools.sweep import check_sweep, sweep_dir
+from s4accel.tools import sweep as sweeps
+from s4accel.tools.sweep import check_sweep, sampler_for, sweep_dir
 
 GRID = "sweep={trials: 3, sampler: grid, params: {optim.lr: [3.0e-3, 1.0e-3, 1.0e-9]}, prune: {after_trials: 2}}"
 
@@ -45,7 +49,8 @@ def test_a_wrong_sweep_section_is_one_line_naming_the_key(sweep, said):
     ("{data.batch_size: {low: 0, high: 8}}", "sweep.params.data.batch_size: the value 0 is not one the recipe "
                                              "takes: data.batch_size: Input should be greater than or equal to 1"),
     ("{model.overrides.d_modell: [32]}", "sweep.params.model.overrides.d_modell: the value 32 is not one the "
-                                         "recipe takes: model.overrides: unknown key 'd_modell' (did you mean 'd_model'?)"),
+                                         "recipe takes: model.overrides: unknown key 'd_modell' (did you mean "
+                                         "'d_model'?)"),
 ])
 def test_every_value_a_sweep_names_is_checked_as_the_trial_will_be_before_the_first_trial(params, said):
     with pytest.raises(RecipeError) as info:
@@ -94,7 +99,8 @@ def test_a_sweep_stopped_mid_trial_continues_that_trial_from_its_checkpoint(tmp_
     """The first trial is stopped by SIGTERM after step 5 (what Ctrl-C or a scheduler does); the sweep says how to
     continue and exits 130. The same command resumes that trial from its checkpoint, then runs the next."""
     run = tmp_path / "run"
-    stop = f"callbacks=[{{target: 'testing_callbacks:SignalOnceAt', args: {{step: 5, marker: '{tmp_path / 'once'}'}}}}]"
+    once = tmp_path / "once"
+    stop = f"callbacks=[{{target: 'testing_callbacks:SignalOnceAt', args: {{step: 5, marker: '{once}'}}}}]"
     items = sets(f"run.out_dir={run}", "sweep={trials: 2, sampler: random, params: {optim.lr: {low: 1.0e-3, high: "
                  "1.0e-2, log: true}}, prune: null}", "train.max_steps=10", "train.eval_every=10", "log.log_every=1",
                  stop)
@@ -115,3 +121,67 @@ def test_a_sweep_stopped_mid_trial_continues_that_trial_from_its_checkpoint(tmp_
     assert [r["step"] for r in read_metrics(home / "trial_0000") if "train/loss" in r] == list(range(1, 11))
     assert done.stdout.strip().splitlines()[-1].startswith("best of 2 complete trial(s)")
     assert json.loads(json.dumps(load_recipe(home / "best.yaml").to_dict()))["sweep"] is None
+
+
+def test_each_trial_number_samples_with_its_own_seed_so_sweeps_sharing_a_study_try_different_values():
+    """One seeded sampler per sweep command would give two commands sharing a study the same values."""
+    import optuna
+
+    recipe = load_recipe(TINY, ["sweep={params: {optim.lr: {low: 1.0e-4, high: 1.0e-2, log: true}}}"])
+
+    def first(number):
+        study = optuna.create_study(sampler=sampler_for(recipe.sweep, recipe, number))
+        return study.ask().suggest_float("optim.lr", 1e-4, 1e-2, log=True)
+
+    assert first(0) == first(0) and first(1) == first(1) and first(0) != first(1)
+
+
+@pytest.mark.slow
+def test_each_trial_can_train_on_the_processes_of_a_launch_config_and_is_pruned_on_all_of_them(tmp_path):
+    config = tmp_path / "two.yaml"
+    config.write_text((REPO / "accelerate_configs" / "cpu_2proc.yaml").read_text() + "main_process_port: 0\n")
+    run = tmp_path / "run"
+    proc = run_cli("sweep", TINY, "--launch-config", config, *sets(
+        f"run.out_dir={run}", "sweep={trials: 2, sampler: grid, params: {optim.lr: [3.0e-3, 1.0e-9]}, prune: "
+        "{after_trials: 1}}", "train.max_steps=8", "train.eval_every=4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [line for line in proc.stdout.splitlines() if " -> " in line]
+    assert ended[0].startswith("trial 0: optim.lr=0.003 -> loss ")
+    assert ended[1].startswith("trial 1: optim.lr=1e-09 -> pruned at step 4 (loss ")
+    home = tmp_path / "run-sweep"
+    for trial in ("trial_0000", "trial_0001"):
+        assert "DDP over 2 processes on cpu" in (home / trial / "train.log").read_text()
+    assert (home / "trial_0001" / "train.log").read_text().count("pruned by the sweep") == 1
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_with_its_machine_leaves_its_trial_saved_and_the_next_sweep_resumes_it(tmp_path, monkeypatch):
+    """SIGKILL to the sweep (its machine lost): the trial it ran is told to stop (it saves a checkpoint rather than
+    train on unwatched), the study hears no more from it, and the next sweep resumes it from that checkpoint once it
+    has been silent for three heartbeats (1 s each here)."""
+    run = tmp_path / "run"
+    items = [f"run.out_dir={run}", "sweep={trials: 1, params: {optim.lr: [3.0e-3]}, prune: null}",
+             "train.max_steps=300", "checkpoint.every_steps=1", "checkpoint.keep_last=1", "log.progress_bar=false"]
+    sweep = subprocess.Popen([sys.executable, "-m", "s4accel", "sweep", str(TINY), *sets(*items)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    trial = tmp_path / "run-sweep" / "trial_0000"
+    deadline = time.monotonic() + 120
+    while not list((trial / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sweep.kill()
+    sweep.wait()
+    log = trial / "train.log"
+    while not log.read_text().strip().splitlines()[-1].startswith("stopped at step") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("stopped at step"), log.read_text()
+    stopped_at = int(last.split()[3])
+    assert stopped_at < 300  # it stopped when the sweep died, with a checkpoint
+
+    monkeypatch.setattr(sweeps, "HEARTBEAT_S", 1)
+    time.sleep(3.5)
+    lines = []
+    sweeps.run_sweep(TINY, items, echo=lines.append)
+    assert lines[0] == f"trial 1 (trial 0 resumed): optim.lr=0.003; training in {trial}"
+    assert f"resumed from {trial / 'checkpoints' / f'step_{stopped_at:08d}'} at step {stopped_at}" in log.read_text()
+    assert lines[-1].startswith("best of 1 complete trial(s): trial 1, loss ")

@@ -119,6 +119,7 @@ def _run_sweep(recipe_path: Path, overrides: list[str], launch_config: str | Non
             taken = [t.params for t in trials if "continues" not in t.user_attrs]
             study.enqueue_trial(next(p for p in grid if p not in taken))
         trial = study.ask()
+        study.sampler = sampler_for(cfg, recipe, trial.number)  # Optuna samples at suggest_*, with study.sampler
         values = {key: suggest(trial, key, space) for key, space in cfg.params.items()}
         run_dir = Path(trial.user_attrs.get("run_dir", home / f"trial_{trial.number:04d}"))
         trial.set_user_attr("run_dir", str(run_dir))
@@ -144,9 +145,7 @@ def open_study(home: Path, recipe: Recipe, cfg: SweepCfg):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(f"sqlite:///{home / 'study.db'}", heartbeat_interval=HEARTBEAT_S,
                                          grace_period=3 * HEARTBEAT_S)
-    seed = cfg.seed if cfg.seed is not None else recipe.run.seed
-    sampler = optuna.samplers.TPESampler(seed=seed) if cfg.sampler == "tpe" else \
-        optuna.samplers.RandomSampler(seed=seed)  # a grid: each combination is queued, then taken as it is
+    sampler = sampler_for(cfg, recipe, 0)
     pruner = optuna.pruners.NopPruner() if cfg.prune is None else optuna.pruners.MedianPruner(
         n_startup_trials=cfg.prune.after_trials, n_warmup_steps=cfg.prune.after_steps)
     direction = "minimize" if cfg.mode == "min" else "maximize"
@@ -160,6 +159,18 @@ def open_study(home: Path, recipe: Recipe, cfg: SweepCfg):
         raise RecipeError(f"sweep.mode: {cfg.mode}, but the study in {home / 'study.db'} was run to "
                           f"{study.direction.name.lower()}; give this sweep another run.name or run.out_dir")
     return study, storage
+
+
+def sampler_for(cfg: SweepCfg, recipe: Recipe, number: int):
+    """The sampler of trial `number`, seeded by the sweep's seed and the number: the same study samples the same
+    values again, and two sweep commands sharing a study do not sample the same values for their next trials (one
+    seeded sampler in each would)."""
+    import optuna
+
+    seed = (cfg.seed if cfg.seed is not None else recipe.run.seed) + 100_003 * number
+    if cfg.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    return optuna.samplers.RandomSampler(seed=seed)  # a grid: each combination is queued, then taken as it is
 
 
 def suggest(trial, key: str, space):
