@@ -92,6 +92,9 @@ def test_a_grid_sweep_trains_each_value_prunes_the_one_behind_and_writes_the_bes
     assert not run.exists()  # the trials train in the sweep's folder
     again = run_cli("sweep", TINY, *sets(f"run.out_dir={run}", GRID, "train.max_steps=12", "train.eval_every=4"))
     assert again.returncode == 0 and again.stdout.strip() == last  # the study is done: no new trial
+    # a trial is a run like any other: trained on by hand, it reports to no one (its trial in the study has ended)
+    more = run_cli("train", home / "trial_0000", "--resume", "--force", *sets("train.max_steps=16"))
+    assert more.returncode == 0 and "done: 16 steps" in more.stdout, more.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -121,6 +124,15 @@ def test_a_sweep_stopped_mid_trial_continues_that_trial_from_its_checkpoint(tmp_
     assert [r["step"] for r in read_metrics(home / "trial_0000") if "train/loss" in r] == list(range(1, 11))
     assert done.stdout.strip().splitlines()[-1].startswith("best of 2 complete trial(s)")
     assert json.loads(json.dumps(load_recipe(home / "best.yaml").to_dict()))["sweep"] is None
+
+
+def test_a_run_directory_is_swept_from_its_recipe_file(tmp_path, monkeypatch):
+    """Read as a run directory, the recipe would keep every trial in that directory whatever run.out_dir says."""
+    (tmp_path / "recipe.yaml").write_text(TINY.read_text())
+    seen = []
+    monkeypatch.setattr(sweeps, "_run_sweep", lambda path, *rest: seen.append(path))
+    sweeps.run_sweep(tmp_path)
+    assert seen == [tmp_path / "recipe.yaml"]
 
 
 def test_each_trial_number_samples_with_its_own_seed_so_sweeps_sharing_a_study_try_different_values():

@@ -85,7 +85,10 @@ def run_sweep(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = 
         # Optuna marks the heartbeat experimental, and warns that it is meant for `optimize`: here the sweep beats
         # for each trial's process itself (run_trial)
         warnings.filterwarnings("ignore", message=".*(experimental|Heartbeat of storage)")
-        return _run_sweep(Path(recipe_path), list(overrides), launch_config, echo)
+        recipe_path = Path(recipe_path)
+        if recipe_path.is_dir() and (recipe_path / "recipe.yaml").is_file():  # a run directory: its recipe, as a
+            recipe_path = recipe_path / "recipe.yaml"  # file (a run directory would keep every trial in it)
+        return _run_sweep(recipe_path, list(overrides), launch_config, echo)
 
 
 def _run_sweep(recipe_path: Path, overrides: list[str], launch_config: str | None, echo) -> list[Outcome]:

@@ -22,7 +22,12 @@ class ReportToStudy(Callback):
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             pruner = optuna.pruners.NopPruner() if self.prune is None else optuna.pruners.MedianPruner(
                 n_startup_trials=self.prune["after_trials"], n_warmup_steps=self.prune["after_steps"])
-            study = optuna.load_study(study_name=self.study_name, storage=self.storage, pruner=pruner)
+            try:
+                study = optuna.load_study(study_name=self.study_name, storage=self.storage, pruner=pruner)
+            except KeyError:  # the sweep's folder is gone: a trial's run trained again on its own
+                run.accelerator.print(f"warning: the sweep's study {self.study_name} is gone from {self.storage}; "
+                                      f"this run reports to no sweep")
+                return
             # A trial of a study in another process: Optuna's Trial over the id the sweep asked for (its
             # constructor is what study.optimize uses; there is no public handle for a trial run elsewhere).
             self.trial = optuna.trial.Trial(study, self.trial_id)
@@ -31,7 +36,13 @@ class ReportToStudy(Callback):
         if self.trial is None:
             return
         value, step = float(metrics[self.metric]), run.state.step
-        self.trial.set_user_attr("last_eval_step", step)
+        import optuna
+
+        try:
+            self.trial.set_user_attr("last_eval_step", step)
+        except optuna.exceptions.UpdateFinishedTrialError:  # a finished trial's run resumed by hand: not the sweep's
+            self.trial = None
+            return
         if not math.isfinite(value):
             return  # Optuna refuses it: the step without a value is what fails the trial, if it is the last
         self.trial.report(value, step)
