@@ -197,3 +197,19 @@ def test_a_sweep_killed_with_its_machine_leaves_its_trial_saved_and_the_next_swe
     assert lines[0] == f"trial 1 (trial 0 resumed): optim.lr=0.003; training in {trial}"
     assert f"resumed from {trial / 'checkpoints' / f'step_{stopped_at:08d}'} at step {stopped_at}" in log.read_text()
     assert lines[-1].startswith("best of 1 complete trial(s): trial 1, loss ")
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_one_line_with_its_log_and_the_sweep_goes_on(tmp_path):
+    """A trial whose run fails (here a callback's bug at step 2; out of memory at the largest batch, in life) is
+    counted as failed, said in one line with its log, and the next trial runs."""
+    run = tmp_path / "run"
+    bug = "callbacks=[{target: 'testing_callbacks:RaisesAt', args: {step: 2}}]"
+    proc = run_cli("sweep", TINY, *sets(f"run.out_dir={run}", "sweep={trials: 2, sampler: grid, params: {optim.lr: "
+                                        "[3.0e-3, 1.0e-3]}}", "train.max_steps=4", bug), env=TESTS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    home = tmp_path / "run-sweep"
+    ended = [line for line in proc.stdout.splitlines() if " -> " in line]
+    assert ended == [f"trial {i}: optim.lr={lr} -> failed: RuntimeError: a bug at step 2 (its log: "
+                     f"{home / f'trial_{i:04d}' / 'train.log'})" for i, lr in enumerate(("0.003", "0.001"))]
+    assert proc.stdout.strip().splitlines()[-1] == f"no trial completed; the study is {home / 'study.db'}"
