@@ -213,3 +213,30 @@ def test_a_failed_trial_is_one_line_with_its_log_and_the_sweep_goes_on(tmp_path)
     assert ended == [f"trial {i}: optim.lr={lr} -> failed: RuntimeError: a bug at step 2 (its log: "
                      f"{home / f'trial_{i:04d}' / 'train.log'})" for i, lr in enumerate(("0.003", "0.001"))]
     assert proc.stdout.strip().splitlines()[-1] == f"no trial completed; the study is {home / 'study.db'}"
+
+
+@pytest.mark.slow
+def test_a_grid_value_whose_trial_stopped_before_its_first_checkpoint_is_tried_again(tmp_path):
+    """Such a trial is not counted and cannot be resumed: its combination is still to do (the sweep took the next
+    untaken one and, once none was left, stopped on a StopIteration short of its trials)."""
+    import optuna
+
+    items = [f"run.out_dir={tmp_path / 'run'}", "sweep={trials: 2, sampler: grid, params: {optim.lr: [3.0e-3, "
+             "1.0e-3]}, prune: null}", "train.max_steps=4"]
+    recipe = load_recipe(TINY, items)
+    home = sweep_dir(recipe)
+    home.mkdir(parents=True)
+    study, _ = sweeps.open_study(home, recipe, recipe.sweep)
+    for lr, state in (("0.003", optuna.trial.TrialState.FAIL), ("0.001", optuna.trial.TrialState.COMPLETE)):
+        study.enqueue_trial({"optim.lr": lr})
+        trial = study.ask()
+        trial.suggest_categorical("optim.lr", ["0.003", "0.001"])
+        trial.set_user_attr("run_dir", str(home / f"trial_{trial.number:04d}"))
+        if state == optuna.trial.TrialState.FAIL:
+            trial.set_user_attr("stopped", "interrupted")  # before its first checkpoint: nothing to resume
+            study.tell(trial, state=state)
+        else:
+            study.tell(trial, 1.0)
+    lines = []
+    sweeps.run_sweep(TINY, items, echo=lines.append)
+    assert [line.split(" -> ")[0] for line in lines if " -> " in line] == ["trial 2: optim.lr=0.003"]

@@ -118,9 +118,11 @@ def _run_sweep(recipe_path: Path, overrides: list[str], launch_config: str | Non
             study.enqueue_trial(old.params, user_attrs={"continues": old.number, "run_dir": old.user_attrs["run_dir"]})
         elif len(counted) >= total:
             break
-        elif cfg.sampler == "grid":  # the next combination no trial has taken, in the order written
-            taken = [t.params for t in trials if "continues" not in t.user_attrs]
-            study.enqueue_trial(next(p for p in grid if p not in taken))
+        elif cfg.sampler == "grid":  # the next combination no counted trial has, in the order written
+            todo = [p for p in grid if p not in [t.params for t in counted]]
+            if not todo:
+                break
+            study.enqueue_trial(todo[0])
         trial = study.ask()
         study.sampler = sampler_for(cfg, recipe, trial.number)  # Optuna samples at suggest_*, with study.sampler
         values = {key: suggest(trial, key, space) for key, space in cfg.params.items()}
