@@ -27,7 +27,9 @@ from pathlib import Path
 from ..config import Recipe, load_recipe
 from ..config.sweep_sections import SweepCfg, SweepRange
 from ..errors import RecipeError
+from ..training.runs.checkpoint import latest_complete
 from ..training.runs.preemption import sigterm_when_the_launcher_dies
+from .sweep_report import pruner_for
 
 HEARTBEAT_S = 60
 """How often a running trial tells the study it is alive; one silent for 3 x this long was lost (its machine went
@@ -151,8 +153,7 @@ def open_study(home: Path, recipe: Recipe, cfg: SweepCfg):
     storage = optuna.storages.RDBStorage(f"sqlite:///{home / 'study.db'}", heartbeat_interval=HEARTBEAT_S,
                                          grace_period=3 * HEARTBEAT_S)
     sampler = sampler_for(cfg, recipe, 0)
-    pruner = optuna.pruners.NopPruner() if cfg.prune is None else optuna.pruners.MedianPruner(
-        n_startup_trials=cfg.prune.after_trials, n_warmup_steps=cfg.prune.after_steps)
+    pruner = pruner_for(cfg.prune.model_dump() if cfg.prune else None)
     direction = "minimize" if cfg.mode == "min" else "maximize"
     try:
         study = optuna.create_study(study_name=recipe.run.name, storage=storage, sampler=sampler, pruner=pruner,
@@ -267,7 +268,8 @@ def last_line(text: str) -> str:
 
 
 def has_checkpoint(run_dir: str | None) -> bool:
-    return run_dir is not None and any((Path(run_dir) / "checkpoints").glob("step_*"))
+    """Whether `--resume` would find a complete checkpoint there (a half-written one does not count)."""
+    return run_dir is not None and Path(run_dir).is_dir() and latest_complete(Path(run_dir)) is not None
 
 
 def described(values: dict) -> str:

@@ -20,8 +20,7 @@ class ReportToStudy(Callback):
             import optuna
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            pruner = optuna.pruners.NopPruner() if self.prune is None else optuna.pruners.MedianPruner(
-                n_startup_trials=self.prune["after_trials"], n_warmup_steps=self.prune["after_steps"])
+            pruner = pruner_for(self.prune)
             try:
                 study = optuna.load_study(study_name=self.study_name, storage=self.storage, pruner=pruner)
             except KeyError:  # the sweep's folder is gone: a trial's run trained again on its own
@@ -50,3 +49,13 @@ class ReportToStudy(Callback):
             self.trial.set_user_attr("pruned_at", step)
             run.request_stop(f"pruned by the sweep: eval {self.metric} {value:.4g} at step {step} is worse than the "
                              f"median of the earlier trials")
+
+
+def pruner_for(prune: dict | None):
+    """The recipe's `sweep.prune` as Optuna's pruner, the same in the sweep and in each trial (Optuna keeps no
+    pruner in the study: a trial loading it would get the default one)."""
+    import optuna
+
+    if prune is None:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=prune["after_trials"], n_warmup_steps=prune["after_steps"])
