@@ -4,6 +4,9 @@ the path (PYTHONPATH for subprocesses)."""
 import os
 import signal
 
+import torch
+
+from s4accel import Task, TaskData
 from s4accel.training.tasks_builtin import CausalLMTask
 
 
@@ -40,3 +43,26 @@ class RecordBatches(CausalLMTask):
         with open(self.recipe.run.dir / f"rows_{rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "rows": rows}) + "\n")
         return super().training_step(model, batch, step)
+
+
+class LineWithTrainSet(Task):
+    """A task of your own with an evaluation set it adds itself: a line fitted to noisy points, scored on the held-out
+    points and, as the set `train`, on the training points (how far it overfits)."""
+
+    metric_names = ("loss",)
+    eval_set_names = ("train",)
+
+    def build_data(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(96, 1, generator=g)
+        rows = [{"x": a, "y": 3 * a[0] + 0.1 * torch.randn((), generator=g)} for a in x]
+        return TaskData(rows[:64], rows[64:], eval_sets={"train": rows[:64]})
+
+    def build_model(self):
+        return torch.nn.Linear(1, 1)
+
+    def training_step(self, model, batch, step):
+        return torch.nn.functional.mse_loss(model(batch["x"])[:, 0], batch["y"])
+
+    def validation_step(self, model, batch):
+        return {"loss": (model(batch["x"])[:, 0] - batch["y"]) ** 2}

@@ -4,6 +4,7 @@ text (and the label), the tokenizer, the validation split, streaming, batching. 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -78,6 +79,27 @@ class SourceCfg(_Where):
         return self.files[0] if self.source == "files" else "shakespeare"
 
 
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""An evaluation set's name: its metrics are reported as `<name>/<metric>` (no `/` inside it)."""
+
+
+class EvalSetCfg(_Section):
+    """One more evaluation set (`data.eval_sets`): files of the data's own kinds, or another split of its source."""
+
+    files: list[str] = Field(default_factory=list)
+    """Files of the kinds `data.files` reads, with the same columns: documents (`.txt`, `.json`/`.jsonl`, `.csv`,
+    `.parquet`, `.arrow`), or for `source: arrays` one `.npz` (`x`, `y`) or `.csv` (label, then the values) file.
+    Relative paths are relative to the recipe's folder."""
+    split: str | None = None
+    """Another split of the data's source: `source: dataset` (e.g. `test`), or an LRA source (`val`, `test`)."""
+
+    @model_validator(mode="after")
+    def _one_place(self):
+        if bool(self.files) == (self.split is not None):
+            raise ValueError("give files (a non-empty list) or split, one of the two")
+        return self
+
+
 class DataCfg(_Where):
     source: Literal["shakespeare", "files", "dataset", "digits", "ucr", "arrays", "lra_listops", "lra_retrieval",
                     "lra_image", "lra_pathfinder"] = "shakespeare"
@@ -102,6 +124,12 @@ class DataCfg(_Where):
     val_split: str | None = None
     """A validation set of its own: this split of the same source (`source: dataset`), e.g. `validation`, `test`.
     LRA sources: `val` (the default) or `test` (the split the papers report)."""
+    eval_sets: dict[str, EvalSetCfg] = Field(default_factory=dict)
+    """More evaluation sets, evaluated with the validation set at every evaluation, each by name: `{news: {files:
+    [news.jsonl]}, test: {split: test}}`. Their metrics are `<name>/<metric>` (`news/loss`), logged as
+    `eval/news/loss` and named so in `checkpoint.best_metric`, `train.early_stopping.metric` and `sweep.metric`; the
+    validation set's keep their plain names. Each is read, tokenised and cut as the validation set is
+    (`train.eval_max_batches` too)."""
     ucr_name: str | None = None
     """With `source: ucr`: the set's name, e.g. `ACSF1`, `GunPoint` (its own TRAIN/TEST split is used)."""
     task: Literal["classification", "regression"] = "classification"
@@ -217,7 +245,30 @@ class DataCfg(_Where):
         if self.source not in TEXT_SOURCES and (self.streaming or self.val_files or self.label_field):
             raise ValueError(f"data.source {self.source!r}: streaming, val_files and label_field are for sources of "
                              f"documents")
+        for name, spec in self.eval_sets.items():
+            if problem := self._eval_set_problem(name, spec):
+                raise ValueError(f"data.eval_sets.{name}: {problem}")
         return self
+
+    def _eval_set_problem(self, name: str, spec: EvalSetCfg) -> str | None:
+        """What is wrong with one evaluation set, or None."""
+        if not EVAL_SET_NAME.fullmatch(name):
+            return ("a set's name is letters, digits, `_`, `.` or `-` (its metrics are `<name>/<metric>`), starting "
+                    "with a letter or digit")
+        if name.startswith("ema_") or name in ("precision", "recall"):
+            return (f"the name {name!r} would read as another metric's (`ema_*` are the EMA weights', "
+                    f"`precision/<class>` and `recall/<class>` a classifier's); pick another")
+        if spec.split is not None:
+            if self.source not in ("dataset", *LRA_SOURCES) or self.mixture:
+                return "split names a split of a single `source: dataset` or an LRA source; give files instead"
+            if self.source in LRA_SOURCES and spec.split not in LRA_SPLITS:
+                return f"LRA splits are {', '.join(LRA_SPLITS)}, not {spec.split!r}"
+        elif self.source in LRA_SOURCES:
+            return f"data.source {self.source!r} has its own splits: give split ({', '.join(LRA_SPLITS)})"
+        elif self.source in ("digits", "ucr"):
+            return (f"data.source {self.source!r} has no other data to evaluate on (files of your own: "
+                    f"source: arrays)")
+        return None
 
     @property
     def is_text(self) -> bool:

@@ -174,13 +174,17 @@ def _section_model(annotation) -> type[BaseModel] | None:
 def _fields_at(loc: tuple) -> list[str] | None:
     """Field names of the section a validation error's location points into (None past a free-form dict)."""
     model: Any = Recipe
+    keyed = False  # the part just read was a `dict[str, Section]` field: the next part is a key of it
     for part in loc:
-        if isinstance(part, int):
-            continue  # an item of a list of sections (callbacks)
-        model = _section_model(getattr(model.model_fields.get(part), "annotation", None))
+        if isinstance(part, int) or keyed:
+            keyed = False
+            continue  # an item of a list of sections (callbacks), a key of a dict of them (data.eval_sets)
+        annotation = getattr(model.model_fields.get(part), "annotation", None)
+        model = _section_model(annotation)
         if model is None:
             return None
-    return list(model.model_fields)
+        keyed = typing.get_origin(annotation) is dict
+    return None if keyed else list(model.model_fields)
 
 
 def _format_error(err: dict) -> str:

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 from .data_sections import TEXT_SOURCES
 
 FILE_KEYS = ("files", "val_files", "data_files", "path")
-"""Keys of `data` (and of each `data.mixture` item) naming files, globs or a folder."""
+"""Keys of `data` (and of each `data.mixture` item and `data.eval_sets` entry) naming files, globs or a folder."""
 ARRAY_ONLY = ("task", "normalize", "ucr_name")
 """Keys of `data` that only number sequences read (classification or regression, standardising, a UCR set)."""
 IMPORT_KEYS = (("task", "target"), ("task", "metrics"), ("model", "state_hook"), ("scheduler", "kwargs", "target"))
@@ -49,7 +49,10 @@ def anchor_paths(raw: dict, base: Callable[[tuple], Path | None]) -> None:
         file, _, attr = value.rpartition(":")
         return f"{_absolute(file, folder)}:{attr}"
 
-    for section in [("data",)] + [("data", "mixture", i) for i in range(len(_get(raw, ("data", "mixture")) or []))]:
+    eval_sets = _get(raw, ("data", "eval_sets"))
+    sections = [("data",), *(("data", "mixture", i) for i in range(len(_get(raw, ("data", "mixture")) or []))),
+                *(("data", "eval_sets", name) for name in (eval_sets if isinstance(eval_sets, dict) else ()))]
+    for section in sections:
         node = _get(raw, section)
         if isinstance(node, dict):
             for k in FILE_KEYS:

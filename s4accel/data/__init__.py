@@ -24,7 +24,7 @@ from pathlib import Path
 from ..config import DataCfg
 from .arrays import ArrayData, build_array_data, collate_arrays
 from .labelled import LabelledTextData, build_labelled_text, collate_labelled_text
-from .loaders import build_dataloaders, collate_fn, collate_isolated, collate_lm, lm_collate
+from .loaders import build_dataloaders, collate_fn, eval_loader, collate_isolated, collate_lm, lm_collate
 from .sources import clean_play, disk_full_error, shakespeare_files
 from .stateful_rows import stream_loader
 from .streaming import build_stream_data
@@ -104,5 +104,6 @@ def recipe_spec(cfg: DataCfg) -> tuple[dict, str | None]:
 
 __all__ = ["ArrayData", "LabelledTextData", "TextData", "build_array_data", "build_data", "build_dataloaders",
            "build_labelled_text", "build_text_data", "build_tokenizer", "clean_play", "collate_arrays", "collate_fn",
-           "collate_isolated", "collate_labelled_text", "collate_lm", "data_spec", "lm_collate", "recipe_spec",
-           "shakespeare_files", "stream_loader", "token_byte_and_char_counts", "tokenizer_fields", "tokenizer_spec", "vocab_extent"]
+           "collate_isolated", "collate_labelled_text", "collate_lm", "data_spec", "eval_loader", "lm_collate",
+           "recipe_spec", "shakespeare_files", "stream_loader", "token_byte_and_char_counts", "tokenizer_fields",
+           "tokenizer_spec", "vocab_extent"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import csv
 import gzip
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -45,6 +45,8 @@ class ArrayData:
     input_mean: list[float] | None = None
     """Each feature's mean over the training split (with `data.normalize`), for the model to standardise with."""
     input_std: list[float] | None = None
+    eval_sets: dict = field(default_factory=dict)
+    """`data.eval_sets` as datasets of the same kind, by name."""
 
     @property
     def n_train_tokens(self) -> int:  # time steps, for the run's summary line
@@ -121,7 +123,7 @@ def read_ucr(name: str):
     return x_tr, y_tr, x_te, y_te, classes
 
 
-def _read_csv(path: Path) -> np.ndarray:
+def _read_csv(path: Path, key: str = "data.files") -> np.ndarray:
     """Rows `label, v_1, ..., v_L` of numbers; anything else is a `DataError` naming the line."""
     try:
         table = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
@@ -133,17 +135,17 @@ def _read_csv(path: Path) -> np.ndarray:
         width = len(rows[0][1]) if rows else 0
         for i, row in rows:
             if len(row) != width:
-                raise DataError(f"data.files: {path}: line {i} has {len(row)} columns, line {rows[0][0]} has {width}")
+                raise DataError(f"{key}: {path}: line {i} has {len(row)} columns, line {rows[0][0]} has {width}")
             try:
                 [float(v) for v in row]
             except ValueError:
                 header = i == rows[0][0] and len(rows) > 1 and _numbers(rows[1][1])
                 hint = "; a header row? remove it" if header else \
                     "; labels and values must be numbers (label, v_1, ..., v_L)"
-                raise DataError(f"data.files: {path}: line {i} is not numbers ({','.join(row)!r}){hint}") from None
-        raise DataError(f"data.files: {path}: cannot be read as comma-separated numbers")
+                raise DataError(f"{key}: {path}: line {i} is not numbers ({','.join(row)!r}){hint}") from None
+        raise DataError(f"{key}: {path}: cannot be read as comma-separated numbers")
     if table.shape[1] < 2:
-        raise DataError(f"data.files: {path}: needs a label and at least one value per line; line 1 has "
+        raise DataError(f"{key}: {path}: needs a label and at least one value per line; line 1 has "
                         f"{table.shape[1]} column")
     return table
 
@@ -156,20 +158,20 @@ def _numbers(row: list[str]) -> bool:
         return False
 
 
-def _read_npz(path: Path) -> list:
+def _read_npz(path: Path, key: str = "data.files") -> list:
     """x, y, x_test, y_test (None where absent), never unpickling (an object array is refused)."""
     with np.load(path, allow_pickle=False) as z:  # never unpickle user files
         if "x" not in z or "y" not in z:
-            raise DataError(f"data.files: {path} needs arrays 'x' and 'y' (has: {', '.join(z.files)})")
+            raise DataError(f"{key}: {path} needs arrays 'x' and 'y' (has: {', '.join(z.files)})")
         arrays = []
         for key in ("x", "y", "x_test", "y_test"):
             try:
                 arrays.append(z[key] if key in z else None)
             except ValueError:  # "Object arrays cannot be loaded when allow_pickle=False"
-                raise DataError(f"data.files: {path}: array {key!r} holds Python objects; s4accel never unpickles "
+                raise DataError(f"{key}: {path}: array {key!r} holds Python objects; s4accel never unpickles "
                                 f"data files (save numbers: x float, y int or float)") from None
     if (arrays[2] is None) != (arrays[3] is None):
-        raise DataError(f"data.files: {path}: {'x_test needs y_test' if arrays[3] is None else 'y_test needs x_test'}")
+        raise DataError(f"{key}: {path}: {'x_test needs y_test' if arrays[3] is None else 'y_test needs x_test'}")
     return arrays
 
 
@@ -196,6 +198,16 @@ def _check_xy(x: np.ndarray, y: np.ndarray, where: str, suffix: str = "") -> np.
     return x if x.ndim == 3 else x[:, :, None]
 
 
+def _read_file(path: Path, key: str = "data.files") -> list:
+    """x, y, x_test, y_test of a `.npz` file, or x, y, None, None of a `.csv` one."""
+    if path.suffix == ".npz":
+        return _read_npz(path, key)
+    if path.suffix == ".csv":
+        table = _read_csv(path, key)
+        return [table[:, 1:], table[:, 0], None, None]
+    raise DataError(f"{key}: {path}: expected a .npz or .csv file")
+
+
 def read_arrays(files: list[str], task: str):
     paths = [Path(f) for f in files]
     for p in paths:
@@ -203,15 +215,7 @@ def read_arrays(files: list[str], task: str):
             raise DataError(f"data.files: no such file: {p}")
     if len(paths) > 2:
         raise DataError("data.files: give one file (train, with a held-out fraction) or two (train, test)")
-    arrays = []
-    for path in paths:
-        if path.suffix == ".npz":
-            arrays.append(_read_npz(path))
-        elif path.suffix == ".csv":
-            table = _read_csv(path)
-            arrays.append([table[:, 1:], table[:, 0], None, None])
-        else:
-            raise DataError(f"data.files: {path}: expected a .npz or .csv file")
+    arrays = [_read_file(path) for path in paths]
     x_tr, y_tr, x_te, y_te = arrays[0]
     x_tr = _check_xy(x_tr, y_tr, f"data.files: {paths[0]}")
     if len(paths) == 2:
@@ -278,25 +282,64 @@ def build_array_data(cfg: DataCfg) -> ArrayData:
         return datasets.Dataset.from_dict({"input_values": x if x.dtype == np.uint8 else x.astype(np.float32),
                                            "labels": np.asarray(y).astype(label_dtype)}).with_format("torch")
 
-    return ArrayData(dataset(x, y), dataset(x_te, y_te), d_input=x.shape[2],
-                     num_labels=1 if regression else len(classes), seq_len=x.shape[1], class_names=classes, **stats)
+    extra = {name: dataset(*read_eval_set(cfg, name, None if regression else classes, x.shape[1:]))
+             for name in cfg.eval_sets}
+    return ArrayData(dataset(x, y), dataset(x_te, y_te), d_input=x.shape[2], num_labels=1 if regression else
+                     len(classes), seq_len=x.shape[1], class_names=classes, eval_sets=extra, **stats)
 
 
 def read_lra_images(cfg: DataCfg):
     """An LRA image task's training split (`data.split`) and evaluation split (`data.val_split`)."""
-    def read(split):
-        if cfg.source == "lra_pathfinder":
-            return (*read_pathfinder(cfg.path, split, cfg.split_seed), ["0", "1"])
-        src = SourceCfg(source="dataset", path=cfg.path, name=cfg.name, revision=cfg.revision,
-                        data_files=cfg.data_files)  # read as `source: dataset` reads it
-        return read_image_dataset(src, split, cfg.split_seed, cfg.cache_dir)
-
-    x, y, classes = read(cfg.split)
-    x_te, y_te, _ = read(cfg.val_split)
+    x, y, classes = read_lra_split(cfg, cfg.split)
+    x_te, y_te, _ = read_lra_split(cfg, cfg.val_split)
     if y_te.max(initial=0) >= len(classes):
         raise DataError(f"data.val_split: class id {int(y_te.max())} of the evaluation split is not among the "
                         f"training split's {len(classes)} classes")
     return x, y, x_te, y_te, classes
+
+
+def read_lra_split(cfg: DataCfg, split: str):
+    """One split of an LRA image task: x, y and the class names."""
+    if cfg.source == "lra_pathfinder":
+        return (*read_pathfinder(cfg.path, split, cfg.split_seed), ["0", "1"])
+    src = SourceCfg(source="dataset", path=cfg.path, name=cfg.name, revision=cfg.revision,
+                    data_files=cfg.data_files)  # read as `source: dataset` reads it
+    return read_image_dataset(src, split, cfg.split_seed, cfg.cache_dir)
+
+
+def read_eval_set(cfg: DataCfg, name: str, classes: list[str] | None, shape: tuple) -> tuple:
+    """`data.eval_sets.<name>` as (x, y), read as the test split is: one file of `source: arrays` (a `.npz`'s `x`,
+    `y`, or a `.csv`), or a split of an LRA image task; labels as the training split's class ids (`classes`, None for
+    regression), sequences of the training split's (steps, features) `shape`."""
+    spec, key = cfg.eval_sets[name], f"data.eval_sets.{name}"
+    if spec.split is not None:  # the recipe allows a split only of the LRA sources here
+        x, y, _ = read_lra_split(cfg, spec.split)
+    else:
+        if len(spec.files) != 1:
+            raise DataError(f"{key}.files: give one .npz or .csv file (source arrays)")
+        path = Path(spec.files[0])
+        if not path.is_file():
+            raise DataError(f"{key}.files: no such file: {path}")
+        x, y = _read_file(path, f"{key}.files")[:2]
+        x = _check_xy(x, y, f"{key}.files: {path}")
+        labels = [_label_name(v) for v in y]
+    if x.shape[1:] != shape:
+        raise DataError(f"{key}: its sequences are {x.shape[1:]} (steps, features), the training split's {shape}")
+    if classes is None:
+        if np.asarray(y).dtype.kind not in "biuf":
+            raise DataError(f"{key}: data.task regression needs numeric targets")
+        return x, y
+    if spec.split is not None:  # class ids already, numbered as the training split's
+        _refuse_unknown(key, [int(v) for v in np.unique(y) if v >= len(classes)])
+        return x, y
+    index = {c: i for i, c in enumerate(classes)}
+    _refuse_unknown(key, sorted({v for v in labels if v not in index}))
+    return x, np.array([index[v] for v in labels], dtype=np.int64)
+
+
+def _refuse_unknown(key: str, unknown: list) -> None:
+    if unknown:
+        raise DataError(f"{key}: label(s) the training split lacks: {', '.join(map(str, unknown[:5]))}")
 
 
 def feature_stats(x: np.ndarray, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from ..config import DataCfg
 from ..errors import DataError
 from .progress import counted, tokenizing
 from .sources import load_source
+from .text import eval_set_documents
 from .tokenize import build_tokenizer, encode, token_dtype
 
 
@@ -32,6 +33,8 @@ class LabelledTextData:
     class_names: list[str]
     seq_len: int
     pad_token_id: int
+    eval_sets: dict = field(default_factory=dict)
+    """`data.eval_sets`, tokenised as the validation set is, by name."""
 
     @property
     def n_train_tokens(self) -> int:
@@ -42,28 +45,28 @@ class LabelledTextData:
         return int(sum(len(x) for x in self.val["input_ids"]))
 
 
-def label_names(train, val) -> tuple[list[str], dict]:
+def label_names(train, val, where: str = "validation") -> tuple[list[str], dict]:
     """The class names and a value -> id map, from a `ClassLabel` feature or the training set's sorted distinct
     values. Labels are all numbers or all strings (`1` and `"1"` would be two classes of one name), and the validation
-    set has no label the training set lacks (a class the model never trains on)."""
+    set (`val`, named `where` in errors) has no label the training set lacks (a class the model never trains on)."""
     feature = train.features["label"]
     if hasattr(feature, "names"):
         return list(feature.names), {i: i for i in range(len(feature.names))}
-    splits = {"training": list(train["label"]), "validation": list(val["label"])}
-    if any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in splits["training"] +
-           splits["validation"]):
+    splits = {"training": list(train["label"]), where: list(val["label"])}
+    if any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in splits["training"] + splits[where]):
         raise DataError("data.label_field: a label is missing (null) or NaN")
-    kinds = {where: {"strings" if isinstance(v, str) else "booleans" if isinstance(v, bool) else "numbers"
-                     for v in values} for where, values in splits.items()}
-    mixed = kinds["training"] | kinds["validation"]
+    kinds = {part: {"strings" if isinstance(v, str) else "booleans" if isinstance(v, bool) else "numbers"
+                    for v in values} for part, values in splits.items()}
+    mixed = kinds["training"] | kinds[where]
     if len(mixed) > 1:  # `true` beside 1 would be one class under two names, as "1" beside 1
-        said = ", ".join(f"{where}: {' and '.join(sorted(k))}" for where, k in kinds.items() if k)
+        said = ", ".join(f"{part}: {' and '.join(sorted(k))}" for part, k in kinds.items() if k)
         raise DataError(f"data.label_field: the labels mix {' and '.join(sorted(mixed))} ({said}); write every label "
                         f"one way")
     distinct = sorted(set(splits["training"]))
-    unknown = set(splits["validation"]) - set(distinct)
+    unknown = set(splits[where]) - set(distinct)
     if unknown:
-        raise DataError(f"data.label_field: the validation set has label(s) the training set lacks: "
+        said = "the validation set" if where == "validation" else where
+        raise DataError(f"data.label_field: {said} has label(s) the training set lacks: "
                         f"{', '.join(map(str, sorted(unknown)[:5]))}")
     names = [str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in distinct]
     return names, {v: i for i, v in enumerate(distinct)}
@@ -89,7 +92,11 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
             raise DataError(f"{len(docs)} documents are too few for data.val_fraction={cfg.val_fraction}")
         split = docs.train_test_split(test_size=n_val, seed=cfg.split_seed, shuffle=True)
         train, val = split["train"], split["test"]
+    extra = {name: eval_set_documents(cfg, name, label_field=cfg.label_field, doc_len=doc_len)
+             for name in cfg.eval_sets}
     names, index = label_names(train, val)
+    for name, docs in extra.items():  # a label the training set lacks is refused, as in the validation set
+        label_names(train, docs, f"data.eval_sets.{name}")
     if len(names) < 2:
         raise DataError(f"data.label_field: only one class ({names[0]!r}) in the labels: a classifier needs at least "
                         f"two")
@@ -113,7 +120,7 @@ def build_labelled_text(cfg: DataCfg, tokenizer_dir: Path | None = None) -> Labe
         return out.with_format("numpy")
 
     return LabelledTextData(prepare(train, "train"), prepare(val, "validation"), tokenizer, len(names), names,
-                            cfg.seq_len, tokenizer.pad_token_id)
+                            cfg.seq_len, tokenizer.pad_token_id, {name: prepare(d, name) for name, d in extra.items()})
 
 
 def collate_labelled_text(pad_token_id: int):

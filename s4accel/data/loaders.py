@@ -82,12 +82,18 @@ def build_dataloaders(cfg: DataCfg, data, seed: int, eval_max_batches: int | Non
         train_dl = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
                               collate_fn=collate, num_workers=cfg.num_workers,
                               generator=torch.Generator().manual_seed(seed))
-    if data.val is None or len(data.val) == 0:
-        raise DataError("the validation split is empty")
+    return train_dl, eval_loader(cfg, data.val, eval_max_batches, num_processes, collate)
+
+
+def eval_loader(cfg: DataCfg, val, eval_max_batches: int | None = None, num_processes: int = 1, collate=None,
+                what: str = "the validation split"):
+    """An evaluation set's loader: read in order, batches of `data.eval_batch_size`, its first `eval_max_batches`
+    batches per process when capped."""
+    if val is None or len(val) == 0:
+        raise DataError(f"{what} is empty")
     eval_bs = cfg.eval_batch_size or cfg.batch_size
-    val = data.val
     if eval_max_batches is not None:  # cut the dataset, not the loop: a prepared loader must run to its end
         keep = range(min(len(val), eval_max_batches * eval_bs * num_processes))
         val = val.select(keep) if hasattr(val, "select") else Subset(val, keep)
-    val_dl = DataLoader(val, batch_size=eval_bs, shuffle=False, collate_fn=collate, num_workers=cfg.num_workers)
-    return train_dl, val_dl
+    return DataLoader(val, batch_size=eval_bs, shuffle=False, collate_fn=collate or collate_fn(cfg),
+                      num_workers=cfg.num_workers)

@@ -64,7 +64,7 @@ from ..errors import DataError, ResumeError
 from .shuffle_buffer import ShuffleBuffer
 from .source_stream import Shards, SourceStream, Whole
 from .sources import load_source
-from .text import TextData, to_blocks, validation_documents
+from .text import TextData, eval_set_blocks, to_blocks, validation_documents
 from .tokenize import build_tokenizer
 
 
@@ -221,7 +221,8 @@ def build_stream_data(cfg: DataCfg, tokenizer_dir, seed: int, rank: int, world_s
              f"data.shuffle_buffer={cfg.shuffle_buffer} mixes its blocks only with the next {cfg.shuffle_buffer:,} "
              f"or so; split it into several files to have its parts read in a random order"
              for src, stream in zip(sources, streams) if cfg.shuffle_buffer and stream.num_shards == 1]
-    return TextData(train, val, tokenizer, None, len(val) * cfg.seq_len, notes=notes)
+    return TextData(train, val, tokenizer, None, len(val) * cfg.seq_len, notes=notes,
+                    eval_sets=eval_set_blocks(cfg, tokenizer))
 
 
 def _key(src) -> str:

@@ -6,6 +6,7 @@
       -> validation: a set of its own (`val_files`, `val_split`), or the last `val_fraction` of each source's blocks
          (the end of its last documents: for the built-in plays, whole plays the model never trains on)
       -> a mixture: the sources' blocks interleaved by weight, seeded (`datasets.interleave_datasets`)
+      -> more evaluation sets (`eval_sets`): each read and packed as a validation set of its own is
 
 With `data.streaming` the training blocks come from `streaming.py` instead, read and packed on the fly.
 """
@@ -43,6 +44,8 @@ class TextData:
     """Training tokens per source of a mixture (map-style), for the run's summary."""
     notes: list[str] = field(default_factory=list)
     """What the run should say about its data at the start, one line each."""
+    eval_sets: dict = field(default_factory=dict)
+    """`data.eval_sets`, each as packed blocks (map-style, also when training streams), by name."""
 
 
 def validation_documents(cfg: DataCfg, streaming: bool = False):
@@ -54,6 +57,27 @@ def validation_documents(cfg: DataCfg, streaming: bool = False):
     if cfg.val_split:
         return load_source(src, split=cfg.val_split, cache_dir=cfg.cache_dir, streaming=streaming)
     return None
+
+
+def eval_set_documents(cfg: DataCfg, name: str, **kwargs):
+    """The documents of `data.eval_sets.<name>`: files read as `data.val_files` are, or another split of the source
+    (`kwargs`: `load_source`'s, e.g. the label column)."""
+    spec, src = cfg.eval_sets[name], cfg.sources()[0]
+    if spec.files:
+        return load_source(src, files=spec.files, key=f"data.eval_sets.{name}.files", cache_dir=cfg.cache_dir,
+                           **kwargs)
+    return load_source(src, split=spec.split, cache_dir=cfg.cache_dir, **kwargs)
+
+
+def eval_set_blocks(cfg: DataCfg, tokenizer) -> dict:
+    """Each of `data.eval_sets` packed into blocks as the validation set is, by name."""
+    out = {}
+    for name in cfg.eval_sets:
+        out[name] = to_blocks(eval_set_documents(cfg, name), tokenizer, cfg.seq_len, cfg.num_proc, f" ({name})")
+        if len(out[name]) == 0:
+            raise DataError(f"data.eval_sets.{name}: the set makes no block of data.seq_len={cfg.seq_len} tokens; "
+                            f"add text or shorten seq_len")
+    return out
 
 
 def to_blocks(docs, tokenizer, seq_len: int, num_proc: int | None = None, desc: str = ""):
@@ -96,7 +120,8 @@ def build_text_data(cfg: DataCfg, tokenizer_dir: Path | None = None, seed: int =
         raise DataError(f"the validation set makes no block of data.seq_len={cfg.seq_len} tokens; add text or shorten "
                         f"seq_len")
     train, counts = mix(trains, sources, seed, cfg.seq_len)
-    return TextData(train, val, tokenizer, len(train) * cfg.seq_len, len(val) * cfg.seq_len, counts)
+    return TextData(train, val, tokenizer, len(train) * cfg.seq_len, len(val) * cfg.seq_len, counts,
+                    eval_sets=eval_set_blocks(cfg, tokenizer))
 
 
 def concatenate(parts):

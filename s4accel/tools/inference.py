@@ -44,10 +44,11 @@ def generate_text(ref: str | Path, prompt: str, max_new_tokens: int = 200, tempe
 
 
 def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: str | Path | None = None) -> dict:
-    """A saved model scored with the recipe's task: its metrics over the whole evaluation split (never capped by
-    `train.eval_max_batches`, so any number of processes gives the same numbers), or over `data` (a file or folder of
-    the same kind). A built-in task's model loads through the safe loader; a task of your own builds its model and
-    loads the folder's `model.safetensors` into it."""
+    """A saved model scored with the recipe's task: its metrics over the whole evaluation split and each of
+    `data.eval_sets` (`<name>/<metric>`; never capped by `train.eval_max_batches`, so any number of processes gives
+    the same numbers), or over `data` alone (a file or folder of the same kind). A built-in task's model loads
+    through the safe loader; a task of your own builds its model and loads the folder's `model.safetensors` into
+    it."""
 
     recipe = _scoring(recipe, data)
     model_dir = _resolve(ref, which, adapters=True)[0]
@@ -72,10 +73,11 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     accelerator = make_accelerator(recipe, trackers=False)  # the precision the run evaluated in
     with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
         run = build_run(recipe, accelerator, Path(tmp), task=task, model=trained, optimizers=False)
-    model, val_dl = accelerator.prepare(run.model, run.loaders.val)
+    evals = {"": run.loaders.val, **run.eval_loaders}  # the evaluation split, then data.eval_sets by name
+    model, *loaders = accelerator.prepare(run.model, *evals.values())
     del run
-    metrics = evaluate(accelerator, task, model, val_dl, progress=True)
-    del model, val_dl
+    metrics = evaluate(accelerator, task, model, dict(zip(evals, loaders)), progress=True)
+    del model, loaders
     finish(accelerator)
     return metrics
 
@@ -109,9 +111,9 @@ def _scoring(recipe: Recipe, data) -> Recipe:
             raise ModelError(f"--data: data.source {d.source!r} reads the LRA release's own splits; score its test "
                              f"split with --set data.val_split=test")
         if d.is_text:
-            new = d.model_copy(update={"val_files": [str(data)], "val_split": None})
+            new = d.model_copy(update={"val_files": [str(data)], "val_split": None, "eval_sets": {}})
         elif d.source == "arrays":
-            new = d.model_copy(update={"files": [d.files[0], str(data)]})
+            new = d.model_copy(update={"files": [d.files[0], str(data)], "eval_sets": {}})
         else:
             raise ModelError(f"--data: data.source {d.source!r} has its own test split; --data needs a source of "
                              f"files (documents, or source: arrays)")

@@ -109,7 +109,8 @@ def rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
             continue
         items = typing.get_args(annotation)
         if typing.get_origin(annotation) is dict and (ranged := next(
-                (a for a in typing.get_args(items[1]) if is_section(a)), None)):  # values: a section among others
+                (a for a in (items[1], *typing.get_args(items[1])) if is_section(a)), None)):  # values: a section,
+            # or a section among others
             out.append((key, type_name(annotation), default_text(field), docs.get(name, "")))
             out += rows(ranged, f"{key}.<key>")
             continue

@@ -20,13 +20,13 @@ from .task import Task
 
 @torch.no_grad()
 def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False, progress: bool = False,
-                  keep: tuple[str, ...] = ()) -> tuple[dict, int] | None:
+                  keep: tuple[str, ...] = (), desc: str = "eval") -> tuple[dict, int] | None:
     """Sum `per_sample(model, batch) -> {name: (B,) or (B, k)}` over the whole evaluation split on all processes:
     the rows go through `gather_for_metrics`, which drops the duplicates padding the last batch. Returns the sums
     (floats, or lists for (B, k) values) and the number of samples; the values named in `keep` come whole instead:
     every sample's, from all processes, as one CPU tensor of the dtype they were returned in (predictions and labels,
     for the metrics a sum cannot give). None when `abort()` (a stop signal) becomes true on any process, checked
-    before each batch. `progress`: a bar on the main process (it goes when done).
+    before each batch. `progress`: a bar on the main process, named `desc` (it goes when done).
 
     The training RNG streams come out untouched (each new DataLoader iterator draws a seed from the global RNG):
     how often a run evaluates, and whether an evaluation was cut short, never changes what training computes. A
@@ -38,7 +38,7 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False, p
         model.eval()
         totals, widths, kept = None, None, []
         try:
-            bar = tqdm(val_dl, desc="eval", leave=False, dynamic_ncols=True,
+            bar = tqdm(val_dl, desc=desc, leave=False, dynamic_ncols=True,
                        disable=not (progress and accelerator.is_main_process))
             for batch in bar:
                 if agree(accelerator, None, signal=abort()).signal:
@@ -68,15 +68,24 @@ def gathered_sums(accelerator, model, val_dl, per_sample, abort=lambda: False, p
     return sums, int(parts[-1])
 
 
-def evaluate(accelerator, task: Task, model, val_dl, abort=lambda: False, progress: bool = False) -> dict | None:
+def evaluate(accelerator, task: Task, model, loaders, abort=lambda: False, progress: bool = False) -> dict | None:
     """The task's metrics over the whole validation split, gathered over processes, and the recipe's own
-    (`task.metrics`) on the gathered predictions and labels; None if a stop cut it short."""
-    out = gathered_sums(accelerator, model, val_dl, task.validation_step, abort, progress, task.gathered)
-    if out is None:
-        return None
-    metrics = task.compute_metrics(*out)
-    say = lambda line: accelerator.print(f"warning: {line}")  # noqa: E731
-    return {**metrics, **recipe_metrics(metric_functions(task.recipe, task), out[0], metrics, say)}
+    (`task.metrics`) on the gathered predictions and labels; None if a stop cut it short. `loaders`: the validation
+    loader, or loaders by name, `""` the validation split's (plain metric names) and each more evaluation set's
+    (`data.eval_sets`: its metrics as `<name>/<metric>`), evaluated in that order."""
+    loaders = loaders if isinstance(loaders, dict) else {"": loaders}
+    functions = metric_functions(task.recipe, task)
+    out = {}
+    for name, loader in loaders.items():
+        sums = gathered_sums(accelerator, model, loader, task.validation_step, abort, progress, task.gathered,
+                             f"eval {name}" if name else "eval")
+        if sums is None:
+            return None
+        metrics = task.compute_metrics(*sums)
+        say = lambda line: accelerator.print(f"warning: {f'{name}: ' if name else ''}{line}")  # noqa: E731
+        metrics.update(recipe_metrics(functions, sums[0], metrics, say))
+        out.update({f"{name}/{k}" if name else k: v for k, v in metrics.items()})
+    return out
 
 
 def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
@@ -94,6 +103,14 @@ def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict |
     return metrics
 
 
+def eval_sets_note(data) -> str:
+    """The more evaluation sets of a run's data for its first line: ` + 2 eval sets (news 40, test 12 examples)`
+    (examples: packed blocks of text, documents, sequences)."""
+    sets = getattr(data, "eval_sets", None) or {}
+    sizes = ", ".join(f"{name} {len(ds):,}" for name, ds in sets.items())
+    return f" + {len(sets)} eval set{'s' if len(sets) > 1 else ''} ({sizes} examples)" if sets else ""
+
+
 def loggable(metrics: dict) -> dict:
     """What trackers take: numbers as they are; a confusion matrix as a Markdown table (TensorBoard's text panel
     shows it), anything else as JSON text."""
@@ -109,9 +126,24 @@ def loggable(metrics: dict) -> dict:
 
 def headline(metrics: dict) -> str:
     """The metrics a console line shows: the numbers, without per-class ones (`precision/<class>`) or matrices,
-    which go to the trackers and `s4accel eval --json`."""
-    return ", ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in metrics.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool) and "/" not in k)
+    which go to the trackers and `s4accel eval --json`; each more evaluation set's (`news/loss`) after its name:
+    `loss 2.1000, ppl 8.1662 | news: loss 2.5000, ppl 12.1825`."""
+    groups: dict[str, dict] = {"": {}}
+    for key, value in metrics.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        ema, plain = ("ema_", key[4:]) if key.startswith("ema_") else ("", key)
+        where, _, name = plain.rpartition("/")
+        if where and ("/" in where or where in PER_CLASS or name not in metrics):
+            continue  # a per-class score, the main set's or an evaluation set's
+        groups.setdefault(where, {})[ema + name] = value
+    parts = [", ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in group.items())
+             for group in groups.values()]
+    return " | ".join(f"{where}: {part}" if where else part for where, part in zip(groups, parts) if part)
+
+
+PER_CLASS = ("precision", "recall")
+"""Metrics the classifier reports per class, as `precision/<class>` (never an evaluation set's name)."""
 
 
 def evaluation_schedule(every: int | str, plan, state) -> Callable[[], bool]:

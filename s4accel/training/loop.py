@@ -29,7 +29,7 @@ from .devices import context_parallel, graphs
 from .devices.precision import convolution_line
 from .devices.zero import precision
 from .ending import finish
-from .evaluate import evaluate, evaluate_and_report, evaluation_schedule
+from .evaluate import eval_sets_note, evaluate, evaluate_and_report, evaluation_schedule
 from .observe.console import RUN_LOG, processes_line, quiet_libraries
 from .observe.metrics import Meter
 from .observe.profiling import Profile
@@ -109,14 +109,14 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
     # directory; then the run directory (an earlier run moved aside) and everything through accelerator.prepare.
     built = build_in_place(recipe, accelerator, run_files, task)
     context, total = built.context, built.plan.total_steps  # train.max_steps, or what train.max_epochs comes to
-    model, optimizers, train_dl, val_dl = prepare(accelerator, task, built, layout)
+    model, optimizers, train_dl, val_dls = prepare(accelerator, task, built, layout)
     context.optimizers = {o.name: o for o in optimizers}
     del built  # the unprepared objects: the prepared ones above replace them
 
     # 2. The checkpointed state, restored when resuming; what callbacks see of the run.
     state = restore(accelerator, resumed, recipe, optimizers, [*task.stateful(), *callbacks.stateful()])
     signals = StopSignals()
-    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer, val_dl, signals)
+    run = run_context(accelerator, recipe, task, model, optimizers, state, context.data.tokenizer, val_dls, signals)
     with signals, frozen_setup_objects():  # from the trackers on, a SIGTERM is a request the next step answers
         callbacks.on_train_start(run)
         start_logging(accelerator, recipe, state, task, model, context.data, train_dl, layout)
@@ -228,10 +228,10 @@ def requested_resume(recipe: Recipe, resume: str | None) -> tuple[str | None, st
 
 
 def run_context(accelerator, recipe: Recipe, task: Task, model, optimizers: list[TrainOptimizer], state: TrainState,
-                tokenizer, val_dl, signals: StopSignals) -> RunContext:
-    """What callbacks (and the loop's logging) see of the run; `evaluate(model)` runs the validation split (cut
-    short by a stop signal)."""
-    evaluates = partial(evaluate, accelerator, task, val_dl=val_dl, abort=signals.interrupted,
+                tokenizer, val_dls: dict, signals: StopSignals) -> RunContext:
+    """What callbacks (and the loop's logging) see of the run; `evaluate(model)` runs the validation split and the
+    more evaluation sets (`val_dls`, by name; cut short by a stop signal)."""
+    evaluates = partial(evaluate, accelerator, task, loaders=val_dls, abort=signals.interrupted,
                         progress=recipe.log.progress_bar)
     return RunContext(accelerator=accelerator, model=model, optimizer=optimizers[0].optimizer,
                       scheduler=optimizers[0].scheduler, state=state, recipe=recipe, run_dir=recipe.run.dir,
@@ -335,8 +335,8 @@ def start_logging(accelerator, recipe: Recipe, state: TrainState, task: Task, mo
     n_train = "streamed" if streamed and data.n_train is None else f"{data.n_train or len(data.train):,}"
     n_val = data.n_val if data.n_val is not None else len(data.val)
     accelerator.print(f"{recipe.run.name} ({type(task).__name__}): {count_params(model):,} parameters, {n_train} "
-                      f"train / {n_val:,} val {data.unit}, {processes_line(accelerator)}, mixed precision "
-                      f"{precision(accelerator)}")
+                      f"train / {n_val:,} val {data.unit}{eval_sets_note(data)}, {processes_line(accelerator)}, "
+                      f"mixed precision {precision(accelerator)}")
     rows = recipe.data.batch_size if recipe.train.compile else None  # (segments: compiled steps only)
     if line := convolution_line(accelerator.unwrap_model(model), accelerator, rows):
         accelerator.print(line)
@@ -386,7 +386,8 @@ def prepare(accelerator, task: Task, built, layout: context_parallel.Layout):
     data-parallel group after the rest, and the model then told which chunk of each sequence it reads."""
     model, optimizers, (train_dl, val_dl, shard_train) = built.model, built.optimizers, built.loaders
     split = layout.mesh is not None and shard_train
-    objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train and not split else []), val_dl]
+    evals = {"": val_dl, **built.eval_loaders}  # the validation split's, then the more evaluation sets' by name
+    objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train and not split else []), *evals.values()]
     if task.automatic_optimization:
         model, *objs = accelerator.prepare(model, *objs)
     else:
@@ -404,7 +405,7 @@ def prepare(accelerator, task: Task, built, layout: context_parallel.Layout):
     elif shard_train:
         train_dl = objs.pop(0)
     layout.attach(accelerator, model)
-    return model, optimizers, train_dl, objs[0]
+    return model, optimizers, train_dl, dict(zip(evals, objs))
 
 
 def count_params(model) -> int:

@@ -8,7 +8,7 @@ policy, document boundaries, another world size) is added once and every command
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -106,6 +106,8 @@ class Run:
     """Empty when built for evaluation alone."""
     loaders: Loaders
     plan: Plan
+    eval_loaders: dict = field(default_factory=dict)
+    """A loader for each of the task's more evaluation sets (`TaskData.eval_sets`), by name."""
 
 
 def setup_task(recipe: Recipe, accelerator, build_dir: Path | None, task: Task | None = None
@@ -157,7 +159,7 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     dealt_to = accelerator.num_processes // recipe.train.context_parallel
     context.plan = make_plan(recipe, loaders.train, dealt_to, loaders.shard_train)
     built = check_optimizers(task.build_optimizers(net), task) if optimizers else []
-    return Run(task, context, net, built, loaders, context.plan)
+    return Run(task, context, net, built, loaders, context.plan, task.eval_loaders(context.data))
 
 
 def build_model(task: Task, recipe: Recipe):

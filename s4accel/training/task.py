@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import default_collate
 
-from ..data import build_dataloaders
+from ..data import build_dataloaders, eval_loader
 from ..errors import RecipeError, did_you_mean
 from .runs.checkpoint import export_pretrained
 from .imports import import_object
@@ -71,6 +71,9 @@ class TaskData:
     n_train: int | None = None
     """Units in the training split (None: `len(train)`)."""
     n_val: int | None = None
+    eval_sets: dict[str, Any] = field(default_factory=dict)
+    """More evaluation sets by name, map-style like `val` (the built-in tasks: `data.eval_sets`): each is evaluated
+    with `val`, its metrics reported as `<name>/<metric>`."""
 
 
 @dataclass
@@ -142,6 +145,9 @@ class Task:
     metric_names: tuple[str, ...] = ()
     """Names `compute_metrics` returns; when given, recipe keys naming a metric (checkpoint.best_metric,
     train.early_stopping.metric) are checked against them before training starts."""
+    eval_set_names: tuple[str, ...] = ()
+    """Names of the evaluation sets the task adds itself (`TaskData.eval_sets`) besides the recipe's
+    `data.eval_sets`: recipe keys may name their metrics (`<name>/<metric>`)."""
     gathered: tuple[str, ...] = ()
     """`validation_step` values handed to `compute_metrics` whole instead of summed: every sample's, from all
     processes (each once), as one CPU tensor. What a sum cannot give needs them: F1, a confusion matrix, and the
@@ -218,6 +224,13 @@ class Task:
         train, val = build_dataloaders(r.data, data, r.run.seed, r.train.eval_max_batches,
                                        self.accelerator.num_processes, collate=data.collate_fn or default_collate)
         return Loaders(train, val, self.prepare_train_loader)
+
+    def eval_loaders(self, data: TaskData) -> dict:
+        """A loader for each of `data.eval_sets`, by name, read as the validation split is."""
+        r = self.recipe
+        return {name: eval_loader(r.data, ds, r.train.eval_max_batches, self.accelerator.num_processes,
+                                  data.collate_fn or default_collate, f"data.eval_sets.{name}")
+                for name, ds in data.eval_sets.items()}
 
     def training_step(self, model, batch: dict, step: int):
         """Automatic: the loss (a 0-d tensor, mean over `count_items(batch)`), or a model output / dict with `loss`
@@ -372,7 +385,8 @@ def load_task(recipe, **extra) -> Task:
 def check_metric_names(recipe, task: Task, own: tuple[str, ...] = ()) -> None:
     """The one place where the metrics a recipe names (`checkpoint.best_metric`, `train.early_stopping.metric`,
     `sweep.metric`) are checked: against what the task reports (`metric_names`, when it declares them) and the names
-    of the recipe's own metric functions (`own`, for those that return a number), `ema_*` only with `train.ema`."""
+    of the recipe's own metric functions (`own`, for those that return a number), each also as `<set>/<metric>` of
+    `data.eval_sets`, `ema_*` only with `train.ema`."""
     used = {"checkpoint.best_metric": recipe.checkpoint.best_metric} if recipe.checkpoint.keep_best else {}
     if recipe.train.early_stopping is not None:
         used["train.early_stopping.metric"] = recipe.train.early_stopping.metric
@@ -380,10 +394,17 @@ def check_metric_names(recipe, task: Task, own: tuple[str, ...] = ()) -> None:
         used["sweep.metric"] = recipe.sweep.metric
     name = type(task).__name__
     names = [*task.metric_names, *own]
-    allowed = [*names, *(f"ema_{m}" for m in names)]
+    sets = [*recipe.data.eval_sets, *task.eval_set_names]
+    allowed = [*names, *(f"{s}/{m}" for s in sets for m in names)]
+    allowed += [f"ema_{m}" for m in allowed]
     for key, metric in used.items():
+        where, _, plain = metric.removeprefix("ema_").rpartition("/")
+        if task.metric_names and where and where not in sets and plain in names:
+            raise RecipeError(f"{key}: {metric!r} names an evaluation set {where!r} the run does not have; "
+                              f"its sets are {', '.join(sets) or 'none'} (data.eval_sets)")
         if task.metric_names and metric not in allowed:
             raise RecipeError(f"{key}: {name} reports no metric {metric!r}{did_you_mean(metric, allowed)}; it "
-                              f"reports {', '.join(names)}")
+                              f"reports {', '.join(names)}"
+                              + (f" (and `<set>/<metric>` for data.eval_sets {', '.join(sets)})" if sets else ""))
         if metric.startswith("ema_") and recipe.train.ema is None:
             raise RecipeError(f"{key}: {metric!r} needs train.ema (the EMA weights are evaluated only then)")

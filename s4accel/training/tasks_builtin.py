@@ -98,7 +98,7 @@ class CausalLMTask(BuiltinTask):
         # where each document starts, for the model to read it alone (data.packing: isolated)
         self.collate = lm_collate(self.recipe.data, self.data.tokenizer.eos_token_id)
         return TaskData(self.data.train, self.data.val, self.collate, self.data.tokenizer, "tokens",
-                        self.data.n_train_tokens, self.data.n_val_tokens)
+                        self.data.n_train_tokens, self.data.n_val_tokens, self.data.eval_sets)
 
     def build_model(self):
         return build_model(self.recipe, self.data, say=self.accelerator.print)
@@ -185,10 +185,11 @@ class SequenceClassificationTask(BuiltinTask):
             tok_dir = self.tokenizer_dir or (self.build_dir / "tokenizer" if self.build_dir else None)
             self.data = build_labelled_text(cfg, tok_dir)
             return TaskData(self.data.train, self.data.val, collate_labelled_text(self.data.pad_token_id),
-                            self.data.tokenizer, "tokens", self.data.n_train_tokens, self.data.n_val_tokens)
+                            self.data.tokenizer, "tokens", self.data.n_train_tokens, self.data.n_val_tokens,
+                            self.data.eval_sets)
         self.data = build_array_data(cfg)
         return TaskData(self.data.train, self.data.val, collate_arrays, None, "time steps",
-                        self.data.n_train_tokens, self.data.n_val_tokens)
+                        self.data.n_train_tokens, self.data.n_val_tokens, self.data.eval_sets)
 
     def build_model(self):
         return build_model(self.recipe, self.data, say=self.accelerator.print)
