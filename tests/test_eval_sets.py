@@ -266,3 +266,16 @@ def test_a_model_card_reports_each_eval_set_on_its_own_split_or_files(tmp_path):
                        ("local files: news.csv", "news", "news/accuracy"): 0.6}
     assert "| accuracy (test) (`test/accuracy`) | 0.7500 |" in text.replace("Accuracy", "accuracy")
     assert str(tmp_path) not in text
+
+
+def test_a_run_resumes_with_eval_sets_added_or_removed(texts):
+    """Evaluation sets change nothing training computes: a checkpoint's recipe without them (or with others) is the
+    same run."""
+    from s4accel.config import load_recipe
+    from s4accel.training.runs.resume import recipe_diff
+
+    play, other = texts
+    before = load_recipe(TINY, [f"data.files=[{play}]", "data.source=files"]).to_dict()
+    after = load_recipe(TINY, [f"data.files=[{play}]", "data.source=files",
+                               f"data.eval_sets={{other: {{files: [{other}]}}}}"]).to_dict()
+    assert recipe_diff(before, after) == [] and recipe_diff(after, before) == []

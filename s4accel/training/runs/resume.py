@@ -23,7 +23,7 @@ from ..task import TrainOptimizer
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
                   "train.eval_every", "train.eval_max_batches", "train.resume", "task.metrics",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
-                  "train.peak_tflops", "train.max_time",
+                  "train.peak_tflops", "train.max_time", "data.eval_sets",
                   "hub.", "sweep")
 
 
