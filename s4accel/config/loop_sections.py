@@ -86,6 +86,11 @@ class TrainCfg(_Section):
     @classmethod
     def _off_is_no(cls, value):
         return "no" if value is False or value == "off" else value  # `mixed_precision: off` / `false`: none
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    """transformers.Trainer's `label_smoothing_factor`: the built-in tasks' training loss against targets mixed with
+    the uniform distribution, `(1 - e) one-hot + e / classes` (classification, and each next token of a language
+    model). Evaluation reports the plain negative log-likelihood (loss, perplexity, bits per byte), so runs with and
+    without it compare. A task of your own reads it from `self.recipe.train.label_smoothing`."""
     clip_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value (the norm is logged either way)."""
     clip_grad_value: float | None = Field(None, gt=0)

@@ -277,6 +277,13 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
+    def _smoothing_needs_classes(self):
+        if self.train.label_smoothing and self.data.source == "arrays" and self.data.task == "regression":
+            raise ValueError("train.label_smoothing smooths class targets; data.task regression predicts numbers "
+                             "(remove it)")
+        return self
+
+    @model_validator(mode="after")
     def _prompts_need_text(self):
         if self.sample.prompts and not self.data.is_lm:
             raise ValueError("sample.prompts: this data trains a sequence classifier, which does not generate text; "

@@ -35,6 +35,7 @@ TRAINER_NAMES: dict[str, tuple[str, str]] = {
     "bf16": (HF, "train.mixed_precision: bf16"),
     "precision": (PL, "train.mixed_precision: fp16 or bf16"),
     "max_grad_norm": (HF, "train.clip_grad_norm"),
+    "label_smoothing_factor": (HF, "train.label_smoothing"),
     "gradient_clip_val": (PL, "train.clip_grad_norm (train.clip_grad_value to clip by value)"),
     "gradient_clip_algorithm": (PL, "train.clip_grad_norm or train.clip_grad_value"),
     "eval_steps": (HF, "train.eval_every"),

@@ -22,6 +22,7 @@ from ..errors import RecipeError
 from ..models import MoEConfig, S4Config
 from .carried_state import CarriedState
 from .observe.class_scores import classification_scores
+from .label_smoothing import smooth_lm_loss, smoothed_classification_loss
 from .lora import apply_lora, require_peft
 from .pretrained import load_pretrained, locate, pretrained_config
 from .samples import write_samples
@@ -101,7 +102,9 @@ class CausalLMTask(BuiltinTask):
                         self.data.n_train_tokens, self.data.n_val_tokens, self.data.eval_sets)
 
     def build_model(self):
-        return build_model(self.recipe, self.data, say=self.accelerator.print)
+        model = build_model(self.recipe, self.data, say=self.accelerator.print)
+        smooth_lm_loss(model, self.recipe.train.label_smoothing)  # the training loss only: evaluation's is its own
+        return model
 
     def summary_model(self):
         return build_model(self.recipe, None, device="meta")
@@ -198,7 +201,11 @@ class SequenceClassificationTask(BuiltinTask):
         return build_model(self.recipe, None, device="meta")
 
     def training_step(self, model, batch, step):
-        return model(**batch)
+        smoothing = self.recipe.train.label_smoothing
+        if not smoothing:
+            return model(**batch)
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        return smoothed_classification_loss(logits, batch["labels"], smoothing)
 
     def count_units(self, batch):
         if "attention_mask" in batch:  # real tokens, padding aside

@@ -32,9 +32,10 @@ def training_fields(recipe_dict: dict) -> dict:
     return {k: v for k, v in flatten(recipe_dict).items() if not k.startswith(RESUME_NEUTRAL)}
 
 
-INTRODUCED = {"data.shuffle_buffer": 0, "optim.name": "adamw", "optim.kwargs": "{}"}
+INTRODUCED = {"data.shuffle_buffer": 0, "optim.name": "adamw", "optim.kwargs": "{}", "train.label_smoothing": 0.0}
 """Recipe keys added since checkpoints were first written, and the value that means what a recipe without them did:
-an older checkpoint's recipe reads as that value (its stream was not shuffled; its optimizer was AdamW)."""
+an older checkpoint's recipe reads as that value (its stream was not shuffled; its optimizer was AdamW; its targets
+were not smoothed)."""
 
 
 def recipe_diff(old: dict, new: dict) -> list[str]:
