@@ -47,9 +47,11 @@ def test_two_processes_sharing_each_sequence_train_what_one_process_trains(tmp_p
 
 @pytest.mark.slow
 def test_a_classifier_split_over_two_processes_trains_what_one_process_trains(tmp_path, hf_cache):
-    """The digits' bidirectional classifier (pooled over the whole sequence, its loss the same on both processes)."""
+    """The digits' bidirectional classifier (pooled over the whole sequence, its loss, label-smoothed, the same on
+    both processes)."""
     digits = REPO / "recipes" / "digits.yaml"
-    sets = ["model.overrides.dropout=0.0", "train.max_steps=8", "train.eval_every=0", "checkpoint.every_steps=0"]
+    sets = ["model.overrides.dropout=0.0", "train.max_steps=8", "train.eval_every=0", "checkpoint.every_steps=0",
+            "train.label_smoothing=0.2"]
     trained(1, digits, tmp_path / "one", *sets)
     trained(2, digits, tmp_path / "split", "train.context_parallel=2", *sets)
     assert max_diff(final_weights(tmp_path / "one"), final_weights(tmp_path / "split")) < 1e-5
@@ -57,11 +59,12 @@ def test_a_classifier_split_over_two_processes_trains_what_one_process_trains(tm
 
 @pytest.mark.slow
 def test_two_by_two_layout_trains_as_data_parallel_resumes_exactly_and_exports(tmp_path, hf_cache):
-    """4 processes: 2 data-parallel groups of 2 sharing each sequence, with accumulation, clipping and EMA, train what
-    2 data-parallel processes reading whole sequences train; stopped and resumed, the run ends where an
-    uninterrupted one does; another layout is refused on resume; the export generates."""
+    """4 processes: 2 data-parallel groups of 2 sharing each sequence, with accumulation, clipping, EMA and label
+    smoothing (the smoothed loss of each chunk's shifted targets), train what 2 data-parallel processes reading whole
+    sequences train; stopped and resumed, the run ends where an uninterrupted one does; another layout is refused on
+    resume; the export generates."""
     sets = ["train.max_steps=8", "train.grad_accum=2", "train.clip_grad_norm=0.5", "train.ema.decay=0.9",
-            "checkpoint.every_steps=4", "checkpoint.keep_last=2", "train.eval_every=4"]
+            "checkpoint.every_steps=4", "checkpoint.keep_last=2", "train.eval_every=4", "train.label_smoothing=0.1"]
     trained(2, TINY, tmp_path / "ddp", *sets)
     assert "2 data-parallel group(s)" in trained(4, TINY, tmp_path / "whole", "train.context_parallel=2", *sets)
     for name in ("final", "final_ema"):
