@@ -99,6 +99,10 @@ class TrainCfg(_Section):
     """Evaluate every N optimizer steps (0: only at the end), or `epoch`: after each pass over the training data (the
     step whose window finished the pass) and at the end, with `max_epochs` or `max_steps`. Not for a streamed
     source, which has no epochs."""
+    eval_at_start: bool = False
+    """Evaluate the model before the first step too (step 0; transformers.Trainer's `eval_on_start`), reported like
+    any evaluation: where a fine-tuned model's curve starts, and evaluation shown to work before hours of training
+    (with `checkpoint.keep_best`, the starting model may be the best). Not when a run resumes."""
     eval_max_batches: int | None = Field(None, ge=1)
     """Cap on validation batches per evaluation (per process); `null` evaluates the whole validation split."""
     on_nonfinite: Literal["skip", "stop"] = "skip"

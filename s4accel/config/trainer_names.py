@@ -39,6 +39,9 @@ TRAINER_NAMES: dict[str, tuple[str, str]] = {
     "gradient_clip_val": (PL, "train.clip_grad_norm (train.clip_grad_value to clip by value)"),
     "gradient_clip_algorithm": (PL, "train.clip_grad_norm or train.clip_grad_value"),
     "eval_steps": (HF, "train.eval_every"),
+    "eval_on_start": (HF, "train.eval_at_start"),
+    "num_sanity_val_steps": (PL, "train.eval_at_start (a whole evaluation before the first step), or s4accel train "
+                                 "RECIPE --fast-dev-run"),
     "eval_strategy": (HF, "train.eval_every (in optimizer steps)"),
     "evaluation_strategy": (HF, "train.eval_every (in optimizer steps)"),
     "val_check_interval": (PL, "train.eval_every (in optimizer steps)"),

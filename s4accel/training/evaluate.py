@@ -103,6 +103,14 @@ def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict |
     return metrics
 
 
+def eval_at_start(run: RunContext, callbacks: CallbackList, bar) -> dict:
+    """`train.eval_at_start`: a new run's model evaluated before its first step (step 0) and reported as every
+    evaluation is; {} otherwise (and when a stop signal cut it short)."""
+    if not run.recipe.train.eval_at_start or run.state.step > 0:
+        return {}
+    return evaluate_and_report(run, callbacks, bar) or {}
+
+
 def eval_sets_note(data) -> str:
     """The more evaluation sets of a run's data for its first line: ` + 2 eval sets (news 40, test 12 examples)`
     (examples: packed blocks of text, documents, sequences)."""

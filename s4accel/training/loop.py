@@ -29,7 +29,7 @@ from .devices import context_parallel, graphs
 from .devices.precision import convolution_line
 from .devices.zero import precision
 from .ending import finish
-from .evaluate import eval_sets_note, evaluate, evaluate_and_report, evaluation_schedule
+from .evaluate import eval_at_start, eval_sets_note, evaluate, evaluate_and_report, evaluation_schedule
 from .observe.console import RUN_LOG, processes_line, quiet_libraries
 from .observe.metrics import Meter
 from .observe.profiling import Profile
@@ -128,7 +128,8 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                                partial(callbacks.on_epoch_end, run))
         meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
         eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
-        eval_metrics, last_ckpt, stop_reason, preempted = {}, resumed.checkpoint, None, False
+        eval_metrics = eval_at_start(run, callbacks, bar)  # step 0 of a new run, with train.eval_at_start
+        last_ckpt, stop_reason, preempted = resumed.checkpoint, None, False
         t_start = time.perf_counter()
         while state.step < total and stop_reason is None:
             # a. The micro-batch window, clipping, the agreement of every process, the update (step.py).

@@ -21,7 +21,7 @@ from ..task import TrainOptimizer
 
 # Recipe keys that do not change what the model computes or sees: they may differ when a run is resumed.
 RESUME_NEUTRAL = ("run.name", "run.out_dir", "run.overwrite", "log.", "sample.", "checkpoint.", "callbacks",
-                  "train.eval_every", "train.eval_max_batches", "train.resume", "task.metrics",
+                  "train.eval_every", "train.eval_at_start", "train.eval_max_batches", "train.resume", "task.metrics",
                   "data.num_workers", "data.cache_dir", "data.eval_batch_size", "train.activation_checkpointing",
                   "train.peak_tflops", "train.max_time", "data.eval_sets",
                   "hub.", "sweep")
