@@ -124,6 +124,11 @@ class DataCfg(_Where):
     val_split: str | None = None
     """A validation set of its own: this split of the same source (`source: dataset`), e.g. `validation`, `test`.
     LRA sources: `val` (the default) or `test` (the split the papers report)."""
+    max_train_examples: int | None = Field(None, ge=1)
+    """Train on this many examples only (blocks of text, documents, sequences; transformers' example scripts'
+    `max_train_samples`): a random subset drawn with `run.seed`, the same on every process and every resume, for a
+    quick experiment or a learning curve over the data's size. The validation and evaluation sets stay whole. Not
+    with `streaming`."""
     eval_sets: dict[str, EvalSetCfg] = Field(default_factory=dict)
     """More evaluation sets, evaluated with the validation set at every evaluation, each by name: `{news: {files:
     [news.jsonl]}, test: {split: test}}`. Their metrics are `<name>/<metric>` (`news/loss`), logged as
@@ -245,6 +250,9 @@ class DataCfg(_Where):
         if self.source not in TEXT_SOURCES and (self.streaming or self.val_files or self.label_field):
             raise ValueError(f"data.source {self.source!r}: streaming, val_files and label_field are for sources of "
                              f"documents")
+        if self.max_train_examples is not None and self.streaming:
+            raise ValueError("data.max_train_examples draws from a map-style training set; a stream's length is "
+                             "unknown (use train.max_steps to train on less of it)")
         for name, spec in self.eval_sets.items():
             if problem := self._eval_set_problem(name, spec):
                 raise ValueError(f"data.eval_sets.{name}: {problem}")

@@ -239,6 +239,9 @@ class Recipe(_Section):
         if self.train.state.mode != "none" and not self.data.is_lm:
             raise ValueError(f"train.state.mode: {self.train.state.mode!r} carries state along text streams; this "
                              f"data has independent labelled sequences (use mode none)")
+        if self.train.state.mode != "none" and self.data.max_train_examples is not None:
+            raise ValueError(f"data.max_train_examples draws examples at random; train.state.mode "
+                             f"{self.train.state.mode!r} reads the text in order (use mode none, or less text)")
         if self.train.state.mode != "none" and self.data.streaming:
             raise ValueError(f"train.state.mode: {self.train.state.mode!r} lays the training text out in fixed "
                              f"rows; with data.streaming the text is read once, in order (use mode none)")

@@ -40,6 +40,8 @@ TRAINER_NAMES: dict[str, tuple[str, str]] = {
     "gradient_clip_algorithm": (PL, "train.clip_grad_norm or train.clip_grad_value"),
     "eval_steps": (HF, "train.eval_every"),
     "eval_on_start": (HF, "train.eval_at_start"),
+    "max_train_samples": ("transformers' example scripts'", "data.max_train_examples"),
+    "limit_train_batches": (PL, "data.max_train_examples (a number of examples, drawn once with run.seed)"),
     "num_sanity_val_steps": (PL, "train.eval_at_start (a whole evaluation before the first step), or s4accel train "
                                  "RECIPE --fast-dev-run"),
     "eval_strategy": (HF, "train.eval_every (in optimizer steps)"),

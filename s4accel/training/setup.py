@@ -8,13 +8,15 @@ policy, document boundaries, another world size) is added once and every command
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin, broadcast_object_list
+from torch.utils.data import Subset
 
 from ..config import Recipe
 from ..errors import RecipeError, S4AccelError
@@ -25,7 +27,7 @@ from .optim import check_optimizer
 from .plan import Plan, make_plan
 from .devices.precision import apply_fsdp_precision, convolution_line
 from .pretrained import freeze
-from .task import Loaders, Task, TaskContext, TrainOptimizer, as_loaders, load_task
+from .task import Loaders, Task, TaskContext, TaskData, TrainOptimizer, as_loaders, load_task
 from .observe.tracking import build_trackers
 from .devices.fits import check_fits, shards
 from .devices.compiled_loss import compile_loss
@@ -129,7 +131,8 @@ def build_run(recipe: Recipe, accelerator, build_dir: Path | None, *, task: Task
     check_runtime(accelerator, recipe)
     if optimizers:  # the recipe's optimizer and its arguments, before the data is tokenised
         check_optimizer(recipe.optim, accelerator.device.type, accelerator.distributed_type.value)
-    context.data = main_first(accelerator, task.build_data)
+    context.data = fewer_train_examples(main_first(accelerator, task.build_data), recipe.data.max_train_examples,
+                                        recipe.run.seed)
     if model is None:
         if recipe.task.builtin:  # sized from its config before anything is allocated
             from ..data import data_spec
@@ -194,6 +197,18 @@ def check_optimizers(optimizers, task: Task) -> list[TrainOptimizer]:
         raise RecipeError(f"{type(task).__name__}.build_optimizers must return a non-empty list of "
                           f"s4accel.TrainOptimizer with distinct names")
     return optimizers
+
+
+def fewer_train_examples(data: TaskData, keep: int | None, seed: int) -> TaskData:
+    """`data.max_train_examples`: a seeded random subset of the training set (in its own order), its size in units
+    scaled to match; the data as it is without a limit or when it holds no more."""
+    if keep is None or not hasattr(data.train, "__len__") or len(data.train) <= keep:
+        return data
+    n = len(data.train)
+    picked = sorted(np.random.default_rng(seed).permutation(n)[:keep].tolist())
+    train = data.train.select(picked) if hasattr(data.train, "select") else Subset(data.train, picked)
+    units = None if data.n_train is None else round(data.n_train * keep / n)
+    return replace(data, train=train, n_train=units)
 
 
 def main_first(accelerator, build: Callable[[], object]):

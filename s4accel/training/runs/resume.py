@@ -32,10 +32,11 @@ def training_fields(recipe_dict: dict) -> dict:
     return {k: v for k, v in flatten(recipe_dict).items() if not k.startswith(RESUME_NEUTRAL)}
 
 
-INTRODUCED = {"data.shuffle_buffer": 0, "optim.name": "adamw", "optim.kwargs": "{}", "train.label_smoothing": 0.0}
+INTRODUCED = {"data.shuffle_buffer": 0, "optim.name": "adamw", "optim.kwargs": "{}", "train.label_smoothing": 0.0,
+              "data.max_train_examples": None}
 """Recipe keys added since checkpoints were first written, and the value that means what a recipe without them did:
 an older checkpoint's recipe reads as that value (its stream was not shuffled; its optimizer was AdamW; its targets
-were not smoothed)."""
+were not smoothed; it trained on all its examples)."""
 
 
 def recipe_diff(old: dict, new: dict) -> list[str]:
