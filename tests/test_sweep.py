@@ -240,3 +240,42 @@ def test_a_grid_value_whose_trial_stopped_before_its_first_checkpoint_is_tried_a
     lines = []
     sweeps.run_sweep(TINY, items, echo=lines.append)
     assert [line.split(" -> ")[0] for line in lines if " -> " in line] == ["trial 2: optim.lr=0.003"]
+
+
+SLOW_ASK = """
+import sys, time
+import optuna
+from s4accel.cli import main
+
+ask = optuna.study.Study.ask
+
+
+def slow_ask(self, *args, **kwargs):  # a wide window between reading the study and taking a trial
+    time.sleep(4)
+    return ask(self, *args, **kwargs)
+
+
+optuna.study.Study.ask = slow_ask
+sys.argv[0] = "s4accel"
+main()
+"""
+
+
+@pytest.mark.slow
+def test_two_sweeps_sharing_a_study_take_its_last_trial_once(tmp_path):
+    """Two sweep commands started together on one study of 1 trial, each slow between reading the study and taking
+    its trial: one takes it, the other finds the study done (without the study's lock both took one, 2 trials)."""
+    script = tmp_path / "slow_ask.py"
+    script.write_text(SLOW_ASK)
+    items = sets(f"run.out_dir={tmp_path / 'run'}", "sweep={trials: 1, params: {optim.lr: [3.0e-3]}, prune: null}",
+                 "train.max_steps=2", "log.progress_bar=false")
+    procs = [subprocess.Popen([sys.executable, str(script), "sweep", str(TINY), *items], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    import optuna
+
+    study = optuna.load_study(study_name="s4-tiny-debug",
+                              storage=f"sqlite:///{tmp_path / 'run-sweep' / 'study.db'}")
+    assert len(study.trials) == 1, [out for out, _ in outs]
+    assert sum("trial 0: optim.lr=0.003 -> loss" in out for out, _ in outs) == 1

@@ -13,6 +13,8 @@ Hand-written around Optuna's ask-and-tell interface because each trial is a proc
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import shlex
@@ -94,9 +96,6 @@ def run_sweep(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = 
 
 
 def _run_sweep(recipe_path: Path, overrides: list[str], launch_config: str | None, echo) -> list[Outcome]:
-    import optuna
-    from optuna.trial import TrialState
-
     recipe = load_recipe(recipe_path, overrides)
     cfg = check_sweep(recipe_path, overrides, recipe)
     home = sweep_dir(recipe)
@@ -106,28 +105,12 @@ def _run_sweep(recipe_path: Path, overrides: list[str], launch_config: str | Non
     total = min(cfg.trials, len(grid)) if grid else cfg.trials
     outcomes = []
     while True:
-        optuna.storages.fail_stale_trials(study)  # a trial whose sweep died: failed, then continued below
-        trials = study.get_trials(deepcopy=False)
-        continued = {t.user_attrs.get("continues") for t in trials}
-        resumable = [t for t in trials if t.state == TrialState.FAIL and "error" not in t.user_attrs
-                     and t.number not in continued and has_checkpoint(t.user_attrs.get("run_dir"))]
-        # a trial stopped and resumed is counted once, as its continuation; one stopped before its first checkpoint
-        # is not counted (another takes its place)
-        counted = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-                   or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
-        if resumable:
-            old = resumable[0]
-            study.enqueue_trial(old.params, user_attrs={"continues": old.number, "run_dir": old.user_attrs["run_dir"]})
-        elif len(counted) >= total:
-            break
-        elif cfg.sampler == "grid":  # the next combination no counted trial has, in the order written
-            todo = [p for p in grid if p not in [t.params for t in counted]]
-            if not todo:
+        with study_lock(home):  # another sweep sharing the study takes its trial, values set, before or after
+            trial = take_trial(study, cfg, grid, total)
+            if trial is None:
                 break
-            study.enqueue_trial(todo[0])
-        trial = study.ask()
-        study.sampler = sampler_for(cfg, recipe, trial.number)  # Optuna samples at suggest_*, with study.sampler
-        values = {key: suggest(trial, key, space) for key, space in cfg.params.items()}
+            study.sampler = sampler_for(cfg, recipe, trial.number)  # Optuna samples at suggest_*, with study.sampler
+            values = {key: suggest(trial, key, space) for key, space in cfg.params.items()}
         run_dir = Path(trial.user_attrs.get("run_dir", home / f"trial_{trial.number:04d}"))
         trial.set_user_attr("run_dir", str(run_dir))
         command = trial_command(recipe_path, overrides, values, run_dir, recipe, storage.url, trial, cfg,
@@ -143,6 +126,48 @@ def _run_sweep(recipe_path: Path, overrides: list[str], launch_config: str | Non
             raise KeyboardInterrupt
     echo(best_line(study, cfg, recipe_path, overrides, home))
     return outcomes
+
+
+def take_trial(study, cfg: SweepCfg, grid: list[dict], total: int):
+    """The study's next trial for this sweep command (asked, so RUNNING for every other command), or None when the
+    study has its `total`: a stopped trial with a checkpoint is continued first, then the next grid combination no
+    counted trial has (in the order written), or the sampler's next values."""
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.storages.fail_stale_trials(study)  # a trial whose sweep died: failed, then continued below
+    trials = study.get_trials(deepcopy=False)
+    continued = {t.user_attrs.get("continues") for t in trials}
+    resumable = [t for t in trials if t.state == TrialState.FAIL and "error" not in t.user_attrs
+                 and t.number not in continued and has_checkpoint(t.user_attrs.get("run_dir"))]
+    # a trial stopped and resumed is counted once, as its continuation; one stopped before its first checkpoint is
+    # not counted (another takes its place)
+    counted = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+               or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
+    if resumable:
+        old = resumable[0]
+        study.enqueue_trial(old.params, user_attrs={"continues": old.number, "run_dir": old.user_attrs["run_dir"]})
+    elif len(counted) >= total:
+        return None
+    elif cfg.sampler == "grid":
+        todo = [p for p in grid if p not in [t.params for t in counted]]
+        if not todo:
+            return None
+        study.enqueue_trial(todo[0])
+    return study.ask()
+
+
+@contextlib.contextmanager
+def study_lock(home: Path):
+    """Held while a sweep command reads the study and takes its next trial, so that two commands sharing the study
+    (one per GPU) never both take the last of `sweep.trials`, one grid combination, or one stopped trial to continue:
+    an advisory lock (`flock`) on `study.lock` beside the study, as the SQLite file is, on one machine's disk."""
+    with open(home / "study.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def open_study(home: Path, recipe: Recipe, cfg: SweepCfg):
