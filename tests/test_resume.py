@@ -220,3 +220,15 @@ def test_resume_is_bit_exact_on_each_s4_convolution_path(path, text, tmp_path):
     assert resumed.steps == 12
     assert_same_weights(reference, out)
     assert_same_weights(reference, out, "final_ema")
+
+
+def test_a_run_stopped_during_an_evaluation_mid_run_does_it_first_when_resumed(reference, text, tmp_path):
+    """The signal after step 8 cuts that step's evaluation short; the checkpoint at step 8 says so, and the resumed
+    run evaluates before step 9: the same evaluations, EMA ones included, as the uninterrupted run, and its weights."""
+    out = tmp_path / "run"
+    cut = train_in_process(TINY, short_epochs(text, out, callback_override("testing_callbacks:SignalAt", step=8)))
+    evals = lambda d: [(r["step"], r["eval/loss"], r["eval_ema/loss"]) for r in read_metrics(d) if "eval/loss" in r]
+    assert cut.preempted and cut.steps == 8 and evals(out) == []
+    resumed = train_in_process(TINY, short_epochs(text, out), resume="latest")
+    assert resumed.steps == STEPS and evals(out) == evals(reference)
+    assert_same_weights(reference, out)

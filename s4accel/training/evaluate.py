@@ -89,10 +89,13 @@ def evaluate(accelerator, task: Task, model, loaders, abort=lambda: False, progr
 
 
 def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict | None:
-    """Evaluate the model, let callbacks add to and act on the metrics (EMA, keep-best, early stopping), log them."""
+    """Evaluate the model, let callbacks add to and act on the metrics (EMA, keep-best, early stopping), log them.
+    One a stop signal cuts short is None, and marked in the state for the resumed run to do again."""
+    run.state.eval_cut_at = run.state.step
     metrics = run.evaluate(run.model)
     if metrics is None:  # interrupted by a stop signal
         return None
+    run.state.eval_cut_at = None
     callbacks.on_eval_end(run, metrics)
     ck = run.recipe.checkpoint
     if ck.best_metric in metrics and improved(metrics[ck.best_metric], run.state.best_metric, ck.best_mode):
@@ -104,9 +107,11 @@ def evaluate_and_report(run: RunContext, callbacks: CallbackList, bar) -> dict |
 
 
 def eval_at_start(run: RunContext, callbacks: CallbackList, bar) -> dict:
-    """`train.eval_at_start`: a new run's model evaluated before its first step (step 0) and reported as every
-    evaluation is; {} otherwise (and when a stop signal cut it short)."""
-    if not run.recipe.train.eval_at_start or run.state.step > 0:
+    """The evaluation before the loop's first step: with `train.eval_at_start`, a new run's model (step 0); in a
+    resumed run, the evaluation a stop signal cut short at the step it resumes from (keep-best, early stopping and
+    the logs then see what the uninterrupted run saw). {} when there is none (or a stop signal cut it short)."""
+    due = run.state.step == 0 and run.recipe.train.eval_at_start
+    if not (due or run.state.eval_cut_at == run.state.step):
         return {}
     return evaluate_and_report(run, callbacks, bar) or {}
 

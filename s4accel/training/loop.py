@@ -128,7 +128,7 @@ def _train(recipe: Recipe, task, resume: str | None, force: bool) -> TrainResult
                                partial(callbacks.on_epoch_end, run))
         meter, bar = Meter(accelerator, state, recipe, model), progress_bar(accelerator, recipe, total, state.step)
         eval_due = evaluation_schedule(recipe.train.eval_every, context.plan, state)  # every N steps, or each epoch
-        eval_metrics = eval_at_start(run, callbacks, bar)  # step 0 of a new run, with train.eval_at_start
+        eval_metrics = eval_at_start(run, callbacks, bar)  # train.eval_at_start, or one a stop cut short
         last_ckpt, stop_reason, preempted = resumed.checkpoint, None, False
         t_start = time.perf_counter()
         while state.step < total and stop_reason is None:

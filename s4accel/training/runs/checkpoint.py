@@ -61,6 +61,9 @@ class TrainState:
     """fp16 steps the GradScaler skipped (overflow); they do not advance the learning-rate schedule."""
     train_seconds: float = 0.0
     """Wall time of the training loop so far, resumes included (what `train.max_time` counts)."""
+    eval_cut_at: int | None = None
+    """The step whose evaluation a stop signal cut short (None once an evaluation completes): a run resumed at that
+    step evaluates before its next one, as the uninterrupted run did."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Stays the same across resumes: the identity of the run for trackers."""
     recipe_hash: str = ""
