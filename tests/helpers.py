@@ -107,6 +107,19 @@ def recipe_accelerator(overrides, recipe_path=TINY):
     return make_accelerator(load_recipe(recipe_path, overrides), trackers=False)
 
 
+def recipe_error(overrides, recipe_path=TINY) -> str:
+    """The line `load_recipe` refuses the recipe (with `overrides`) with, checked to be one line."""
+    from s4accel.config import load_recipe
+    from s4accel.errors import RecipeError
+
+    try:
+        load_recipe(recipe_path, overrides)
+    except RecipeError as e:
+        assert "\n" not in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"the recipe was accepted with {overrides}")
+
+
 def final_weights(run_dir, name="final"):
     from safetensors.torch import load_file
 
