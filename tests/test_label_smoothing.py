@@ -46,6 +46,7 @@ def built(overrides, recipe=TINY):
     from s4accel.training.setup import build_run
 
     accelerator = recipe_accelerator(overrides, recipe)
+    torch.manual_seed(0)  # the same initial model every time: its loss is 0.004 from the unsmoothed one
     run = build_run(load_recipe(recipe, overrides), accelerator, None, optimizers=False)
     return run, next(iter(run.loaders.train))
 

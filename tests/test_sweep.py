@@ -263,8 +263,9 @@ main()
 
 @pytest.mark.slow
 def test_two_sweeps_sharing_a_study_take_its_last_trial_once(tmp_path):
-    """Two sweep commands started together on one study of 1 trial, each slow between reading the study and taking
-    its trial: one takes it, the other finds the study done (without the study's lock both took one, 2 trials)."""
+    """Two sweep commands started together on a new study of 1 trial, each slow between reading the study and taking
+    its trial: both open the study (its tables created once: two at once collided now and then), one takes the
+    trial, the other finds the study done (without the study's lock both took one, 2 trials)."""
     script = tmp_path / "slow_ask.py"
     script.write_text(SLOW_ASK)
     items = sets(f"run.out_dir={tmp_path / 'run'}", "sweep={trials: 1, params: {optim.lr: [3.0e-3]}, prune: null}",
@@ -279,3 +280,32 @@ def test_two_sweeps_sharing_a_study_take_its_last_trial_once(tmp_path):
                               storage=f"sqlite:///{tmp_path / 'run-sweep' / 'study.db'}")
     assert len(study.trials) == 1, [out for out, _ in outs]
     assert sum("trial 0: optim.lr=0.003 -> loss" in out for out, _ in outs) == 1
+
+
+def _open_at_once(home, barrier, results):
+    recipe = load_recipe(TINY, [f"run.out_dir={home}/run", "sweep={trials: 1, params: {optim.lr: [0.001]}}"])
+    barrier.wait()
+    try:
+        sweeps.open_study(home, recipe, recipe.sweep)
+        results.put("opened")
+    except Exception as e:  # what a sweep started at the same moment as another met: the schema created twice
+        results.put(f"{type(e).__name__}: {str(e)[:200]}")
+
+
+@pytest.mark.slow
+def test_sweeps_started_at_the_same_moment_on_a_new_study_all_open_it(tmp_path):
+    """Four processes open a new study at once, twice over (the loop a user writes to start one sweep per GPU):
+    every one opens it (without the lock, about half met an IntegrityError creating its tables)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    for attempt in range(2):
+        home = tmp_path / f"s{attempt}"
+        home.mkdir()
+        barrier, results = context.Barrier(4), context.Queue()
+        procs = [context.Process(target=_open_at_once, args=(home, barrier, results)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [results.get(timeout=5) for _ in procs] == ["opened"] * 4

@@ -159,9 +159,10 @@ def take_trial(study, cfg: SweepCfg, grid: list[dict], total: int):
 
 @contextlib.contextmanager
 def study_lock(home: Path):
-    """Held while a sweep command reads the study and takes its next trial, so that two commands sharing the study
-    (one per GPU) never both take the last of `sweep.trials`, one grid combination, or one stopped trial to continue:
-    an advisory lock (`flock`) on `study.lock` beside the study, as the SQLite file is, on one machine's disk."""
+    """Held while a sweep command opens the study (creating its tables: two at once collide) and while it reads the
+    study and takes its next trial, so that two commands sharing the study (one per GPU) never both take the last of
+    `sweep.trials`, one grid combination, or one stopped trial to continue: an advisory lock (`flock`) on
+    `study.lock` beside the study, as the SQLite file is, on one machine's disk."""
     with open(home / "study.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -171,18 +172,20 @@ def study_lock(home: Path):
 
 
 def open_study(home: Path, recipe: Recipe, cfg: SweepCfg):
-    """The study in `home/study.db`, created or continued."""
+    """The study in `home/study.db`, created or continued: under the study's lock, since of several sweeps started
+    at once on a new study, two creating its tables collide (an IntegrityError from the schema's migration)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(f"sqlite:///{home / 'study.db'}", heartbeat_interval=HEARTBEAT_S,
-                                         grace_period=3 * HEARTBEAT_S)
     sampler = sampler_for(cfg, recipe, 0)
     pruner = pruner_for(cfg.prune.model_dump() if cfg.prune else None)
     direction = "minimize" if cfg.mode == "min" else "maximize"
     try:
-        study = optuna.create_study(study_name=recipe.run.name, storage=storage, sampler=sampler, pruner=pruner,
-                                    direction=direction, load_if_exists=True)
+        with study_lock(home):
+            storage = optuna.storages.RDBStorage(f"sqlite:///{home / 'study.db'}", heartbeat_interval=HEARTBEAT_S,
+                                                 grace_period=3 * HEARTBEAT_S)
+            study = optuna.create_study(study_name=recipe.run.name, storage=storage, sampler=sampler,
+                                        pruner=pruner, direction=direction, load_if_exists=True)
     except ValueError as e:  # an existing study of the other direction
         raise RecipeError(f"sweep.mode: {home / 'study.db'} holds a study that does not {direction} "
                           f"({e}); give this sweep another run.name or run.out_dir") from None
