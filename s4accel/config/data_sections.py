@@ -79,6 +79,8 @@ class SourceCfg(_Where):
         return self.files[0] if self.source == "files" else "shakespeare"
 
 
+PER_CLASS_METRICS = ("precision", "recall")
+"""What a classifier reports per class, as `precision/<class>`: never an evaluation set's name."""
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 """An evaluation set's name: its metrics are reported as `<name>/<metric>` (no `/` inside it)."""
 
@@ -263,7 +265,7 @@ class DataCfg(_Where):
         if not EVAL_SET_NAME.fullmatch(name):
             return ("a set's name is letters, digits, `_`, `.` or `-` (its metrics are `<name>/<metric>`), starting "
                     "with a letter or digit")
-        if name.startswith("ema_") or name in ("precision", "recall"):
+        if name.startswith("ema_") or name in PER_CLASS_METRICS:
             return (f"the name {name!r} would read as another metric's (`ema_*` are the EMA weights', "
                     f"`precision/<class>` and `recall/<class>` a classifier's); pick another")
         if spec.split is not None:

@@ -73,7 +73,7 @@ def evaluate_model(ref: str | Path, recipe: Recipe, which: str = "final", data: 
     accelerator = make_accelerator(recipe, trackers=False)  # the precision the run evaluated in
     with tempfile.TemporaryDirectory(prefix="s4accel-eval-") as tmp:
         run = build_run(recipe, accelerator, Path(tmp), task=task, model=trained, optimizers=False)
-    evals = {"": run.loaders.val, **run.eval_loaders}  # the evaluation split, then data.eval_sets by name
+    evals = run.evaluation_loaders()  # the evaluation split, then data.eval_sets by name
     model, *loaders = accelerator.prepare(run.model, *evals.values())
     del run
     metrics = evaluate(accelerator, task, model, dict(zip(evals, loaders)), progress=True)

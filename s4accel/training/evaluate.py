@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from ..config.data_sections import PER_CLASS_METRICS
 from .callbacks import CallbackList, RunContext, improved
 from .observe.class_scores import confusion_text
 from .devices.context_parallel import whole_sequences
@@ -147,16 +148,12 @@ def headline(metrics: dict) -> str:
             continue
         ema, plain = ("ema_", key[4:]) if key.startswith("ema_") else ("", key)
         where, _, name = plain.rpartition("/")
-        if where and ("/" in where or where in PER_CLASS or name not in metrics):
+        if where and ("/" in where or where in PER_CLASS_METRICS or name not in metrics):
             continue  # a per-class score, the main set's or an evaluation set's
         groups.setdefault(where, {})[ema + name] = value
     parts = [", ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in group.items())
              for group in groups.values()]
     return " | ".join(f"{where}: {part}" if where else part for where, part in zip(groups, parts) if part)
-
-
-PER_CLASS = ("precision", "recall")
-"""Metrics the classifier reports per class, as `precision/<class>` (never an evaluation set's name)."""
 
 
 def evaluation_schedule(every: int | str, plan, state) -> Callable[[], bool]:

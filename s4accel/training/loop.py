@@ -385,9 +385,9 @@ def prepare(accelerator, task: Task, built, layout: context_parallel.Layout):
     interleave them, so a carried state would continue another row's text), under manual optimisation the DDP
     wrapper (`Task.step` averages gradients itself), and under context parallelism the training loader, dealt per
     data-parallel group after the rest, and the model then told which chunk of each sequence it reads."""
-    model, optimizers, (train_dl, val_dl, shard_train) = built.model, built.optimizers, built.loaders
+    model, optimizers, (train_dl, _, shard_train) = built.model, built.optimizers, built.loaders
     split = layout.mesh is not None and shard_train
-    evals = {"": val_dl, **built.eval_loaders}  # the validation split's, then the more evaluation sets' by name
+    evals = built.evaluation_loaders()  # the validation split's, then the more evaluation sets' by name
     objs = [*(o.optimizer for o in optimizers), *([train_dl] if shard_train and not split else []), *evals.values()]
     if task.automatic_optimization:
         model, *objs = accelerator.prepare(model, *objs)

@@ -111,6 +111,10 @@ class Run:
     eval_loaders: dict = field(default_factory=dict)
     """A loader for each of the task's more evaluation sets (`TaskData.eval_sets`), by name."""
 
+    def evaluation_loaders(self) -> dict:
+        """What an evaluation reads, by name: `""` the validation split, then each more evaluation set."""
+        return {"": self.loaders.val, **self.eval_loaders}
+
 
 def setup_task(recipe: Recipe, accelerator, build_dir: Path | None, task: Task | None = None
                ) -> tuple[Task, TaskContext]:
